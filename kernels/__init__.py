@@ -1,0 +1,17 @@
+"""SageBwd attention kernels and their pure-PyTorch reference (imported as ``sage_lightning.kernels``).
+
+Nothing in here knows about Lightning.
+"""
+
+from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention
+from .precision import FORMATS, MODES, PRODUCTS, AttentionPrecision
+
+__all__ = [
+    "FORMATS",
+    "MODES",
+    "PRODUCTS",
+    "SUPPORTED_DTYPES",
+    "AttentionPrecision",
+    "check_inputs",
+    "sage_attention",
+]

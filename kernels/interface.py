@@ -1,0 +1,167 @@
+"""``sage_attention``: SDPA's layout and meaning, SageBwd numerics; checks arguments and picks the path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .precision import AttentionPrecision
+from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
+
+#: Input dtypes ``sage_attention`` takes. float32 is computed as it is (not cast): the INT8 products are
+#: the same, and the products set to ``"bf16"`` run with float32 operands.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(argument: str, received: str, works: str) -> ValueError:
+    return ValueError(f"sage_attention: {argument} {works}; received {received}.")
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: object = False,
+    scale: object = None,
+    precision: object = None,
+    stats: object = None,
+) -> None:
+    """Refuse what :func:`sage_attention` cannot serve, naming the argument, the value and what works.
+
+    Args:
+        q, k, v, is_causal, scale, precision, stats: as :func:`sage_attention`.
+
+    Raises:
+        TypeError: a tensor argument that is not a tensor, or ``precision`` of the wrong type.
+        ValueError: a shape, dtype, device or value that does not work.
+
+    Example::
+
+        check_inputs(q, k, v, is_causal=True)   # returns None when the call can be served
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"sage_attention: {name} must be a torch.Tensor; received {type(t).__name__}.")
+        if t.dim() != 4:
+            raise _fail(
+                name,
+                f"shape {tuple(t.shape)}",
+                "must be 4-D, [batch, heads, seq, head_dim] as torch.nn.functional."
+                "scaled_dot_product_attention takes it (reshape or unsqueeze a batch dim)",
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+            raise _fail(name, f"dtype {t.dtype}", f"must be one of {names}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise _fail("q, k, v", f"dtypes {q.dtype}, {k.dtype}, {v.dtype}", "must share one dtype")
+    if not (q.device == k.device == v.device):
+        raise _fail("q, k, v", f"devices {q.device}, {k.device}, {v.device}", "must be on one device")
+    if k.shape != v.shape:
+        raise _fail(
+            "k, v",
+            f"shapes {tuple(k.shape)} and {tuple(v.shape)}",
+            "must have the same shape [batch, kv_heads, seq_k, head_dim] (a value head dim different "
+            "from the query's is not supported)",
+        )
+    batch, q_heads, seq_q, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise _fail("k", f"batch {k.shape[0]} with q's batch {batch}", "must have the batch size of q")
+    if k.shape[3] != head_dim:
+        raise _fail("k", f"head_dim {k.shape[3]} with q's head_dim {head_dim}", "must have q's head_dim")
+    kv_heads = k.shape[1]
+    if kv_heads == 0 or q_heads % kv_heads != 0:
+        raise _fail(
+            "q, k",
+            f"{q_heads} query heads and {kv_heads} kv heads",
+            "need a number of query heads divisible by the number of kv heads (MHA, GQA or MQA)",
+        )
+    if k.shape[2] == 0:
+        raise _fail("k", "seq_k=0", "needs at least one key (softmax over no keys is undefined)")
+    if not 1 <= head_dim <= MAX_EXACT_CONTRACTION:
+        raise _fail("q", f"head_dim={head_dim}", f"must have a head_dim from 1 to {MAX_EXACT_CONTRACTION}")
+    if not isinstance(is_causal, bool):
+        raise _fail("is_causal", repr(is_causal), "must be True or False")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise _fail("scale", repr(scale), "must be a positive float, or None for 1/sqrt(head_dim)")
+    if precision is not None and not isinstance(precision, AttentionPrecision):
+        raise TypeError(
+            "sage_attention: precision must be a sage_lightning.kernels.AttentionPrecision or None; "
+            f"received {type(precision).__name__}."
+        )
+    if stats is not None:
+        if not isinstance(stats, torch.Tensor):
+            raise TypeError(f"sage_attention: stats must be a torch.Tensor or None; received {type(stats).__name__}.")
+        if stats.dtype != torch.float32 or stats.shape != (2,) or stats.device != q.device:
+            raise _fail(
+                "stats",
+                f"{stats.dtype} tensor of shape {tuple(stats.shape)} on {stats.device}",
+                f"must be a float32 tensor of shape (2,) on q's device ({q.device})",
+            )
+    if seq_q == 0 and q.requires_grad:
+        raise _fail("q", "seq=0 with requires_grad", "needs at least one query when gradients are asked for")
+
+
+def sage_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    precision: AttentionPrecision | None = None,
+    stats: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention with SageBwd numerics, a drop-in for ``scaled_dot_product_attention`` without a mask.
+
+    Layout and meaning are SDPA's: ``q`` ``[B, Hq, N, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, grouped-query
+    attention when ``Hq`` is a multiple of ``Hkv`` (SDPA's ``enable_gqa=True``), ``is_causal`` the
+    top-left aligned lower triangle (also when ``N != Nk``), any ``N`` and ``Nk``. Differentiable in
+    ``q``, ``k`` and ``v``. This version runs the pure-PyTorch reference on every device; the Triton
+    kernels take CUDA tensors once they land. ``attn_mask`` and dropout are not taken: route such calls
+    to SDPA (the Lightning mixin does that per call).
+
+    Args:
+        q: queries, bf16, fp16 or fp32 (fp32 is computed as it is, not cast).
+        k: keys, same dtype and device as ``q``.
+        v: values, same shape as ``k``.
+        is_causal: causal mask as SDPA's ``is_causal``.
+        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+        precision: how the products run; ``AttentionPrecision()`` (SageBwd defaults) when ``None``.
+            ``mode="full"`` calls SDPA itself.
+        stats: optional float32 tensor of shape ``(2,)`` on ``q``'s device; each backward adds the sum of
+            squared INT8 quantization error of dS and the sum of dS squared into it (measured whatever
+            ``ds`` runs in; left alone in ``"full"`` mode).
+            ``ds_rel_err = sqrt(stats[0] / stats[1])``.
+
+    Returns:
+        The attention output ``[B, Hq, N, D]`` in the input dtype.
+
+    Raises:
+        TypeError, ValueError: an argument it cannot serve; the message names it, the value received
+            and what works.
+
+    Example::
+
+        import torch
+        from sage_lightning.kernels import AttentionPrecision, sage_attention
+
+        q = torch.randn(2, 8, 300, 64, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, 2, 300, 64, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, 2, 300, 64, dtype=torch.bfloat16, requires_grad=True)
+        stats = torch.zeros(2)
+        out = sage_attention(q, k, v, is_causal=True, stats=stats)
+        out.float().square().mean().backward()
+        print("dS relative error", (stats[0] / stats[1]).sqrt().item())
+    """
+    check_inputs(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
+    precision = AttentionPrecision() if precision is None else precision
+    if precision.mode == "full":
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    if q.shape[2] == 0:
+        return q.new_empty(q.shape)
+    out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
+    return out

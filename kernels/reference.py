@@ -1,0 +1,590 @@
+"""SageBwd in plain PyTorch: the oracle for the Triton kernels and the path every CPU caller takes.
+
+The numerics follow the design tile by tile (``BLOCK_M`` queries x ``BLOCK_N`` keys):
+
+* K-smoothing ``K' = K - mean_tokens(K)``; Q-smoothing ``Q' = Q - mean_block(Q)`` with the dropped term
+  ``tau * qbar . deq(K'^)`` added back to S in the compute dtype;
+* INT8 ``psi``: per block of ``BLOCK_M`` rows for Q' and dO, per block of ``BLOCK_N`` rows for K' and V,
+  per row of the tile for the forward's P, per tile for the backward's P and dS;
+* an online softmax over key tiles in the forward, O and the row logsumexp out;
+* a backward that recomputes S from exactly the saved Q'^, K'^ (matching recomputation), with INT8
+  ``dV``, high-precision ``dP``, INT8 or high-precision ``dQ``/``dK`` and the smoothing corrections.
+
+Quantized values are kept as integer-valued floats in the compute dtype (fp32, or fp64 for fp64
+inputs), so a NaN or an infinity stays non-finite instead of turning into an int8 code. Integer
+products are exact: every partial sum of a product of int8 codes is an integer of magnitude at most
+``K * 127**2`` for a contraction of length ``K``, and fp32 represents every integer up to ``2**24``
+exactly, so products over ``K <= MAX_EXACT_CONTRACTION`` (1040) are exact whatever the summation order.
+The contractions are the head dim (``QK^T``, ``dO V^T``) and the tile sides (``PV``, ``dV``, ``dQ``,
+``dK``); all are checked against that bound. (An int32 accumulator, as in the GPU kernels, allows
+``K <= 133143``.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .precision import AttentionPrecision
+
+INT8_MAX = 127.0
+#: Longest contraction whose int8 x int8 products sum exactly in fp32: floor(2**24 / 127**2).
+MAX_EXACT_CONTRACTION = (1 << 24) // (127 * 127)
+#: Longest contraction whose int8 x int8 products sum exactly in int32: floor((2**31 - 1) / 127**2).
+MAX_EXACT_CONTRACTION_INT32 = ((1 << 31) - 1) // (127 * 127)
+#: Query tile (and the quantization block of Q' and dO).
+DEFAULT_BLOCK_M = 128
+#: Key tile (and the quantization block of K' and V; the forward's P is quantized per row of it).
+DEFAULT_BLOCK_N = 64
+
+__all__ = [
+    "DEFAULT_BLOCK_M",
+    "DEFAULT_BLOCK_N",
+    "INT8_MAX",
+    "MAX_EXACT_CONTRACTION",
+    "MAX_EXACT_CONTRACTION_INT32",
+    "exact_attention",
+    "quantize_int8",
+    "sage_attention_intermediates",
+    "sage_attention_reference",
+]
+
+
+def quantize_int8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 quantization ``psi`` with one scale per block (the block spans ``dims``).
+
+    ``s = max|X| / 127`` (``s = 1`` for an all-zero block) and ``X^ = round(X / s)`` with round half to
+    even, clamped to [-127, 127]. A NaN or infinity in a block makes its scale and codes non-finite.
+
+    Args:
+        x: the tensor to quantize (fp32 or fp64).
+        dims: the dimensions one scale covers.
+
+    Returns:
+        ``(codes, scale)``: the integer codes as floats of ``x``'s dtype, and the scales with ``dims`` kept
+        as size-1 dimensions, so ``codes * scale`` dequantizes.
+
+    Example::
+
+        codes, scale = quantize_int8(torch.randn(4, 64), dims=(-1,))   # per-row scales
+    """
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / INT8_MAX)
+    return torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX), scale
+
+
+def _operand(
+    x: torch.Tensor, fmt: str, dims: tuple[int, ...], io_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product operand in ``fmt``: INT8 codes and scales, or ``x`` rounded to the input dtype (scale 1)."""
+    if fmt == "int8":
+        return quantize_int8(x, dims)
+    shape = [1 if (d % x.dim()) in {dd % x.dim() for dd in dims} else s for d, s in enumerate(x.shape)]
+    return x.to(io_dtype).to(x.dtype), x.new_ones(shape)
+
+
+@dataclass
+class _Geometry:
+    """Shapes and constants of one call; rows are ``G`` query heads x padded queries per kv head."""
+
+    batch: int
+    kv_heads: int
+    group: int  # query heads per kv head
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    block_m: int
+    block_n: int
+    causal: bool
+    scale: float
+    io_dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    @property
+    def padded_q(self) -> int:
+        return -(-self.seq_q // self.block_m) * self.block_m
+
+    @property
+    def padded_k(self) -> int:
+        return -(-self.seq_k // self.block_n) * self.block_n
+
+    @property
+    def rows(self) -> int:
+        return self.group * self.padded_q
+
+    @property
+    def row_blocks(self) -> int:
+        return self.rows // self.block_m
+
+    @property
+    def key_tiles(self) -> int:
+        return self.padded_k // self.block_n
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, N, *]`` -> ``[B, Hkv, G * padded_N, *]`` in the compute dtype, zero-padded."""
+        x = x.to(self.compute_dtype)
+        pad = self.padded_q - self.seq_q
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
+        return x.reshape(self.batch, self.kv_heads, self.rows, *x.shape[3:])
+
+    def from_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_rows` (crops the padding)."""
+        x = x.reshape(self.batch, self.kv_heads, self.group, self.padded_q, *x.shape[3:])
+        x = x[:, :, :, : self.seq_q]
+        return x.reshape(self.batch, self.kv_heads * self.group, self.seq_q, *x.shape[4:])
+
+    def to_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, Nk, D]`` -> compute dtype, zero-padded to whole key tiles."""
+        x = x.to(self.compute_dtype)
+        pad = self.padded_k - self.seq_k
+        return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+
+    def row_blocks_view(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, R, C]`` -> ``[B, Hkv, R / BLOCK_M, BLOCK_M, C]``."""
+        return x.reshape(self.batch, self.kv_heads, self.row_blocks, self.block_m, x.shape[-1])
+
+    def expand_rows(self, per_block: torch.Tensor) -> torch.Tensor:
+        """Per-row-block values ``[B, Hkv, R / BLOCK_M, C]`` -> per row ``[B, Hkv, R, C]``."""
+        b, h, m, c = per_block.shape
+        return per_block[:, :, :, None, :].expand(b, h, m, self.block_m, c).reshape(b, h, m * self.block_m, c)
+
+    def invalid(self, tile: int, device: torch.device) -> torch.Tensor:
+        """``[R, BLOCK_N]`` mask of the (row, key) pairs of key tile ``tile`` that take no part.
+
+        Padded queries and keys are out; with ``causal`` a key after its query is out (SDPA's
+        ``is_causal``: the top-left aligned lower triangle, also when N != Nk).
+        """
+        q_pos = torch.arange(self.rows, device=device) % self.padded_q
+        k_pos = tile * self.block_n + torch.arange(self.block_n, device=device)
+        out = (q_pos[:, None] >= self.seq_q) | (k_pos[None, :] >= self.seq_k)
+        if self.causal:
+            out = out | (k_pos[None, :] > q_pos[:, None])
+        return out
+
+
+@dataclass
+class _Saved:
+    """What the backward needs: the quantized Q'^, K'^ with scales, the means, V, O and logsumexp."""
+
+    q_op: torch.Tensor  # [B, Hkv, R, D] codes (or high-precision values) of Q'
+    q_scale: torch.Tensor  # [B, Hkv, R / BLOCK_M, 1] one per row block
+    k_op: torch.Tensor  # [B, Hkv, padded Nk, D] codes of K'
+    k_scale: torch.Tensor  # [B, Hkv, key tiles, 1]
+    q_mean: torch.Tensor | None  # [B, Hkv, R / BLOCK_M, D] Q-smoothing means
+    k_mean: torch.Tensor | None  # [B, Hkv, 1, D] K-smoothing means
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: AttentionPrecision
+) -> _Saved:
+    """Smoothing and quantization of Q and K (the forward's first stage)."""
+    qr = geo.to_rows(q)  # padded rows are zero
+    kr = geo.to_keys(k)
+    k_mean = None
+    if precision.smooth_k:
+        k_mean = k.to(geo.compute_dtype).mean(dim=2, keepdim=True)
+        kr = kr - k_mean
+        if geo.padded_k != geo.seq_k:  # padded keys stay zero so they leave the block scale alone
+            kr[:, :, geo.seq_k :] = 0
+    q_mean = None
+    q_blocks = geo.row_blocks_view(qr)
+    if precision.smooth_q:
+        valid = (torch.arange(geo.rows, device=q.device) % geo.padded_q) < geo.seq_q
+        valid = valid.reshape(geo.row_blocks, geo.block_m, 1).to(geo.compute_dtype)
+        q_mean = q_blocks.sum(dim=3) / valid.sum(dim=1)  # mean over the valid rows of each block
+        q_blocks = (q_blocks - q_mean[:, :, :, None, :]) * valid
+    q_op, q_scale = _operand(q_blocks, precision.qk, (-2, -1), geo.io_dtype)
+    k_tiles = kr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
+    k_op, k_scale = _operand(k_tiles, precision.qk, (-2, -1), geo.io_dtype)
+    return _Saved(
+        q_op=q_op.reshape(qr.shape),
+        q_scale=q_scale.reshape(geo.batch, geo.kv_heads, geo.row_blocks, 1),
+        k_op=k_op.reshape(kr.shape),
+        k_scale=k_scale.reshape(geo.batch, geo.kv_heads, geo.key_tiles, 1),
+        q_mean=q_mean,
+        k_mean=k_mean,
+    )
+
+
+def _key_tile(x: torch.Tensor, geo: _Geometry, tile: int) -> torch.Tensor:
+    return x[:, :, tile * geo.block_n : (tile + 1) * geo.block_n]
+
+
+def _scores(saved: _Saved, geo: _Geometry, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S`` of one key tile for every row, from the saved operands (forward and backward alike)."""
+    k_op = _key_tile(saved.k_op, geo, tile)
+    k_scale = saved.k_scale[:, :, tile, None]  # [B, Hkv, 1, 1]
+    q_scale = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
+    s = (saved.q_op @ k_op.transpose(-1, -2)) * (q_scale * k_scale * geo.scale)
+    if saved.q_mean is not None:
+        # The term Q-smoothing dropped: tau * qbar_i . K'_j, with K' as the product saw it (deq(K'^)),
+        # so the backward recomputes exactly the same S from the saved tensors.
+        bias = (saved.q_mean @ (k_op * k_scale).transpose(-1, -2)) * geo.scale
+        s = s + geo.expand_rows(bias)
+    invalid = geo.invalid(tile, s.device)
+    return s.masked_fill(invalid, -math.inf), invalid
+
+
+def _forward(
+    v: torch.Tensor,
+    saved: _Saved,
+    geo: _Geometry,
+    precision: AttentionPrecision,
+    record: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax over key tiles. Returns O ``[B, Hkv, R, D]`` and logsumexp ``[B, Hkv, R]``."""
+    vr = geo.to_keys(v)
+    v_tiles = vr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
+    v_op, v_scale = _operand(v_tiles, precision.pv, (-2, -1), geo.io_dtype)
+    shape = (geo.batch, geo.kv_heads, geo.rows)
+    row_max = torch.full(shape, -math.inf, dtype=geo.compute_dtype, device=v.device)
+    row_sum = torch.zeros(shape, dtype=geo.compute_dtype, device=v.device)
+    acc = torch.zeros(*shape, geo.head_dim, dtype=geo.compute_dtype, device=v.device)
+    tiles_p, tiles_max = [], []
+    for tile in range(geo.key_tiles):
+        s, _ = _scores(saved, geo, tile)
+        new_max = torch.maximum(row_max, s.amax(dim=-1))
+        # A row with every key so far masked has max -inf; exp(-inf - 0) = 0 keeps it empty (NaN stays NaN).
+        safe_max = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
+        p = torch.exp(s - safe_max[..., None])
+        alpha = torch.exp(row_max - safe_max)
+        row_sum = row_sum * alpha + p.sum(dim=-1)
+        # P per row of the tile: s_P = rowmax(P~) / 127, so the codes do not depend on the running max.
+        p_op, p_scale = _operand(p, precision.pv, (-1,), geo.io_dtype)
+        pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale[:, :, tile])
+        acc = acc * alpha[..., None] + pv
+        row_max = new_max
+        if record is not None:
+            tiles_p.append(p_op * p_scale)
+            tiles_max.append(safe_max)
+    out = acc / row_sum[..., None]
+    lse = row_max + torch.log(row_sum)
+    if record is not None:
+        # The probabilities the PV product used, renormalised to the final max and sum.
+        norm = [p * torch.exp(m - row_max)[..., None] / row_sum[..., None] for p, m in zip(tiles_p, tiles_max)]
+        record["P"] = torch.cat(norm, dim=-1)[..., : geo.seq_k]
+    return out, lse
+
+
+def _backward(
+    do: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    v: torch.Tensor,
+    saved: _Saved,
+    geo: _Geometry,
+    precision: AttentionPrecision,
+    stats: torch.Tensor | None = None,
+    record: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ ``[B, Hkv, R, D]``, dK and dV ``[B, Hkv, padded Nk, D]`` from dO and the saved forward."""
+    tau = geo.scale
+    b, h, bm, nb, d = geo.batch, geo.kv_heads, geo.block_m, geo.block_n, geo.head_dim
+    do_r = geo.to_rows(do)
+    delta = (do_r * geo.to_rows(out)).sum(dim=-1)  # rowsum(dO * O) with the stored O
+    do_blocks = geo.row_blocks_view(do_r)
+    do_dv, do_dv_scale = _operand(do_blocks, precision.dv, (-2, -1), geo.io_dtype)
+    do_dp, do_dp_scale = _operand(do_blocks, precision.dp, (-2, -1), geo.io_dtype)
+    do_dp = do_dp.reshape(do_r.shape)
+    do_dp_scale = geo.expand_rows(do_dp_scale.reshape(b, h, geo.row_blocks, 1))
+    vr = geo.to_keys(v)
+    v_dp, v_dp_scale = _operand(vr.reshape(b, h, geo.key_tiles, nb, d), precision.dp, (-2, -1), geo.io_dtype)
+    q_blocks = geo.row_blocks_view(saved.q_op)
+    q_scale_blocks = saved.q_scale[..., None]  # [B, Hkv, R / BM, 1, 1]
+
+    dq = torch.zeros_like(do_r)
+    dk = torch.zeros(b, h, geo.padded_k, d, dtype=geo.compute_dtype, device=do.device)
+    dv = torch.zeros_like(dk)
+    ds_row_sum = torch.zeros_like(delta)
+    err2 = torch.zeros((), dtype=geo.compute_dtype, device=do.device)
+    norm2 = torch.zeros_like(err2)
+    tiles: dict[str, list[torch.Tensor]] = {"dP": [], "dS": []}
+    for tile in range(geo.key_tiles):
+        keys = slice(tile * nb, (tile + 1) * nb)
+        s, invalid = _scores(saved, geo, tile)
+        p = torch.exp(s - lse[..., None]).masked_fill(invalid, 0.0)  # padded rows have lse = -inf
+
+        # dV = psi(P)^T psi(dO): one scale per tile of P and per row block of dO; integer products per
+        # row block, then dequantized and summed over the row blocks in the compute dtype.
+        p_blocks = p.reshape(b, h, geo.row_blocks, bm, nb)
+        p_op, p_scale = _operand(p_blocks, precision.dv, (-2, -1), geo.io_dtype)
+        dv_parts = (p_op.transpose(-1, -2) @ do_dv) * (p_scale * do_dv_scale)
+        dv[:, :, keys] = dv_parts.sum(dim=2)
+
+        # dP = dO V^T: the product kept in high precision by default.
+        dp = (do_dp @ v_dp[:, :, tile].transpose(-1, -2)) * (do_dp_scale * v_dp_scale[:, :, tile])
+        ds = p * (dp - delta[..., None])
+
+        ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
+        ds_codes, ds_scale = quantize_int8(ds_blocks, (-2, -1))
+        if stats is not None:
+            # Measured for the INT8 quantizer whatever ds runs in, so the controller can see the error
+            # it would return to before it steps dS back down from bf16.
+            err2 = err2 + (ds_blocks - ds_codes * ds_scale).square().sum()
+            norm2 = norm2 + ds_blocks.square().sum()
+        if precision.ds == "int8":
+            ds_op, ds_op_scale = ds_codes, ds_scale
+        else:
+            ds_op, ds_op_scale = _operand(ds_blocks, "bf16", (-2, -1), geo.io_dtype)
+
+        k_op = _key_tile(saved.k_op, geo, tile)
+        k_scale = saved.k_scale[:, :, tile, None]
+        dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
+        dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
+        dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
+        dk[:, :, keys] = dk_parts.sum(dim=2) * tau
+
+        if saved.k_mean is not None:
+            ds_row_sum += ds.sum(dim=-1)
+        if saved.q_mean is not None:
+            # Gradient of the fp bias tau * qbar_i . K'_j: colsum over each row block of dS times qbar.
+            col_sums = ds_blocks.sum(dim=3)  # [B, Hkv, R / BM, BN]
+            dk[:, :, keys] += (col_sums.transpose(-1, -2) @ saved.q_mean) * tau
+        if record is not None:
+            tiles["dP"].append(dp.masked_fill(invalid, 0.0))
+            tiles["dS"].append((ds_op * ds_op_scale).reshape(ds.shape))
+    if saved.k_mean is not None:
+        # K-smoothing's correction rowsum(dS) x kbar, from the unquantized dS: zero in exact arithmetic,
+        # so this adds back only rounding, not dS's quantization noise times kbar.
+        dq += (ds_row_sum[..., None] * saved.k_mean) * tau
+    if stats is not None:
+        stats.add_(torch.stack([err2, norm2]).to(device=stats.device, dtype=stats.dtype))
+    if record is not None:
+        record["delta"] = delta
+        for name, parts in tiles.items():
+            record[name] = torch.cat(parts, dim=-1)[..., : geo.seq_k]
+    return dq, dk, dv
+
+
+def _geometry(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+    block_m: int,
+    block_n: int,
+) -> _Geometry:
+    batch, q_heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("head_dim", head_dim)):
+        if value > MAX_EXACT_CONTRACTION:
+            raise ValueError(
+                f"sage_attention reference: {name}={value} is over {MAX_EXACT_CONTRACTION}, the longest "
+                "contraction whose int8 products the reference sums exactly in fp32."
+            )
+    return _Geometry(
+        batch=batch,
+        kv_heads=kv_heads,
+        group=q_heads // kv_heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        block_m=block_m,
+        block_n=block_n,
+        causal=is_causal,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        io_dtype=q.dtype,
+        compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
+    )
+
+
+class _SageAttentionFunction(torch.autograd.Function):
+    """Autograd glue: forward and backward of the reference, saving only what the design lists."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool,
+        scale: float | None,
+        precision: AttentionPrecision,
+        stats: torch.Tensor | None,
+        block_m: int,
+        block_n: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        geo = _geometry(q, k, is_causal, scale, block_m, block_n)
+        saved = _prepare(q, k, geo, precision)
+        out_rows, lse_rows = _forward(v, saved, geo, precision)
+        out = geo.from_rows(out_rows).to(q.dtype)
+        lse = geo.from_rows(lse_rows[..., None])[..., 0]
+        ctx.geo, ctx.precision, ctx.stats = geo, precision, stats
+        ctx.has_means = (saved.q_mean is not None, saved.k_mean is not None)
+        means = [m for m in (saved.q_mean, saved.k_mean) if m is not None]
+        ctx.save_for_backward(saved.q_op, saved.q_scale, saved.k_op, saved.k_scale, v, out, lse, *means)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q_op, q_scale, k_op, k_scale, v, out, lse, *means = ctx.saved_tensors
+        has_q_mean, has_k_mean = ctx.has_means
+        q_mean = means.pop(0) if has_q_mean else None
+        k_mean = means.pop(0) if has_k_mean else None
+        geo: _Geometry = ctx.geo
+        saved = _Saved(q_op, q_scale, k_op, k_scale, q_mean, k_mean)
+        lse_rows = geo.to_rows(lse[..., None])[..., 0]
+        if geo.padded_q != geo.seq_q:  # padded rows: no query, no probability mass
+            lse_rows = lse_rows.masked_fill(
+                (torch.arange(geo.rows, device=lse.device) % geo.padded_q) >= geo.seq_q, -math.inf
+            )
+        dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, ctx.precision, ctx.stats)
+        dq = geo.from_rows(dq).to(geo.io_dtype)
+        dk = dk[:, :, : geo.seq_k].to(geo.io_dtype)
+        dv = dv[:, :, : geo.seq_k].to(geo.io_dtype)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def sage_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    precision: AttentionPrecision | None = None,
+    stats: torch.Tensor | None = None,
+    block_m: int = DEFAULT_BLOCK_M,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SageBwd attention in plain PyTorch, differentiable; returns ``(O, logsumexp)``.
+
+    Callers normally use :func:`sage_lightning.kernels.sage_attention`, which checks its arguments and
+    picks the path; this function trusts them (shapes as SDPA, ``Hq % Hkv == 0``, one float dtype,
+    float64 allowed for numerical studies) and takes the tile sizes, which set the quantization blocks.
+
+    Args:
+        q: ``[B, Hq, N, D]``.
+        k: ``[B, Hkv, Nk, D]``.
+        v: ``[B, Hkv, Nk, D]``.
+        is_causal: top-left aligned causal mask, as SDPA's ``is_causal``.
+        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+        precision: the numerics; SageBwd defaults when ``None``.
+        stats: optional fp32 tensor of 2 elements; the backward adds ``sum (dS - deq(psi(dS)))^2`` and
+            ``sum dS^2`` into it.
+        block_m: query tile; the quantization block of Q' and dO.
+        block_n: key tile; the quantization block of K' and V.
+
+    Returns:
+        ``O`` ``[B, Hq, N, D]`` in the input dtype and the row logsumexp ``[B, Hq, N]`` in fp32 (fp64 for
+        fp64 inputs).
+
+    Example::
+
+        q = torch.randn(1, 4, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16, requires_grad=True)
+        out, lse = sage_attention_reference(q, k, v, is_causal=True)
+        out.sum().backward()
+    """
+    precision = AttentionPrecision() if precision is None else precision
+    return _SageAttentionFunction.apply(q, k, v, is_causal, scale, precision, stats, block_m, block_n)
+
+
+def sage_attention_intermediates(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    precision: AttentionPrecision | None = None,
+    block_m: int = DEFAULT_BLOCK_M,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of one SageBwd forward and backward, for error attribution.
+
+    The same code as :func:`sage_attention_reference`, with the ``[N, Nk]`` matrices kept: ``P`` (the
+    normalised probabilities the PV product used), ``dP``, ``dS`` (as the dQ/dK products used it).
+    Meant for small shapes: it holds three ``B x Hq x N x Nk`` matrices.
+
+    Args:
+        q, k, v: as :func:`sage_attention_reference`.
+        grad_out: the gradient of O, ``[B, Hq, N, D]``.
+        is_causal, scale, precision, block_m, block_n: as :func:`sage_attention_reference`.
+
+    Returns:
+        A dict with ``O, lse, delta, P, dP, dS, dQ, dK, dV`` in the compute dtype (fp32, fp64 for fp64
+        inputs), each shaped like its counterpart in :func:`exact_attention`.
+
+    Example::
+
+        parts = sage_attention_intermediates(q, k, v, torch.randn_like(q))
+        parts["dS"].shape   # [B, Hq, N, Nk]
+    """
+    precision = AttentionPrecision() if precision is None else precision
+    geo = _geometry(q, k, is_causal, scale, block_m, block_n)
+    saved = _prepare(q, k, geo, precision)
+    record: dict[str, torch.Tensor] = {}
+    out_rows, lse_rows = _forward(v, saved, geo, precision, record=record)
+    out = geo.from_rows(out_rows).to(q.dtype)  # stored in the input dtype, as the kernel stores it
+    dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, precision, record=record)
+    result = {
+        "O": out.to(geo.compute_dtype),
+        "lse": geo.from_rows(lse_rows[..., None])[..., 0],
+        "dQ": geo.from_rows(dq),
+        "dK": dk[:, :, : geo.seq_k],
+        "dV": dv[:, :, : geo.seq_k],
+    }
+    result["delta"] = geo.from_rows(record["delta"][..., None])[..., 0]
+    for name in ("P", "dP", "dS"):
+        result[name] = geo.from_rows(record[name])
+    return result
+
+
+def exact_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Plain attention and its gradients in float64 with every intermediate: the accuracy oracle.
+
+    Args:
+        q, k, v: SDPA layout; GQA when ``Hq % Hkv == 0``. Cast to float64.
+        grad_out: the gradient of O.
+        is_causal: top-left aligned causal mask, as SDPA's.
+        scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
+
+    Returns:
+        A dict with ``O, lse, delta, P, dP, dS, dQ, dK, dV`` in float64 (``dK``/``dV`` summed over the
+        query heads that share a kv head).
+
+    Example::
+
+        ref = exact_attention(q, k, v, torch.randn_like(q), is_causal=True)
+        ref["dS"].dtype   # torch.float64
+    """
+    f64 = torch.float64
+    group = q.shape[1] // k.shape[1]
+    q64, do64 = q.to(f64), grad_out.to(f64)
+    k64 = k.to(f64).repeat_interleave(group, dim=1)
+    v64 = v.to(f64).repeat_interleave(group, dim=1)
+    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = (q64 @ k64.transpose(-1, -2)) * tau
+    if is_causal:
+        n, nk = q.shape[2], k.shape[2]
+        s = s.masked_fill(torch.ones(n, nk, dtype=torch.bool, device=q.device).tril().logical_not(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    out = p @ v64
+    delta = (do64 * out).sum(dim=-1)
+    dp = do64 @ v64.transpose(-1, -2)
+    ds = p * (dp - delta[..., None])
+    dq = (ds @ k64) * tau
+    dk = (ds.transpose(-1, -2) @ q64) * tau
+    dv = p.transpose(-1, -2) @ do64
+    b, hq, nk, d = dk.shape
+    dk = dk.reshape(b, hq // group, group, nk, d).sum(dim=2)
+    dv = dv.reshape(b, hq // group, group, nk, d).sum(dim=2)
+    return {"O": out, "lse": lse, "delta": delta, "P": p, "dP": dp, "dS": ds, "dQ": dq, "dK": dk, "dV": dv}
