@@ -17,7 +17,7 @@ products are exact: every partial sum of a product of int8 codes is an integer o
 exactly, so products over ``K <= MAX_EXACT_CONTRACTION`` (1040) are exact whatever the summation order.
 The contractions are the head dim (``QK^T``, ``dO V^T``) and the tile sides (``PV``, ``dV``, ``dQ``,
 ``dK``); all are checked against that bound. (An int32 accumulator, as in the GPU kernels, allows
-``K <= 133143``.)
+``K <= 133144``.)
 """
 
 from __future__ import annotations
@@ -391,6 +391,19 @@ def _geometry(
     )
 
 
+def _public_lse(q: torch.Tensor, lse_rows: torch.Tensor, saved: _Saved, geo: _Geometry) -> torch.Tensor:
+    """The logsumexp of ``tau * Q K^T`` as SDPA means it, ``[B, Hq, N]``.
+
+    K-smoothing shifts row i of S by ``-tau * q_i . kbar`` (softmax does not see it, the logsumexp does);
+    the backward keeps using the shifted one it recomputes S against, callers get this one.
+    """
+    lse = geo.from_rows(lse_rows[..., None])[..., 0]
+    if saved.k_mean is None:
+        return lse
+    k_mean = saved.k_mean.repeat_interleave(geo.group, dim=1)  # [B, Hq, 1, D]
+    return lse + (q.to(geo.compute_dtype) * k_mean).sum(dim=-1) * geo.scale
+
+
 class _SageAttentionFunction(torch.autograd.Function):
     """Autograd glue: forward and backward of the reference, saving only what the design lists."""
 
@@ -411,11 +424,11 @@ class _SageAttentionFunction(torch.autograd.Function):
         saved = _prepare(q, k, geo, precision)
         out_rows, lse_rows = _forward(v, saved, geo, precision)
         out = geo.from_rows(out_rows).to(q.dtype)
-        lse = geo.from_rows(lse_rows[..., None])[..., 0]
         ctx.geo, ctx.precision, ctx.stats = geo, precision, stats
         ctx.has_means = (saved.q_mean is not None, saved.k_mean is not None)
         means = [m for m in (saved.q_mean, saved.k_mean) if m is not None]
-        ctx.save_for_backward(saved.q_op, saved.q_scale, saved.k_op, saved.k_scale, v, out, lse, *means)
+        ctx.save_for_backward(saved.q_op, saved.q_scale, saved.k_op, saved.k_scale, v, out, lse_rows, *means)
+        lse = _public_lse(q, lse_rows, saved, geo)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -423,17 +436,12 @@ class _SageAttentionFunction(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q_op, q_scale, k_op, k_scale, v, out, lse, *means = ctx.saved_tensors
+        q_op, q_scale, k_op, k_scale, v, out, lse_rows, *means = ctx.saved_tensors
         has_q_mean, has_k_mean = ctx.has_means
         q_mean = means.pop(0) if has_q_mean else None
         k_mean = means.pop(0) if has_k_mean else None
         geo: _Geometry = ctx.geo
         saved = _Saved(q_op, q_scale, k_op, k_scale, q_mean, k_mean)
-        lse_rows = geo.to_rows(lse[..., None])[..., 0]
-        if geo.padded_q != geo.seq_q:  # padded rows: no query, no probability mass
-            lse_rows = lse_rows.masked_fill(
-                (torch.arange(geo.rows, device=lse.device) % geo.padded_q) >= geo.seq_q, -math.inf
-            )
         dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, ctx.precision, ctx.stats)
         dq = geo.from_rows(dq).to(geo.io_dtype)
         dk = dk[:, :, : geo.seq_k].to(geo.io_dtype)
@@ -528,7 +536,7 @@ def sage_attention_intermediates(
     dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, precision, record=record)
     result = {
         "O": out.to(geo.compute_dtype),
-        "lse": geo.from_rows(lse_rows[..., None])[..., 0],
+        "lse": _public_lse(q, lse_rows, saved, geo),
         "dQ": geo.from_rows(dq),
         "dK": dk[:, :, : geo.seq_k],
         "dV": dv[:, :, : geo.seq_k],

@@ -1,0 +1,421 @@
+"""Per-tensor error of SageBwd's PyTorch reference against float64 attention: which product costs what.
+
+For every input kind, every precision setting and K-smoothing on and off, the harness runs
+``sage_attention_intermediates`` (the SageBwd reference, keeping every intermediate) and compares each of
+``O, lse, delta, P, dP, dS, dQ, dK, dV`` with ``exact_attention`` (plain attention in float64) on the same
+inputs. Metrics, computed in float64 on the flattened tensors: cosine similarity ``<x, r> / (|x| |r|)`` and
+relative L2 ``|x - r| / |r|`` (``r`` the float64 reference).
+
+Inputs (``[B, H, N, D]`` for q and dO, ``[B, Hkv, N, D]`` for k and v), drawn in float32 from one
+``torch.Generator`` seeded with ``--seed`` for each input kind (so every kind, and every setting of a kind,
+sees the same standard-normal draws), then cast to bf16. The float64 reference gets these bf16 values
+upcast, so only the attention numerics differ.
+
+* ``normal sigma=S`` for S in 1, 4, 10: q, k ~ N(0, S^2); v, dO ~ N(0, 1).
+* ``outliers ch=4 offset=10 scale=3``: q, k, v, dO ~ N(0, 1), except 4 channels of q and of k (the same
+  channel indices for both, drawn with ``randperm`` from the generator): on those channels
+  ``x = offset * sign + scale * z`` with ``z ~ N(0, 1)`` and ``sign = +-1`` drawn per (batch, head,
+  channel), separately for q and k, and shared by every token. This is the per-channel bias of K that
+  K-smoothing removes (it also sets K's INT8 block scale when smoothing is off); q keeps its bias, since
+  Q-smoothing stays off here.
+
+Settings (``AttentionPrecision``; the JSON ``setting`` field is its ``short_name``):
+
+* ``bf16``: ``all_bf16()``, SageBwd's tiling with no INT8 (the baseline: bf16 rounding only);
+* ``sagebwd``: ``AttentionPrecision()``, the published SageBwd (six of seven products INT8, dP bf16);
+* ``all7``: ``all_int8()``, dP in INT8 too;
+* ``only qk``, ``only pv``, ``only dv``, ``only dp``, ``only ds``: ``all_bf16()`` with that one product INT8.
+
+Each with ``smooth_k`` True and False (``smooth_q`` False).
+
+Causal masking: the reference records dP as zero where the causal mask removes a key, while
+``exact_attention`` returns the unmasked ``dO V^T`` there; those entries never reach a gradient (P = 0), so
+for causal runs the harness zeroes the reference's dP outside the mask before comparing.
+
+Example::
+
+    python benchmarks/accuracy.py                      # default size on CPU, writes benchmarks/results/
+    python benchmarks/accuracy.py --seq 512 --causal --out /tmp/acc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from sage_lightning.kernels import AttentionPrecision
+from sage_lightning.kernels.reference import exact_attention, sage_attention_intermediates
+
+REPO = Path(__file__).resolve().parent.parent
+TENSORS: tuple[str, ...] = ("O", "lse", "delta", "P", "dP", "dS", "dQ", "dK", "dV")
+SIGMAS: tuple[float, ...] = (1.0, 4.0, 10.0)
+OUTLIER_CHANNELS = 4
+OUTLIER_OFFSET = 10.0
+OUTLIER_SCALE = 3.0
+
+
+def settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
+    """The precision settings compared, as ``(label, precision)`` pairs.
+
+    Args:
+        smooth_k: K-smoothing on or off for every setting.
+
+    Example::
+
+        [label for label, _ in settings(True)][:3]   # ["bf16", "sagebwd", "all7"]
+    """
+    bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
+    pairs = [
+        ("bf16", bf16),
+        ("sagebwd", AttentionPrecision(smooth_k=smooth_k)),
+        ("all7", AttentionPrecision.all_int8(smooth_k=smooth_k)),
+    ]
+    return pairs + [(f"only {p}", bf16.replace(**{p: "int8"})) for p in ("qk", "pv", "dv", "dp", "ds")]
+
+
+def input_kinds() -> list[str]:
+    """The names of the input kinds, as written to the ``inputs`` field.
+
+    Example::
+
+        input_kinds()[0]   # "normal sigma=1"
+    """
+    names = [f"normal sigma={s:g}" for s in SIGMAS]
+    return names + [f"outliers ch={OUTLIER_CHANNELS} offset={OUTLIER_OFFSET:g} scale={OUTLIER_SCALE:g}"]
+
+
+def _add_outliers(x: torch.Tensor, channels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``x`` with ``channels`` replaced by ``offset * sign + scale * z`` (sign per batch, head, channel)."""
+    b, h, _, _ = x.shape
+    sign = torch.randint(0, 2, (b, h, 1, len(channels)), generator=gen).float() * 2 - 1
+    z = torch.randn(x.shape[:3] + (len(channels),), generator=gen)
+    x = x.clone()
+    x[..., channels] = OUTLIER_OFFSET * sign + OUTLIER_SCALE * z
+    return x
+
+
+def make_inputs(kind: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """q, k, v, dO in bf16 on ``args.device`` for one input kind (see the module docstring).
+
+    Args:
+        kind: one of :func:`input_kinds`.
+        args: the parsed command line (shape, seed, device).
+
+    Example::
+
+        x = make_inputs("normal sigma=4", parse_args([]))
+        x["q"].dtype   # torch.bfloat16
+    """
+    gen = torch.Generator().manual_seed(args.seed)
+    q_shape = (args.batch, args.heads, args.seq, args.head_dim)
+    kv_shape = (args.batch, args.kv_heads, args.seq, args.head_dim)
+    q, k = torch.randn(q_shape, generator=gen), torch.randn(kv_shape, generator=gen)
+    v, do = torch.randn(kv_shape, generator=gen), torch.randn(q_shape, generator=gen)
+    if kind.startswith("normal"):
+        sigma = float(kind.split("=")[1])
+        q, k = q * sigma, k * sigma
+    else:
+        channels = torch.randperm(args.head_dim, generator=gen)[: min(OUTLIER_CHANNELS, args.head_dim)]
+        q, k = _add_outliers(q, channels, gen), _add_outliers(k, channels, gen)
+    return {name: t.to(torch.bfloat16).to(args.device) for name, t in (("q", q), ("k", k), ("v", v), ("do", do))}
+
+
+def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Cosine similarity and relative L2 error of ``x`` against ``ref``, in float64, flattened.
+
+    Args:
+        x: the tensor measured.
+        ref: the float64 reference, same number of elements.
+
+    Example::
+
+        compare(torch.ones(3), torch.ones(3))   # (1.0, 0.0)
+    """
+    a, r = x.to(torch.float64).flatten(), ref.to(torch.float64).flatten()
+    r_norm = r.norm()
+    cos = (a @ r) / (a.norm() * r_norm)
+    rel = (a - r).norm() / r_norm
+    return float(cos), float(rel)
+
+
+def exact(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
+    """``exact_attention`` on ``inputs``, with dP zeroed outside a causal mask (see the module docstring).
+
+    Example::
+
+        ref = exact(make_inputs("normal sigma=1", parse_args([])), causal=False)
+    """
+    ref = exact_attention(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal)
+    if causal:
+        n, nk = ref["dP"].shape[-2:]
+        keep = torch.ones(n, nk, dtype=torch.bool, device=ref["dP"].device).tril()
+        ref["dP"] = ref["dP"].masked_fill(~keep, 0.0)
+    return ref
+
+
+def measure(
+    inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], precision: AttentionPrecision, causal: bool
+) -> dict[str, tuple[float, float]]:
+    """``(cos, rel_l2)`` of every tensor of one SageBwd reference run against ``ref``.
+
+    Example::
+
+        x = make_inputs("normal sigma=1", parse_args([]))
+        measure(x, exact(x, False), AttentionPrecision(), False)["dS"]
+    """
+    got = sage_attention_intermediates(
+        inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision
+    )
+    return {name: compare(got[name], ref[name]) for name in TENSORS}
+
+
+def _finite(x: float) -> float | None:
+    """``x``, or ``None`` (JSON null) when it is NaN or infinite."""
+    return x if math.isfinite(x) else None
+
+
+def collect_rows(args: argparse.Namespace) -> list[dict]:
+    """Every result row: input kinds x smooth_k x settings x tensors.
+
+    Args:
+        args: the parsed command line.
+
+    Example::
+
+        rows = collect_rows(parse_args(["--seq", "96", "--head-dim", "32"]))
+    """
+    rows = []
+    for kind in input_kinds():
+        inputs = make_inputs(kind, args)
+        ref = exact(inputs, args.causal)
+        for smooth_k in (True, False):
+            for label, precision in settings(smooth_k):
+                for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal).items():
+                    rows.append({
+                        "path": "reference", "setting": precision.short_name, "label": label,
+                        "inputs": kind, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
+                        "seq": args.seq, "head_dim": args.head_dim, "causal": args.causal,
+                        "smooth_k": smooth_k, "tensor": tensor, "cos": _finite(cos), "rel_l2": _finite(rel),
+                    })
+    return rows
+
+
+def _lookup(rows: list[dict], kind: str, smooth_k: bool) -> dict[str, dict[str, dict]]:
+    """Rows of one input kind and smooth_k as ``{label: {tensor: row}}``."""
+    table: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if row["inputs"] == kind and row["smooth_k"] == smooth_k:
+            table.setdefault(row["label"], {})[row["tensor"]] = row
+    return table
+
+
+def _fmt(x: float | None, digits: int) -> str:
+    return "nan" if x is None else f"{x:.{digits}f}"
+
+
+def format_tables(rows: list[dict]) -> str:
+    """Markdown tables: for each input kind and smooth_k, cos then rel_l2, rows = settings.
+
+    Example::
+
+        print(format_tables(collect_rows(parse_args(["--seq", "96"]))))
+    """
+    lines = []
+    kinds = list(dict.fromkeys(row["inputs"] for row in rows))
+    for kind in kinds:
+        for smooth_k in (True, False):
+            table = _lookup(rows, kind, smooth_k)
+            for metric, digits in (("cos", 6), ("rel_l2", 5)):
+                lines += [f"### {metric}: {kind}, smooth_k={smooth_k}", ""]
+                lines.append("| setting | " + " | ".join(TENSORS) + " |")
+                lines.append("|---|" + "---:|" * len(TENSORS))
+                for label, by_tensor in table.items():
+                    cells = [_fmt(by_tensor[t][metric], digits) for t in TENSORS]
+                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                lines.append("")
+    return "\n".join(lines)
+
+
+PRODUCT_LABELS: tuple[str, ...] = ("only qk", "only pv", "only dv", "only dp", "only ds")
+
+
+def _worst(by_tensor: dict[str, dict], names: tuple[str, ...], count: int) -> list[str]:
+    """The ``count`` tensors among ``names`` with the lowest cos (all finite: callers check)."""
+    return sorted(names, key=lambda t: by_tensor[t]["cos"])[:count]
+
+
+def _share(table: dict[str, dict[str, dict]], label: str, tensor: str) -> float:
+    """Share of sagebwd's squared rel_l2 of ``tensor`` that setting ``label`` alone reproduces.
+
+    Example::
+
+        _share(_lookup(rows, "normal sigma=1", True), "only ds", "dQ")   # e.g. 0.8
+    """
+    alone, full = table[label][tensor]["rel_l2"], table["sagebwd"][tensor]["rel_l2"]
+    return math.nan if alone is None or not full else (alone / full) ** 2
+
+
+def _kind_summary(table: dict[str, dict[str, dict]], kind: str) -> tuple[list[str], bool | None, bool | None]:
+    """Summary lines for one input kind, whether the ordering agrees with the study, whether ds dominates.
+
+    Both flags are ``None`` when the sagebwd run has a non-finite metric (nothing to rank).
+    """
+    sage = table["sagebwd"]
+    names = ("P", "dP", "dS", "O", "dQ", "dK", "dV")
+    cos = ", ".join(f"{t} {_fmt(sage[t]['cos'], 4)}" for t in names)
+    lines = [f"- {kind}: cos {cos}."]
+    bad = [t for t in TENSORS if sage[t]["cos"] is None]
+    if bad:
+        lines.append(f"  non-finite in the reference's output ({', '.join(bad)}): not ranked.")
+        return lines, None, None
+    low = _worst(sage, ("P", "dP", "dS"), 1)[0]
+    worst = _worst(sage, ("O", "dQ", "dK", "dV"), 2)
+    ordering = low == "dS" and set(worst) == {"dQ", "dK"}
+    ds = {t: _share(table, "only ds", t) for t in ("dQ", "dK")}
+    top = {t: max(PRODUCT_LABELS, key=lambda label: _share(table, label, t)) for t in ("dQ", "dK")}
+    lines += [
+        f"  lowest of P/dP/dS: {low} (study: dS); worst of O/dQ/dK/dV: {', '.join(worst)} (study: dQ, dK) "
+        f"-> {'agrees' if ordering else 'DIFFERS'}.",
+        f"  ds alone in INT8 gives {ds['dQ']:.0%} of dQ's and {ds['dK']:.0%} of dK's squared rel_l2; "
+        f"largest single product: dQ {top['dQ'].split()[1]} ({_share(table, top['dQ'], 'dQ'):.0%}), "
+        f"dK {top['dK'].split()[1]} ({_share(table, top['dK'], 'dK'):.0%}).",
+    ]
+    return lines, ordering, min(ds.values()) > 0.5
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    """Summary lines on the default ``sagebwd`` setting with K-smoothing, one block per input kind.
+
+    Answers, against the SageBwd study (dS the lowest-cos intermediate; dQ and dK the worst outputs):
+    which of P, dP, dS has the lowest cos, which two of O, dQ, dK, dV are worst, and which share of the
+    dQ/dK error (squared rel_l2, errors of independent sources add in squares) switching ``ds`` alone to
+    INT8 reproduces, beside the single product that reproduces the most.
+
+    Example::
+
+        print("\\n".join(summarize(rows)))
+    """
+    lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
+    ordering, dominant = {}, {}
+    for kind in dict.fromkeys(row["inputs"] for row in rows):
+        kind_lines, ordering[kind], dominant[kind] = _kind_summary(_lookup(rows, kind, True), kind)
+        lines += kind_lines
+
+    def which(flags: dict[str, bool | None], value: bool | None) -> str:
+        return ", ".join(k for k, v in flags.items() if v is value) or "none"
+
+    lines += [
+        "",
+        f"Ordering (dS lowest intermediate, dQ/dK worst outputs) agrees with the study for: "
+        f"{which(ordering, True)}; differs for: {which(ordering, False)}; not ranked (non-finite): "
+        f"{which(ordering, None)}.",
+        f"ds alone accounts for most (>50%) of the dQ and dK error for: {which(dominant, True)}; "
+        f"not for: {which(dominant, False)}.",
+    ]
+    return lines
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line.
+
+    Example::
+
+        parse_args(["--seq", "256", "--causal"]).seq   # 256
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
+    return parser.parse_args(argv)
+
+
+def device_name(device: str) -> str:
+    """``"cpu"`` or ``torch.cuda.get_device_name()`` for a CUDA device.
+
+    Example::
+
+        device_name("cpu")   # "cpu"
+    """
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else "cpu"
+
+
+def device_slug(name: str) -> str:
+    """A short file-name slug for a device name: ``"cpu"``, ``"h100"``, ``"h200"``, ...
+
+    Example::
+
+        device_slug("NVIDIA H200")   # "h200"
+    """
+    match = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name)
+    return match.group(1).lower() if match else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _versions() -> dict[str, str]:
+    """Installed versions of torch, triton and lightning (those present)."""
+    versions = {"torch": torch.__version__}
+    for package in ("triton", "lightning"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def _commit() -> str:
+    """``git rev-parse HEAD`` of the repository (read-only), or ``"unknown"``."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the harness, print the tables and summary, write the JSON and markdown; returns the JSON dict.
+
+    Args:
+        argv: command-line arguments (``sys.argv[1:]`` when ``None``).
+
+    Example::
+
+        result = main(["--seq", "96", "--head-dim", "32", "--out", "/tmp/acc.json"])
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    start = time.perf_counter()
+    rows = collect_rows(args)
+    name, today = device_name(args.device), datetime.date.today()
+    out = args.out or REPO / "benchmarks" / "results" / f"accuracy-{device_slug(name)}-{today:%Y%m%d}.json"
+    result = {
+        "kind": "accuracy", "device": name, "date": today.isoformat(), "commit": _commit(),
+        "command": shlex.join(["python", "benchmarks/accuracy.py", *argv]), "versions": _versions(), "rows": rows,
+    }
+    text = format_tables(rows) + "\n" + "\n".join(summarize(rows)) + "\n"
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    heading = f"# Accuracy: SageBwd reference vs float64\n\n{result['device']}, {result['date']}, commit " \
+              f"{result['commit']}\n\n`{result['command']}`\n\n"
+    out.with_suffix(".md").write_text(heading + text)
+    print(f"wrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - start:.1f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
