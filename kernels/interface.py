@@ -79,7 +79,12 @@ def check_inputs(
     if k.shape[2] == 0:
         raise _fail("k", "seq_k=0", "needs at least one key (softmax over no keys is undefined)")
     if not 1 <= head_dim <= MAX_EXACT_CONTRACTION:
-        raise _fail("q", f"head_dim={head_dim}", f"must have a head_dim from 1 to {MAX_EXACT_CONTRACTION}")
+        raise _fail(
+            "q",
+            f"head_dim={head_dim}",
+            f"must have a head_dim from 1 to {MAX_EXACT_CONTRACTION} (the longest int8 dot product summed "
+            "exactly in fp32); route larger heads to scaled_dot_product_attention",
+        )
     if not isinstance(is_causal, bool):
         raise _fail("is_causal", repr(is_causal), "must be True or False")
     if scale is not None:

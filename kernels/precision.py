@@ -72,9 +72,7 @@ class AttentionPrecision:
         for name in PRODUCTS:
             value = getattr(self, name)
             if value not in FORMATS:
-                raise ValueError(
-                    f"AttentionPrecision: {name} must be one of {FORMATS}; received {value!r}."
-                )
+                raise ValueError(f"AttentionPrecision: {name} must be one of {FORMATS}; received {value!r}.")
         for name in ("smooth_k", "smooth_q"):
             value = getattr(self, name)
             if not isinstance(value, bool):

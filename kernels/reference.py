@@ -177,9 +177,7 @@ class _Saved:
     k_mean: torch.Tensor | None  # [B, Hkv, 1, D] K-smoothing means
 
 
-def _prepare(
-    q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: AttentionPrecision
-) -> _Saved:
+def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: AttentionPrecision) -> _Saved:
     """Smoothing and quantization of Q and K (the forward's first stage)."""
     qr = geo.to_rows(q)  # padded rows are zero
     kr = geo.to_keys(k)
@@ -264,7 +262,9 @@ def _forward(
     lse = row_max + torch.log(row_sum)
     if record is not None:
         # The probabilities the PV product used, renormalised to the final max and sum.
-        norm = [p * torch.exp(m - row_max)[..., None] / row_sum[..., None] for p, m in zip(tiles_p, tiles_max)]
+        norm = [
+            p * torch.exp(m - row_max)[..., None] / row_sum[..., None] for p, m in zip(tiles_p, tiles_max, strict=True)
+        ]
         record["P"] = torch.cat(norm, dim=-1)[..., : geo.seq_k]
     return out, lse
 

@@ -12,7 +12,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.kernels.reference import quantize_int8
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fake_quant_formula import fake_quant, sagebwd_formula
-
 from sage_lightning.kernels import AttentionPrecision, sage_attention
 from sage_lightning.kernels.reference import (
     MAX_EXACT_CONTRACTION,
@@ -175,7 +174,7 @@ INT8_BANDS = {  # tensor: (min rel_l2, max rel_l2, min cos)
 def test_sagebwd_defaults_land_in_the_stated_band(dtype: torch.dtype) -> None:
     q, k, v, do = make_inputs(1, 2, 2, 512, 512, 64, dtype, seed=7)
     ref = exact_attention(q, k, v, do)
-    got = dict(zip(("O", "dQ", "dK", "dV"), run(q, k, v, do)))
+    got = dict(zip(("O", "dQ", "dK", "dV"), run(q, k, v, do), strict=True))
     for name, (lo, hi, min_cos) in INT8_BANDS.items():
         err = rel_l2(got[name], ref[name])
         assert lo < err < hi, (name, err)
@@ -245,8 +244,12 @@ def test_gradients_match_autograd_through_the_fake_quant_formula(setting: str, c
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     formula_out = sagebwd_formula(*leaves, **kwargs)
     formula_out.backward(do)
-    for name, ours, theirs in (("O", out, formula_out), ("dQ", dq, leaves[0].grad), ("dK", dk, leaves[1].grad),
-                               ("dV", dv, leaves[2].grad)):
+    for name, ours, theirs in (
+        ("O", out, formula_out),
+        ("dQ", dq, leaves[0].grad),
+        ("dK", dk, leaves[1].grad),
+        ("dV", dv, leaves[2].grad),
+    ):
         assert rel_l2(ours, theirs) < 1e-10, name
 
 
