@@ -4,7 +4,9 @@ For every input kind, every precision setting and K-smoothing on and off, the ha
 ``sage_attention_intermediates`` (the SageBwd reference, keeping every intermediate) and compares each of
 ``O, lse, delta, P, dP, dS, dQ, dK, dV`` with ``exact_attention`` (plain attention in float64) on the same
 inputs. Metrics, computed in float64 on the flattened tensors: cosine similarity ``<x, r> / (|x| |r|)`` and
-relative L2 ``|x - r| / |r|`` (``r`` the float64 reference).
+relative L2 ``|x - r| / |r|`` (``r`` the float64 reference). A metric that is not finite (the SageBwd
+reference produced a NaN or infinity) is written as JSON ``null`` and ``nan`` in the tables, and the summary
+does not rank that run.
 
 Inputs (``[B, H, N, D]`` for q and dO, ``[B, Hkv, N, D]`` for k and v), drawn in float32 from one
 ``torch.Generator`` seeded with ``--seed`` for each input kind (so every kind, and every setting of a kind,
@@ -19,7 +21,8 @@ upcast, so only the attention numerics differ.
   K-smoothing removes (it also sets K's INT8 block scale when smoothing is off); q keeps its bias, since
   Q-smoothing stays off here.
 
-Settings (``AttentionPrecision``; the JSON ``setting`` field is its ``short_name``):
+Settings (``AttentionPrecision``; the JSON ``setting`` field is its ``short_name``, ``label`` the short name
+used in the tables):
 
 * ``bf16``: ``all_bf16()``, SageBwd's tiling with no INT8 (the baseline: bf16 rounding only);
 * ``sagebwd``: ``AttentionPrecision()``, the published SageBwd (six of seven products INT8, dP bf16);
@@ -27,10 +30,6 @@ Settings (``AttentionPrecision``; the JSON ``setting`` field is its ``short_name
 * ``only qk``, ``only pv``, ``only dv``, ``only dp``, ``only ds``: ``all_bf16()`` with that one product INT8.
 
 Each with ``smooth_k`` True and False (``smooth_q`` False).
-
-Causal masking: the reference records dP as zero where the causal mask removes a key, while
-``exact_attention`` returns the unmasked ``dO V^T`` there; those entries never reach a gradient (P = 0), so
-for causal runs the harness zeroes the reference's dP outside the mask before comparing.
 
 Example::
 
@@ -53,7 +52,7 @@ import time
 from pathlib import Path
 
 import torch
-from sage_lightning.kernels import AttentionPrecision
+from sage_lightning.kernels import PRODUCTS, AttentionPrecision
 from sage_lightning.kernels.reference import exact_attention, sage_attention_intermediates
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +79,7 @@ def settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
         ("sagebwd", AttentionPrecision(smooth_k=smooth_k)),
         ("all7", AttentionPrecision.all_int8(smooth_k=smooth_k)),
     ]
-    return pairs + [(f"only {p}", bf16.replace(**{p: "int8"})) for p in ("qk", "pv", "dv", "dp", "ds")]
+    return pairs + [(f"only {p}", bf16.replace(**{p: "int8"})) for p in PRODUCTS]
 
 
 def input_kinds() -> list[str]:
@@ -133,6 +132,8 @@ def make_inputs(kind: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
 def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """Cosine similarity and relative L2 error of ``x`` against ``ref``, in float64, flattened.
 
+    A cosine above 1 by at most 1e-12 (float64 round-off) is reported as 1.
+
     Args:
         x: the tensor measured.
         ref: the float64 reference, same number of elements.
@@ -143,24 +144,20 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """
     a, r = x.to(torch.float64).flatten(), ref.to(torch.float64).flatten()
     r_norm = r.norm()
-    cos = (a @ r) / (a.norm() * r_norm)
-    rel = (a - r).norm() / r_norm
-    return float(cos), float(rel)
+    cos = float((a @ r) / (a.norm() * r_norm))
+    if 1.0 < cos <= 1.0 + 1e-12:  # float64 round-off on identical directions
+        cos = 1.0
+    return cos, float((a - r).norm() / r_norm)
 
 
 def exact(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
-    """``exact_attention`` on ``inputs``, with dP zeroed outside a causal mask (see the module docstring).
+    """``exact_attention`` (float64) on ``inputs``.
 
     Example::
 
         ref = exact(make_inputs("normal sigma=1", parse_args([])), causal=False)
     """
-    ref = exact_attention(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal)
-    if causal:
-        n, nk = ref["dP"].shape[-2:]
-        keep = torch.ones(n, nk, dtype=torch.bool, device=ref["dP"].device).tril()
-        ref["dP"] = ref["dP"].masked_fill(~keep, 0.0)
-    return ref
+    return exact_attention(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal)
 
 
 def measure(
@@ -201,12 +198,24 @@ def collect_rows(args: argparse.Namespace) -> list[dict]:
         for smooth_k in (True, False):
             for label, precision in settings(smooth_k):
                 for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal).items():
-                    rows.append({
-                        "path": "reference", "setting": precision.short_name, "label": label,
-                        "inputs": kind, "batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads,
-                        "seq": args.seq, "head_dim": args.head_dim, "causal": args.causal,
-                        "smooth_k": smooth_k, "tensor": tensor, "cos": _finite(cos), "rel_l2": _finite(rel),
-                    })
+                    rows.append(
+                        {
+                            "path": "reference",
+                            "setting": precision.short_name,
+                            "label": label,
+                            "inputs": kind,
+                            "batch": args.batch,
+                            "heads": args.heads,
+                            "kv_heads": args.kv_heads,
+                            "seq": args.seq,
+                            "head_dim": args.head_dim,
+                            "causal": args.causal,
+                            "smooth_k": smooth_k,
+                            "tensor": tensor,
+                            "cos": _finite(cos),
+                            "rel_l2": _finite(rel),
+                        }
+                    )
     return rows
 
 
@@ -246,7 +255,8 @@ def format_tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-PRODUCT_LABELS: tuple[str, ...] = ("only qk", "only pv", "only dv", "only dp", "only ds")
+#: The single-product settings whose product is INT8 in the default SageBwd (dp is not).
+PRODUCT_LABELS: tuple[str, ...] = tuple(f"only {p}" for p in AttentionPrecision().int8_products)
 
 
 def _worst(by_tensor: dict[str, dict], names: tuple[str, ...], count: int) -> list[str]:
@@ -282,12 +292,17 @@ def _kind_summary(table: dict[str, dict[str, dict]], kind: str) -> tuple[list[st
     worst = _worst(sage, ("O", "dQ", "dK", "dV"), 2)
     ordering = low == "dS" and set(worst) == {"dQ", "dK"}
     ds = {t: _share(table, "only ds", t) for t in ("dQ", "dK")}
-    top = {t: max(PRODUCT_LABELS, key=lambda label: _share(table, label, t)) for t in ("dQ", "dK")}
+
+    def rank(label: str, tensor: str) -> float:
+        share = _share(table, label, tensor)
+        return -math.inf if math.isnan(share) else share
+
+    top = {t: max(PRODUCT_LABELS, key=lambda label: rank(label, t)) for t in ("dQ", "dK")}
     lines += [
         f"  lowest of P/dP/dS: {low} (study: dS); worst of O/dQ/dK/dV: {', '.join(worst)} (study: dQ, dK) "
         f"-> {'agrees' if ordering else 'DIFFERS'}.",
         f"  ds alone in INT8 gives {ds['dQ']:.0%} of dQ's and {ds['dK']:.0%} of dK's squared rel_l2; "
-        f"largest single product: dQ {top['dQ'].split()[1]} ({_share(table, top['dQ'], 'dQ'):.0%}), "
+        f"largest single INT8 product of sagebwd: dQ {top['dQ'].split()[1]} ({_share(table, top['dQ'], 'dQ'):.0%}), "
         f"dK {top['dK'].split()[1]} ({_share(table, top['dK'], 'dK'):.0%}).",
     ]
     return lines, ordering, min(ds.values()) > 0.5
@@ -386,6 +401,18 @@ def _commit() -> str:
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
 
 
+def to_json(result: dict) -> str:
+    """``result`` as JSON text: the header indented, one row per line.
+
+    Example::
+
+        json.loads(to_json({"kind": "accuracy", "rows": [{"cos": 1.0}]}))["rows"][0]["cos"]   # 1.0
+    """
+    header = json.dumps({key: value for key, value in result.items() if key != "rows"}, indent=1)
+    rows = ",\n".join("  " + json.dumps(row) for row in result["rows"])
+    return header[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the harness, print the tables and summary, write the JSON and markdown; returns the JSON dict.
 
@@ -403,15 +430,22 @@ def main(argv: list[str] | None = None) -> dict:
     name, today = device_name(args.device), datetime.date.today()
     out = args.out or REPO / "benchmarks" / "results" / f"accuracy-{device_slug(name)}-{today:%Y%m%d}.json"
     result = {
-        "kind": "accuracy", "device": name, "date": today.isoformat(), "commit": _commit(),
-        "command": shlex.join(["python", "benchmarks/accuracy.py", *argv]), "versions": _versions(), "rows": rows,
+        "kind": "accuracy",
+        "device": name,
+        "date": today.isoformat(),
+        "commit": _commit(),
+        "command": shlex.join(["python", "benchmarks/accuracy.py", *argv]),
+        "versions": _versions(),
+        "rows": rows,
     }
     text = format_tables(rows) + "\n" + "\n".join(summarize(rows)) + "\n"
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    heading = f"# Accuracy: SageBwd reference vs float64\n\n{result['device']}, {result['date']}, commit " \
-              f"{result['commit']}\n\n`{result['command']}`\n\n"
+    out.write_text(to_json(result))
+    heading = (
+        f"# Accuracy: SageBwd reference vs float64\n\n{result['device']}, {result['date']}, commit "
+        f"{result['commit']}\n\n`{result['command']}`\n\n"
+    )
     out.with_suffix(".md").write_text(heading + text)
     print(f"wrote {out} and {out.with_suffix('.md')} ({time.perf_counter() - start:.1f} s)")
     return result

@@ -8,7 +8,8 @@ The numerics follow the design tile by tile (``BLOCK_M`` queries x ``BLOCK_N`` k
   per row of the tile for the forward's P, per tile for the backward's P and dS;
 * an online softmax over key tiles in the forward, O and the row logsumexp out;
 * a backward that recomputes S from exactly the saved Q'^, K'^ (matching recomputation), with INT8
-  ``dV``, high-precision ``dP``, INT8 or high-precision ``dQ``/``dK`` and the smoothing corrections.
+  ``dV``, high-precision ``dP``, INT8 or high-precision ``dQ``/``dK`` and Q-smoothing's correction to dK
+  (K-smoothing needs none: see :func:`_backward`).
 
 Quantized values are kept as integer-valued floats in the compute dtype (fp32, or fp64 for fp64
 inputs), so a NaN or an infinity stays non-finite instead of turning into an int8 code. Integer
@@ -71,7 +72,9 @@ def quantize_int8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor,
         codes, scale = quantize_int8(torch.randn(4, 64), dims=(-1,))   # per-row scales
     """
     amax = x.abs().amax(dim=dims, keepdim=True)
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / INT8_MAX)
+    scale = amax / INT8_MAX
+    # An all-zero block, or one whose max is so small that max/127 underflows to 0: scale 1, codes 0.
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     return torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX), scale
 
 
@@ -298,7 +301,6 @@ def _backward(
     dq = torch.zeros_like(do_r)
     dk = torch.zeros(b, h, geo.padded_k, d, dtype=geo.compute_dtype, device=do.device)
     dv = torch.zeros_like(dk)
-    ds_row_sum = torch.zeros_like(delta)
     err2 = torch.zeros((), dtype=geo.compute_dtype, device=do.device)
     norm2 = torch.zeros_like(err2)
     tiles: dict[str, list[torch.Tensor]] = {"dP": [], "dS": []}
@@ -337,8 +339,6 @@ def _backward(
         dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
         dk[:, :, keys] = dk_parts.sum(dim=2) * tau
 
-        if saved.k_mean is not None:
-            ds_row_sum += ds.sum(dim=-1)
         if saved.q_mean is not None:
             # Gradient of the fp bias tau * qbar_i . K'_j: colsum over each row block of dS times qbar.
             col_sums = ds_blocks.sum(dim=3)  # [B, Hkv, R / BM, BN]
@@ -346,10 +346,10 @@ def _backward(
         if record is not None:
             tiles["dP"].append(dp.masked_fill(invalid, 0.0))
             tiles["dS"].append((ds_op * ds_op_scale).reshape(ds.shape))
-    if saved.k_mean is not None:
-        # K-smoothing's correction rowsum(dS) x kbar, from the unquantized dS: zero in exact arithmetic,
-        # so this adds back only rounding, not dS's quantization noise times kbar.
-        dq += (ds_row_sum[..., None] * saved.k_mean) * tau
+    # No K-smoothing term rowsum(dS) x kbar in dQ: the forward computed S from K', so this is the gradient of
+    # what ran. The term is zero in exact arithmetic, and in practice rowsum(dS) = dO . (P V - O) carries the
+    # PV quantization error, which kbar would amplify (measured: dQ rel_l2 0.0072 -> 0.040 with PV alone in
+    # INT8 and four outlier channels in K; see docs/how-it-works.md).
     if stats is not None:
         stats.add_(torch.stack([err2, norm2]).to(device=stats.device, dtype=stats.dtype))
     if record is not None:
@@ -566,7 +566,7 @@ def exact_attention(
 
     Returns:
         A dict with ``O, lse, delta, P, dP, dS, dQ, dK, dV`` in float64 (``dK``/``dV`` summed over the
-        query heads that share a kv head).
+        query heads that share a kv head; ``dP`` zero where the causal mask removes a pair).
 
     Example::
 
@@ -588,6 +588,8 @@ def exact_attention(
     out = p @ v64
     delta = (do64 * out).sum(dim=-1)
     dp = do64 @ v64.transpose(-1, -2)
+    if is_causal:  # masked pairs have no dP to speak of; zero, as the SageBwd intermediates record them
+        dp = dp.masked_fill(s == -math.inf, 0.0)
     ds = p * (dp - delta[..., None])
     dq = (ds @ k64) * tau
     dk = (ds.transpose(-1, -2) @ q64) * tau

@@ -89,8 +89,6 @@ def sagebwd_formula(
     if "ds" in int8:  # dQ and dK consume psi(dS), one scale per tile
         s_main = qgrad(s_main, block_m, block_n)
     s = s_main
-    if precision.smooth_k:  # value 0; gradient adds rowsum(dS) x kbar to dQ, with the unquantized dS
-        s = s + tau * (q - q.detach()) @ k_mean.repeat_interleave(group, dim=1).transpose(-1, -2)
     if precision.smooth_q:  # the dropped term, in high precision; its gradient reaches K through deq(K'^)
         s = s + tau * q_mean_rows @ k_op.transpose(-1, -2)
     if is_causal:

@@ -1,0 +1,85 @@
+"""The accuracy harness (benchmarks/accuracy.py) at a tiny size: file format, row schema, sane metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import accuracy  # noqa: E402  (benchmarks/ is not a package)
+
+ROW_KEYS = {
+    "path",
+    "setting",
+    "label",
+    "inputs",
+    "batch",
+    "heads",
+    "kv_heads",
+    "seq",
+    "head_dim",
+    "causal",
+    "smooth_k",
+    "tensor",
+    "cos",
+    "rel_l2",
+}
+# seq 96 is not a multiple of the 128-query or 64-key tile; the causal run also has GQA.
+CASES = {
+    "plain": ["--seq", "96", "--head-dim", "32"],
+    "causal-gqa": ["--seq", "96", "--head-dim", "32", "--heads", "4", "--kv-heads", "2", "--causal"],
+}
+# quantize_int8 computes s = amax / 127 and guards only amax == 0: a block whose max is a tiny subnormal
+# (P~ = exp(S - m) of a row far below its running max, e.g. q, k with sigma=10) gets s = 0 and 0/0 codes.
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, list]:
+    """The harness run in-process on one case; returns (returned dict, JSON path, argv)."""
+    out = tmp_path_factory.mktemp(request.param) / "acc.json"
+    argv = [*CASES[request.param], "--out", str(out)]
+    return accuracy.main(argv), out, argv
+
+
+def test_header_and_files(result: tuple[dict, Path, list]) -> None:
+    returned, out, argv = result
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(returned))
+    assert data["kind"] == "accuracy" and data["device"] == "cpu"
+    assert len(data["date"]) == 10 and data["date"][4] == "-" and data["commit"]
+    assert data["command"].startswith("python benchmarks/accuracy.py") and argv[-1] in data["command"]
+    assert "torch" in data["versions"]
+    assert out.with_suffix(".md").read_text().count("| bf16 |") == 2 * 2 * len(accuracy.input_kinds())
+
+
+def test_row_schema(result: tuple[dict, Path, list]) -> None:
+    rows, argv = result[0]["rows"], result[2]
+    n_settings = len(accuracy.settings(True))
+    assert len(rows) == len(accuracy.input_kinds()) * 2 * n_settings * len(accuracy.TENSORS)
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["path"] == "reference" and row["tensor"] in accuracy.TENSORS
+        assert row["setting"].startswith("sagebwd:int8=") and row["seq"] == 96 and row["head_dim"] == 32
+        assert row["causal"] == ("--causal" in argv) and row["smooth_k"] == ("smooth_k" in row["setting"])
+    assert len({(r["setting"], r["label"]) for r in rows}) == 2 * n_settings  # short names are distinct
+
+
+def test_bf16_baseline_and_cos_bounds(result: tuple[dict, Path, list]) -> None:
+    rows = result[0]["rows"]
+    for row in rows:
+        assert row["cos"] is None or row["cos"] <= 1.0
+        assert row["rel_l2"] is None or row["rel_l2"] >= 0.0
+        if row["label"] == "bf16":
+            assert row["cos"] is not None and math.isfinite(row["cos"])
+            if row["tensor"] == "O":
+                assert row["cos"] > 0.999, row
+
+
+def test_every_cos_finite(result: tuple[dict, Path, list]) -> None:
+    bad = {(r["inputs"], r["label"], r["smooth_k"]) for r in result[0]["rows"] if r["cos"] is None}
+    assert not bad, sorted(bad)
