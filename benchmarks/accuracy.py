@@ -44,6 +44,7 @@ import datetime
 import importlib.metadata
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -393,7 +394,12 @@ def _versions() -> dict[str, str]:
 
 
 def _commit() -> str:
-    """``git rev-parse HEAD`` of the repository (read-only), or ``"unknown"``."""
+    """``git rev-parse HEAD`` of the repository (read-only), else ``$GIT_COMMIT``, else ``"unknown"``.
+
+    The device machine gets a copy of the working tree without ``.git``; the caller passes the sha.
+    """
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

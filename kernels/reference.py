@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .precision import AttentionPrecision
 
@@ -433,6 +434,7 @@ class _SageAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:

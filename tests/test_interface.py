@@ -36,6 +36,15 @@ def test_output_has_the_input_dtype_and_shape_and_tracks_sdpa(dtype: torch.dtype
     assert q.grad is not None and q.grad.dtype == dtype
 
 
+def test_non_contiguous_views_from_a_seq_first_layout() -> None:
+    """Models often hold [B, N, H, D] and pass q.transpose(1, 2): same result as contiguous inputs."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 50, h, 16, generator=g).bfloat16().transpose(1, 2) for h in (4, 2, 2))
+    assert not q.is_contiguous()
+    out = sage_attention(q, k, v, is_causal=True)
+    assert torch.equal(out, sage_attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True))
+
+
 def test_float32_is_computed_as_is_not_cast() -> None:
     """fp32 inputs: the high-precision products run in fp32, so all-bf16 settings are fp32-accurate."""
     q, k, v = qkv(dtype=torch.float32, n=40, nk=40)

@@ -253,6 +253,28 @@ def test_gradients_match_autograd_through_the_fake_quant_formula(setting: str, c
         assert rel_l2(ours, theirs) < 1e-10, name
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_and_tiles_match_the_formula(seed: int) -> None:
+    """Property-style: random GQA shapes, ragged lengths, tile sizes and settings, float64, to 1e-10."""
+    rnd = random.Random(100 + seed)
+    hkv = rnd.choice([1, 2])
+    hq = hkv * rnd.choice([1, 3])
+    n, nk = rnd.randint(1, 90), rnd.randint(1, 90)
+    d = rnd.choice([8, 16, 24])
+    block_m, block_n = rnd.choice([16, 32]), rnd.choice([8, 16, 32])
+    causal = rnd.random() < 0.5
+    fields = {name: rnd.choice(["int8", "bf16"]) for name in ("qk", "pv", "dv", "dp", "ds")}
+    precision = AttentionPrecision(**fields, smooth_k=rnd.random() < 0.7, smooth_q=rnd.random() < 0.3)
+    q, k, v, do = make_inputs(rnd.randint(1, 2), hq, hkv, n, nk, d, torch.float64, seed=seed)
+    kwargs = {"is_causal": causal, "precision": precision, "block_m": block_m, "block_n": block_n}
+    got = run(q, k, v, do, **kwargs)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    formula_out = sagebwd_formula(*leaves, **kwargs)
+    formula_out.backward(do)
+    for name, ours, theirs in zip(("O", "dQ", "dK", "dV"), got, (formula_out, *(t.grad for t in leaves)), strict=True):
+        assert rel_l2(ours, theirs) < 1e-10, (name, precision.short_name, n, nk, block_m, block_n, causal)
+
+
 def test_formula_is_not_trivially_satisfied() -> None:
     """The formula test has teeth: a different tile size (other quantization blocks) breaks the match."""
     q, k, v, do = make_inputs(1, 2, 2, 64, 64, 16, torch.float64, seed=0)
@@ -297,6 +319,15 @@ def test_non_finite_output_gradient_gives_non_finite_input_gradients() -> None:
     do[0, 0, 7, 1] = math.inf
     _, dq, dk, dv = run(q, k, v, do)
     assert not torch.isfinite(dq).all() and not torch.isfinite(dk).all() and not torch.isfinite(dv).all()
+
+
+def test_double_backward_is_refused_clearly() -> None:
+    q, k, v, do = make_inputs(1, 1, 1, 16, 16, 8, torch.float32, seed=0)
+    q.requires_grad_()
+    out, _ = sage_attention_reference(q, k, v)
+    (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)  # a gradient penalty, say
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
 
 
 def test_full_mode_is_sdpa() -> None:
