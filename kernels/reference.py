@@ -85,7 +85,9 @@ def _operand(
     """A product operand in ``fmt``: INT8 codes and scales, or ``x`` rounded to the input dtype (scale 1)."""
     if fmt == "int8":
         return quantize_int8(x, dims)
-    shape = [1 if (d % x.dim()) in {dd % x.dim() for dd in dims} else s for d, s in enumerate(x.shape)]
+    shape = list(x.shape)
+    for dim in dims:
+        shape[dim] = 1
     return x.to(io_dtype).to(x.dtype), x.new_ones(shape)
 
 
@@ -127,12 +129,12 @@ class _Geometry:
         return self.padded_k // self.block_n
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, Hq, N, *]`` -> ``[B, Hkv, G * padded_N, *]`` in the compute dtype, zero-padded."""
+        """``[B, Hq, N, D]`` -> ``[B, Hkv, G * padded_N, D]`` in the compute dtype, zero-padded."""
         x = x.to(self.compute_dtype)
         pad = self.padded_q - self.seq_q
         if pad:
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad) if x.dim() == 4 else (0, pad))
-        return x.reshape(self.batch, self.kv_heads, self.rows, *x.shape[3:])
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        return x.reshape(self.batch, self.kv_heads, self.rows, x.shape[3])
 
     def from_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`to_rows` (crops the padding)."""
