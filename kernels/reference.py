@@ -324,16 +324,13 @@ def _backward(
         ds = p * (dp - delta[..., None])
 
         ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
-        ds_codes, ds_scale = quantize_int8(ds_blocks, (-2, -1))
+        ds_op, ds_op_scale = _operand(ds_blocks, precision.ds, (-2, -1), geo.io_dtype)
         if stats is not None:
             # Measured for the INT8 quantizer whatever ds runs in, so the controller can see the error
             # it would return to before it steps dS back down from bf16.
+            ds_codes, ds_scale = (ds_op, ds_op_scale) if precision.ds == "int8" else quantize_int8(ds_blocks, (-2, -1))
             err2 = err2 + (ds_blocks - ds_codes * ds_scale).square().sum()
             norm2 = norm2 + ds_blocks.square().sum()
-        if precision.ds == "int8":
-            ds_op, ds_op_scale = ds_codes, ds_scale
-        else:
-            ds_op, ds_op_scale = _operand(ds_blocks, "bf16", (-2, -1), geo.io_dtype)
 
         k_op = _key_tile(saved.k_op, geo, tile)
         k_scale = saved.k_scale[:, :, tile, None]
