@@ -3,7 +3,7 @@
 Nothing in here knows about Lightning.
 """
 
-from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention
+from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention, use_backend
 from .precision import FORMATS, MODES, PRODUCTS, AttentionPrecision
 
 __all__ = [
@@ -14,4 +14,5 @@ __all__ = [
     "AttentionPrecision",
     "check_inputs",
     "sage_attention",
+    "use_backend",
 ]

@@ -8,6 +8,16 @@ import torch.nn.functional as F
 from .precision import AttentionPrecision
 from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
 
+try:  # Triton is a Linux dependency; elsewhere every call takes the reference.
+    from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
+except ImportError:  # pragma: no cover - exercised only where triton is not installed
+    MAX_TRITON_HEAD_DIM, sage_attention_triton = 0, None
+
+#: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
+#: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
+_BACKEND = "auto"
+BACKENDS = ("auto", "triton", "reference")
+
 #: Input dtypes ``sage_attention`` takes. float32 is computed as it is (not cast): the INT8 products are
 #: the same, and the products set to ``"bf16"`` run with float32 operands.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
@@ -123,8 +133,8 @@ def sage_attention(
     Layout and meaning are SDPA's: ``q`` ``[B, Hq, N, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, grouped-query
     attention when ``Hq`` is a multiple of ``Hkv`` (SDPA's ``enable_gqa=True``), ``is_causal`` the
     top-left aligned lower triangle (also when ``N != Nk``), any ``N`` and ``Nk``. Differentiable in
-    ``q``, ``k`` and ``v``. This version runs the pure-PyTorch reference on every device; the Triton
-    kernels take CUDA tensors once they land. ``attn_mask`` and dropout are not taken: route such calls
+    ``q``, ``k`` and ``v``. CUDA tensors with head dim up to 128 run the Triton kernels; everything else
+    (CPU tensors, larger heads) runs the pure-PyTorch reference of the same numerics. ``attn_mask`` and dropout are not taken: route such calls
     to SDPA (the Lightning mixin does that per call).
 
     Args:
@@ -168,5 +178,53 @@ def sage_attention(
         )
     if q.shape[2] == 0:
         return q.new_empty(q.shape)
-    out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
+    if _uses_triton(q):
+        out, _ = sage_attention_triton(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
+    else:
+        out, _ = sage_attention_reference(
+            q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats
+        )
     return out
+
+
+def _uses_triton(q: torch.Tensor) -> bool:
+    if _BACKEND == "reference" or sage_attention_triton is None:
+        return False
+    if _BACKEND == "triton":
+        return True
+    return q.is_cuda and q.shape[-1] <= MAX_TRITON_HEAD_DIM
+
+
+class use_backend:  # noqa: N801 - used like a function: ``with use_backend("reference"):``
+    """Context manager that makes :func:`sage_attention` take one implementation (tests, accuracy studies).
+
+    Args:
+        backend: ``"auto"`` (the default: the Triton kernels for CUDA tensors with head dim up to 128, the
+            PyTorch reference otherwise), ``"triton"`` (any device Triton runs on, the CPU included under
+            ``TRITON_INTERPRET=1``) or ``"reference"``.
+
+    Raises:
+        ValueError: an unknown backend, or ``"triton"`` where Triton is not installed.
+
+    Example::
+
+        with use_backend("reference"):
+            out = sage_attention(q, k, v)
+    """
+
+    def __init__(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"use_backend: backend must be one of {', '.join(BACKENDS)}; received {backend!r}.")
+        if backend == "triton" and sage_attention_triton is None:
+            raise ValueError("use_backend: backend 'triton' needs the triton package, which is not installed.")
+        self.backend = backend
+        self._previous = "auto"
+
+    def __enter__(self) -> use_backend:
+        global _BACKEND
+        self._previous, _BACKEND = _BACKEND, self.backend
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _BACKEND
+        _BACKEND = self._previous

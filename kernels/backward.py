@@ -1,0 +1,375 @@
+"""Triton backward of SageBwd: dK and dV in one kernel, dQ in another, S recomputed from the saved Q'^, K'^.
+
+Both kernels walk the same ``BLOCK_M x BLOCK_N`` tiles the forward used and recompute each tile's ``S``,
+``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`),
+so the two see the same dS and its INT8 codes. Per tile (as the reference):
+
+* ``dV += psi(P)^T psi(dO)``: one scale for the tile of P, one per block of dO;
+* ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 when ``dp="int8"``);
+* ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS;
+* Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
+
+The dK/dV program owns one key block of a kv head and loops over every query head of its group, so GQA
+gradients are summed without repeating K or V. The dS statistics (``STATS``) are accumulated by the dK/dV
+kernel only, once per tile, and added into the caller's buffer with two atomics per program.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import LOG2E, load_tile, scores_tile
+from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, to_dtype
+
+
+@triton.jit
+def _tile_gradients(
+    q,
+    q_scale,
+    q_mean,
+    k,
+    k_scale,
+    v,
+    v_scale,
+    do_dp,
+    do_scale,
+    lse,
+    delta,
+    offs_m,
+    offs_n,
+    SEQ_Q,
+    SEQ_K,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DP_INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``P`` and ``dS`` (fp32) of one tile; both are zero where the pair takes no part."""
+    s, invalid = scores_tile(
+        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DOT_PRECISION
+    )
+    p = tl.where(invalid, 0.0, tl.math.exp2(s - lse[:, None]))
+    if DP_INT8:
+        dp = tl.dot(do_dp, tl.trans(v)).to(tl.float32) * (do_scale * v_scale)
+    else:
+        dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _quantized_ds(ds, IO_DTYPE: tl.constexpr, DS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dS as the dQ/dK products take it: INT8 codes and one scale for the tile, or rounded to the input dtype."""
+    if DS_INT8:
+        ds_scale = int8_scale(nan_max(tl.abs(ds)))
+        return int8_codes(ds, ds_scale), ds_scale
+    return to_dtype(ds, IO_DTYPE, DOT_PRECISION), 1.0
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q_OP,
+    Q_SCALE,
+    Q_MEAN,
+    K_OP,
+    K_SCALE,
+    V,
+    V_SCALE,
+    DO,
+    DO_CODES,
+    DO_SCALE,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    STATS,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    HEADS,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    qk_scale,
+    tau,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    DV_INT8: tl.constexpr,
+    DP_INT8: tl.constexpr,
+    DS_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    WITH_STATS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    kv_heads = HEADS // GROUP
+    b = pid_bkv // kv_heads
+    m_blocks = tl.cdiv(SEQ_Q, BLOCK_M)
+    k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, D_PAD)
+    k = load_tile(K_OP + pid_bkv * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+    k_scale = tl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
+    # V as dP's operand: INT8 codes (then V_SCALE holds their scales) or the input itself.
+    v = load_tile(V + pid_bkv * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+    v_scale = 1.0
+    if DP_INT8:
+        v_scale = tl.load(V_SCALE + pid_bkv * k_blocks + pid_n)
+    io_dtype = DK.dtype.element_ty
+    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    err2 = 0.0
+    norm2 = 0.0
+    lo = 0
+    if CAUSAL:
+        # Query blocks that end before this key block starts see none of its keys.
+        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+    for g in range(0, GROUP):
+        bh = b * HEADS + (pid_bkv % kv_heads) * GROUP + g
+        head = bh % HEADS
+        for start_m in range(lo, SEQ_Q, BLOCK_M):
+            m_block = start_m // BLOCK_M
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = load_tile(Q_OP + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+            q_scale = tl.load(Q_SCALE + bh * m_blocks + m_block)
+            q_mean = tl.zeros([D_PAD], dtype=tl.float32)
+            if SMOOTH_Q:
+                q_mean = tl.load(Q_MEAN + (bh * m_blocks + m_block) * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+            do = tl.load(
+                DO + b * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + cols[None, :] * stride_dod,
+                mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            do_codes = do
+            do_scale = 1.0
+            if DV_INT8 or DP_INT8:
+                do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+                do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
+            lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+            delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+            if DP_INT8:
+                p, ds = _tile_gradients(
+                    q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+                )  # fmt: skip
+            else:
+                p, ds = _tile_gradients(
+                    q, q_scale, q_mean, k, k_scale, v, v_scale, do, 1.0, lse, delta, offs_m, offs_n,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+                )  # fmt: skip
+            if DV_INT8:
+                p_scale = int8_scale(nan_max(p))
+                p_codes = int8_codes(p, p_scale)
+                dv += tl.dot(tl.trans(p_codes), do_codes).to(tl.float32) * (p_scale * do_scale)
+            else:
+                dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
+            if WITH_STATS:
+                # The INT8 error of dS whatever ds runs in, so the controller sees what it would return to.
+                stat_scale = int8_scale(nan_max(tl.abs(ds)))
+                err = ds - int8_codes(ds, stat_scale).to(tl.float32) * stat_scale
+                err2 += tl.sum(tl.sum(err * err, axis=1), axis=0)
+                norm2 += tl.sum(tl.sum(ds * ds, axis=1), axis=0)
+            ds_op, ds_scale = _quantized_ds(ds, io_dtype, DS_INT8, DOT_PRECISION)
+            if DS_INT8 and QK_INT8:
+                dk += tl.dot(tl.trans(ds_op), q).to(tl.float32) * (ds_scale * q_scale)
+            else:
+                dk += hp_dot(
+                    tl.trans(to_dtype(ds_op, io_dtype, DOT_PRECISION)),
+                    to_dtype(q, io_dtype, DOT_PRECISION),
+                    DOT_PRECISION,
+                ) * (ds_scale * q_scale)
+            if SMOOTH_Q:
+                dk += tl.sum(ds, axis=0)[:, None] * q_mean[None, :]
+    mask = (offs_n[:, None] < SEQ_K) & (cols[None, :] < HEAD_DIM)
+    out_offs = pid_bkv * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + cols[None, :]
+    tl.store(DK + out_offs, to_dtype(dk * tau, io_dtype, DOT_PRECISION), mask=mask)
+    tl.store(DV + out_offs, to_dtype(dv, io_dtype, DOT_PRECISION), mask=mask)
+    if WITH_STATS:
+        tl.atomic_add(STATS, err2)
+        tl.atomic_add(STATS + 1, norm2)
+
+
+@triton.jit
+def _dq_kernel(
+    Q_OP,
+    Q_SCALE,
+    Q_MEAN,
+    K_OP,
+    K_SCALE,
+    V,
+    V_SCALE,
+    DO,
+    DO_CODES,
+    DO_SCALE,
+    LSE,
+    DELTA,
+    DQ,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    HEADS,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    qk_scale,
+    tau,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    DP_INT8: tl.constexpr,
+    DS_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HEADS
+    head = bh % HEADS
+    kv_bh = b * (HEADS // GROUP) + head // GROUP
+    m_blocks = tl.cdiv(SEQ_Q, BLOCK_M)
+    k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D_PAD)
+    io_dtype = DQ.dtype.element_ty
+    q = load_tile(Q_OP + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+    q_scale = tl.load(Q_SCALE + bh * m_blocks + pid_m)
+    q_mean = tl.zeros([D_PAD], dtype=tl.float32)
+    if SMOOTH_Q:
+        q_mean = tl.load(Q_MEAN + (bh * m_blocks + pid_m) * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    do = tl.load(
+        DO + b * stride_dob + head * stride_doh + offs_m[:, None] * stride_don + cols[None, :] * stride_dod,
+        mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    do_scale = 1.0
+    if DP_INT8:
+        do = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+        do_scale = tl.load(DO_SCALE + bh * m_blocks + pid_m)
+    lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+    delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    hi = SEQ_K
+    if CAUSAL:
+        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        tile = start_n // BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(K_OP + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
+        v = load_tile(V + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        v_scale = 1.0
+        if DP_INT8:
+            v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+        _, ds = _tile_gradients(
+            q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
+            SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+        )  # fmt: skip
+        ds_op, ds_scale = _quantized_ds(ds, io_dtype, DS_INT8, DOT_PRECISION)
+        if DS_INT8 and QK_INT8:
+            dq += tl.dot(ds_op, k).to(tl.float32) * (ds_scale * k_scale)
+        else:
+            dq += hp_dot(
+                to_dtype(ds_op, io_dtype, DOT_PRECISION), to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION
+            ) * (ds_scale * k_scale)
+    tl.store(
+        DQ + bh * SEQ_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + cols[None, :],
+        to_dtype(dq * tau, io_dtype, DOT_PRECISION),
+        mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
+    )
+
+
+def backward(
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    do_codes: torch.Tensor | None,
+    do_scale: torch.Tensor | None,
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_dp: torch.Tensor,
+    v_dp_scale: torch.Tensor | None,
+    lse: torch.Tensor,
+    stats: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    qk_int8: bool,
+    dv_int8: bool,
+    dp_int8: bool,
+    ds_int8: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the dK/dV and dQ kernels; returns ``(dQ, dK, dV)`` contiguous in dO's dtype.
+
+    Args:
+        grad_out: dO ``[B, Hq, N, D]``, any strides.
+        delta, do_codes, do_scale: from :func:`.quant.backward_preprocess` (codes when ``dv`` or ``dp`` is INT8).
+        q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands.
+        v_dp, v_dp_scale: dP's V operand: V's INT8 codes and scales when ``dp="int8"``, else V contiguous.
+        lse: the forward's internal logsumexp (base 2).
+        stats: fp32 ``(2,)`` buffer the dS statistics are added to, or ``None`` (nothing computed).
+        is_causal, scale, block_m, block_n: as the forward.
+        qk_int8, dv_int8, dp_int8, ds_int8: the products' formats.
+
+    Example::
+
+        dq, dk, dv = backward(grad_out, delta, codes, dscale, *q_parts, *k_parts, v, None, lse, None,
+                              is_causal=True, scale=0.125, block_m=128, block_n=64, qk_int8=True,
+                              dv_int8=True, dp_int8=False, ds_int8=True)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    io_dtype = grad_out.dtype
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
+    dv = torch.empty_like(dk)
+    d_pad = triton.next_power_of_2(head_dim)
+    q_mean_arg = q_mean if q_mean is not None else q_scale
+    codes_arg = do_codes if do_codes is not None else grad_out
+    code_scale_arg = do_scale if do_scale is not None else delta
+    v_scale_arg = v_dp_scale if v_dp_scale is not None else k_scale
+    common = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D_PAD=d_pad,
+        CAUSAL=is_causal,
+        QK_INT8=qk_int8,
+        DP_INT8=dp_int8,
+        DS_INT8=ds_int8,
+        SMOOTH_Q=q_mean is not None,
+        DOT_PRECISION=dot_precision(io_dtype),
+        num_warps=8 if d_pad >= 128 else 4,
+        num_stages=2,
+    )
+    _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+        q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
+        grad_out, codes_arg, code_scale_arg, lse, delta, dk, dv,
+        stats if stats is not None else delta,
+        *grad_out.stride(),
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, scale * LOG2E, scale,
+        DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
+    )  # fmt: skip
+    _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+        q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
+        grad_out, codes_arg, code_scale_arg, lse, delta, dq,
+        *grad_out.stride(),
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, scale * LOG2E, scale,
+        **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,239 @@
+"""Triton forward of SageBwd: INT8 ``Q'^ K'^T`` and ``P^ V^`` with an online softmax over key tiles.
+
+One program per (query tile of ``BLOCK_M`` rows, batch x query head); the kv head is ``query head // group``,
+so grouped-query attention reads the shared K and V without repeating them. Scores are kept in base 2
+(``tau * log2(e)`` folded into the dequantization scale) so the softmax uses ``exp2``. The stored logsumexp is
+the internal one, of the smoothed scores and in base 2: the backward recomputes ``P = exp2(S - lse)`` from it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, to_dtype
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def load_tile(BASE, offs, cols, stride, SEQ, HEAD_DIM):
+    """A ``[rows, D_PAD]`` tile of a ``[N, D]`` row-major matrix at ``BASE``; zeros past ``SEQ`` and ``HEAD_DIM``."""
+    return tl.load(
+        BASE + offs[:, None] * stride + cols[None, :],
+        mask=(offs[:, None] < SEQ) & (cols[None, :] < HEAD_DIM),
+        other=0,
+    )
+
+
+@triton.jit
+def scores_tile(
+    q,
+    q_scale,
+    q_mean,
+    k,
+    k_scale,
+    offs_m,
+    offs_n,
+    SEQ_Q,
+    SEQ_K,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``S`` (base 2) of one tile from the quantized operands, and the mask of pairs that take no part
+    (``S = -inf`` there). Shared by the forward and both backward kernels, so the backward recomputes exactly
+    the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query.
+    """
+    if QK_INT8:
+        s = tl.dot(q, tl.trans(k)).to(tl.float32)
+    else:
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION)
+    s = s * (q_scale * k_scale * qk_scale)
+    if SMOOTH_Q:
+        # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
+        bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
+        s = s + bias[None, :]
+    invalid = (offs_m[:, None] >= SEQ_Q) | (offs_n[None, :] >= SEQ_K)
+    if CAUSAL:
+        invalid = invalid | (offs_n[None, :] > offs_m[:, None])
+    return tl.where(invalid, float("-inf"), s), invalid
+
+
+@triton.jit
+def _forward_kernel(
+    Q_OP,
+    Q_SCALE,
+    Q_MEAN,
+    K_OP,
+    K_SCALE,
+    V_OP,
+    V_SCALE,
+    OUT,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    HEADS,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    PV_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HEADS
+    kv_bh = b * (HEADS // GROUP) + (pid_bh % HEADS) // GROUP
+    m_blocks = tl.cdiv(SEQ_Q, BLOCK_M)
+    k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D_PAD)
+    # Q'^ / K'^ / V^ are contiguous [B, H, N, D] (written by quantize_rows).
+    q = load_tile(Q_OP + pid_bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+    q_scale = tl.load(Q_SCALE + pid_bh * m_blocks + pid_m)
+    q_mean = tl.zeros([D_PAD], dtype=tl.float32)
+    if SMOOTH_Q:
+        q_mean = tl.load(Q_MEAN + (pid_bh * m_blocks + pid_m) * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+    k_base = K_OP + kv_bh * SEQ_K * HEAD_DIM
+    v_base = V_OP + kv_bh * SEQ_K * HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    hi = SEQ_K
+    if CAUSAL:
+        # Top-left causal: keys after the tile's last query contribute exactly zero, skip them.
+        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        tile = start_n // BLOCK_N
+        k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
+        k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        s, _ = scores_tile(
+            q,
+            q_scale,
+            q_mean,
+            k,
+            k_scale,
+            offs_m,
+            offs_n,
+            SEQ_Q,
+            SEQ_K,
+            qk_scale,
+            CAUSAL,
+            QK_INT8,
+            SMOOTH_Q,
+            DOT_PRECISION,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with every key so far masked keeps max -inf; exp2(-inf - 0) = 0 leaves it empty.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        if PV_INT8:
+            # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
+            p_scale = int8_scale(nan_max(p, axis=1))
+            p_codes = int8_codes(p, p_scale[:, None])
+            v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+            pv = tl.dot(p_codes, v).to(tl.float32) * (p_scale[:, None] * v_scale)
+        else:
+            pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(
+        OUT + b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :],
+        to_dtype(out, OUT.dtype.element_ty, DOT_PRECISION),
+        mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
+    )
+    tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
+
+
+def forward(
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_op: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    is_causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+    qk_int8: bool,
+    pv_int8: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on quantized operands (see :func:`.quant.quantize_rows`).
+
+    Args:
+        q_op, q_scale, q_mean: Q'^ ``[B, Hq, N, D]``, its scales ``[B, Hq, N / BLOCK_M]`` and, with
+            Q-smoothing, the block means ``[B, Hq, N / BLOCK_M, D]``.
+        k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and ``[B, Hkv, Nk / BLOCK_N]``.
+        v_op, v_scale: V^ (or V when ``pv`` is high precision) and its scales.
+        out_dtype: dtype of O (the input dtype).
+        is_causal: top-left causal mask.
+        scale: softmax scale ``tau``.
+        block_m, block_n: tile sizes; they must be the quantization blocks of the operands.
+        qk_int8, pv_int8: whether the products run in INT8.
+
+    Returns:
+        ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]`` (fp32, base 2, smoothed scores).
+
+    Example::
+
+        out, lse2 = forward(*q_parts, *k_parts, v_codes, v_scale, out_dtype=torch.bfloat16, is_causal=True,
+                            scale=0.125, block_m=128, block_n=64, qk_int8=True, pv_int8=True)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    d_pad = triton.next_power_of_2(head_dim)
+    _forward_kernel[grid](
+        q_op,
+        q_scale,
+        q_mean if q_mean is not None else q_scale,
+        k_op,
+        k_scale,
+        v_op,
+        v_scale,
+        out,
+        lse,
+        *out.stride()[:3],
+        heads,
+        heads // kv_heads,
+        seq_q,
+        seq_k,
+        head_dim,
+        scale * LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        D_PAD=d_pad,
+        CAUSAL=is_causal,
+        QK_INT8=qk_int8,
+        PV_INT8=pv_int8,
+        SMOOTH_Q=q_mean is not None,
+        DOT_PRECISION=dot_precision(out_dtype),
+        num_warps=8 if d_pad >= 128 else 4,
+        num_stages=2,
+    )
+    return out, lse

@@ -1,0 +1,226 @@
+"""The Triton path as PyTorch operators: ``sage_lightning::sagebwd_forward`` / ``sagebwd_backward``.
+
+Both are ``torch.library.custom_op``\\ s with fake (meta) implementations, and the backward is registered as
+the forward's autograd formula, so a ``torch.compile``\\ d model traces through them without a graph break.
+The forward saves only what the backward needs: the INT8 Q'^ and K'^ with their scales (not q and k), V,
+O and the logsumexp.
+
+Under ``torch.compile`` a change of :class:`AttentionPrecision` changes the operators' constant arguments,
+which costs one recompile per distinct setting (each layer's setting is a guard).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .backward import backward
+from .forward import LOG2E, forward
+from .precision import AttentionPrecision
+from .quant import backward_preprocess, quantize_rows
+from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N
+
+#: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
+#: other head dims are padded to the next power of two inside the kernel.
+MAX_TRITON_HEAD_DIM = 128
+
+_EMPTY = (0,)
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+@torch.library.custom_op("sage_lightning::sagebwd_forward", mutates_args=())
+def sagebwd_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stats: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    qk_int8: bool,
+    pv_int8: bool,
+    dv_int8: bool,
+    dp_int8: bool,
+    ds_int8: bool,
+    smooth_k: bool,
+    smooth_q: bool,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SageBwd forward. Returns ``(O, lse2, Q'^, q_scale, q_mean, K'^, k_scale)``.
+
+    ``lse2`` is the internal logsumexp (base 2, of the smoothed scores); ``q_mean`` is empty without
+    Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
+    """
+    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
+    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
+    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
+    if pv_int8:
+        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True)
+    else:
+        v_op, v_scale = v.contiguous(), k_scale
+    out, lse = forward(
+        q_op,
+        q_scale,
+        q_mean,
+        k_op,
+        k_scale,
+        v_op,
+        v_scale,
+        out_dtype=q.dtype,
+        is_causal=is_causal,
+        scale=scale,
+        block_m=block_m,
+        block_n=block_n,
+        qk_int8=qk_int8,
+        pv_int8=pv_int8,
+    )
+    q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
+    return out, lse, q_op, q_scale, q_mean, k_op, k_scale
+
+
+@sagebwd_forward.register_fake
+def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk_int8, pv_int8, dv_int8, dp_int8, ds_int8,
+                          smooth_k, smooth_q, block_m, block_n):  # fmt: skip
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    op_dtype = torch.int8 if qk_int8 else q.dtype
+    m_blocks, n_blocks = _blocks(seq_q, block_m), _blocks(seq_k, block_n)
+    f32 = torch.float32
+    return (
+        q.new_empty(q.shape),
+        q.new_empty((batch, heads, seq_q), dtype=f32),
+        q.new_empty(q.shape, dtype=op_dtype),
+        q.new_empty((batch, heads, m_blocks), dtype=f32),
+        q.new_empty((batch, heads, m_blocks, head_dim) if smooth_q else _EMPTY, dtype=f32),
+        k.new_empty(k.shape, dtype=op_dtype),
+        k.new_empty((batch, kv_heads, n_blocks), dtype=f32),
+    )
+
+
+@torch.library.custom_op("sage_lightning::sagebwd_backward", mutates_args=("stats",))
+def sagebwd_backward(
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_mean: torch.Tensor,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    stats: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    qk_int8: bool,
+    dv_int8: bool,
+    dp_int8: bool,
+    ds_int8: bool,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SageBwd backward: ``(dQ, dK, dV)``; adds the dS statistics into ``stats`` when given."""
+    delta, do_codes, do_scale = backward_preprocess(grad_out, out, block_m, int8=dv_int8 or dp_int8)
+    if dp_int8:
+        v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
+    else:
+        v_dp, v_dp_scale = v.contiguous(), None
+    return backward(
+        grad_out,
+        delta,
+        do_codes,
+        do_scale,
+        q_op,
+        q_scale,
+        q_mean if q_mean.numel() else None,
+        k_op,
+        k_scale,
+        v_dp,
+        v_dp_scale,
+        lse,
+        stats,
+        is_causal=is_causal,
+        scale=scale,
+        block_m=block_m,
+        block_n=block_n,
+        qk_int8=qk_int8,
+        dv_int8=dv_int8,
+        dp_int8=dp_int8,
+        ds_int8=ds_int8,
+    )
+
+
+@sagebwd_backward.register_fake
+def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
+                           qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n):  # fmt: skip
+    return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(k_op.shape)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    q, k, v, stats, is_causal, scale, qk_int8, _pv, dv_int8, dp_int8, ds_int8, _sk, _sq, block_m, block_n = inputs
+    out, lse, q_op, q_scale, q_mean, k_op, k_scale = output
+    # q and k themselves are not kept: the backward recomputes S from Q'^, K'^ (matching recomputation).
+    ctx.save_for_backward(out, lse, q_op, q_scale, q_mean, k_op, k_scale, v)
+    # Not saved as a tensor: the backward adds into it in place, and a layer called twice per step (shared
+    # weights, activation checkpointing) would trip autograd's saved-tensor version check.
+    ctx.stats = stats
+    ctx.config = (is_causal, scale, qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n)
+    ctx.mark_non_differentiable(lse, q_op, q_scale, q_mean, k_op, k_scale)
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
+    out, lse, q_op, q_scale, q_mean, k_op, k_scale, v = ctx.saved_tensors
+    dq, dk, dv = sagebwd_backward(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, ctx.stats, *ctx.config)
+    return (dq, dk, dv) + (None,) * 12
+
+
+torch.library.register_autograd("sage_lightning::sagebwd_forward", _backward, setup_context=_setup_context)
+
+
+def sage_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    precision: AttentionPrecision | None = None,
+    stats: torch.Tensor | None = None,
+    block_m: int = DEFAULT_BLOCK_M,
+    block_n: int = DEFAULT_BLOCK_N,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SageBwd through the Triton kernels, differentiable; returns ``(O, logsumexp)`` like the reference.
+
+    Callers normally use :func:`sage_lightning.kernels.sage_attention`, which checks arguments and routes
+    CUDA tensors here. This function trusts its arguments (SDPA layout, ``Hq % Hkv == 0``, bf16/fp16/fp32,
+    head dim up to :data:`MAX_TRITON_HEAD_DIM`) and runs on any device Triton runs on, the CPU included
+    under ``TRITON_INTERPRET=1``.
+
+    Args:
+        q, k, v, is_causal, scale, precision, stats: as :func:`sage_lightning.kernels.sage_attention`.
+        block_m, block_n: the tiles, which are also the quantization blocks (powers of two, at least 16).
+
+    Returns:
+        ``O`` ``[B, Hq, N, D]`` and SDPA's row logsumexp ``[B, Hq, N]`` (fp32, natural log).
+
+    Example::
+
+        out, lse = sage_attention_triton(q, k, v, is_causal=True)
+    """
+    precision = AttentionPrecision() if precision is None else precision
+    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    int8 = precision.int8_products
+    out, lse2, *_ = sagebwd_forward(
+        q, k, v, stats, is_causal, tau,
+        "qk" in int8, "pv" in int8, "dv" in int8, "dp" in int8, "ds" in int8,
+        precision.smooth_k, precision.smooth_q, block_m, block_n,
+    )  # fmt: skip
+    lse = lse2.detach() / LOG2E
+    if precision.smooth_k:
+        # K-smoothing shifted row i of S by -tau q_i . kbar; SDPA's logsumexp has it back.
+        k_mean = k.detach().mean(dim=2, dtype=torch.float32).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        lse = lse + torch.einsum("bhnd,bhd->bhn", q.detach().float(), k_mean) * tau
+    return out, lse

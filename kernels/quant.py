@@ -1,0 +1,314 @@
+"""Triton quantization kernels: INT8 ``psi`` per block for Q', K', V and dO (fused with the backward's delta).
+
+The numerics are the reference's (:mod:`.reference`): one scale per block of ``BLOCK`` rows x the head dim,
+``s = max|X| / 127`` (1 for a block that is all zero or whose max underflows), round half to even, clamp to
+[-127, 127]. A NaN anywhere in a block makes its scale NaN, so the NaN reaches every product that uses the
+block instead of hiding in an int8 code: int8 has no NaN, and Triton's ``max`` reduction drops NaNs, hence
+:func:`nan_max` and the explicit NaN count.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude below 2**22 to the nearest integer, ties
+#: to even (IEEE round-to-nearest-even on the add), the same as ``torch.round``; it runs identically on the
+#: GPU and in the interpreter, where ``libdevice.rint`` is not available.
+_ROUNDER = 12582912.0
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """How :func:`hp_dot` runs the products kept in high precision, for inputs of ``dtype``.
+
+    ``"ieee"``: fp32 inputs, computed in true fp32 (not tf32). ``"upcast"``: bf16/fp16 under
+    ``TRITON_INTERPRET=1``, whose ``dot`` multiplies the raw bits of bf16 (Triton 3.9); the operands are cast
+    to fp32, which gives the same products (exact) and the same fp32 accumulation. ``"native"``: the tensor
+    cores' bf16/fp16 path with fp32 accumulation.
+    """
+    if dtype == torch.float32:
+        return "ieee"
+    return "upcast" if os.environ.get("TRITON_INTERPRET") == "1" else "native"
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``x.to(dtype)`` with round to nearest even, also under the interpreter.
+
+    Triton 3.9's interpreter truncates fp32 -> bf16 and reinterprets int8 -> bf16 bits; there (``"upcast"``)
+    the value goes through fp32 and is rounded to bf16 with integer arithmetic on its bits, after which the
+    cast is exact.
+    """
+    if DOT_PRECISION == "upcast" and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def hp_dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` with fp32 accumulation for the products kept in high precision (see :func:`dot_precision`)."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif DOT_PRECISION == "ieee":
+        return tl.dot(a, b, out_dtype=tl.float32, input_precision="ieee")
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max(x, axis=None):
+    """``max`` that returns NaN when any element is NaN (``tl.max`` ignores NaNs)."""
+    return tl.reduce(x, axis, _max_nan)
+
+
+@triton.jit
+def round_half_even(x):
+    """Round fp32 values of magnitude below 2**22 to integers, ties to even."""
+    return (x + _ROUNDER) - _ROUNDER
+
+
+@triton.jit
+def int8_scale(amax):
+    """``amax / 127``, or 1 where that is 0 (an all-zero block, or a max so small the division underflows)."""
+    scale = amax / 127.0
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def int8_codes(x, scale):
+    """Codes of ``x`` (fp32) for ``scale`` (broadcastable), as int8. Non-finite scales give garbage codes:
+    callers always multiply the product by the scale, which carries the NaN or infinity."""
+    codes = round_half_even(x / scale)
+    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+    return codes.to(tl.int8)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X,
+    OUT,
+    SCALE,
+    MEAN_IN,
+    MEAN_OUT,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_xd,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_sb,
+    stride_sh,
+    stride_mib,
+    stride_mih,
+    stride_mob,
+    stride_moh,
+    stride_mom,
+    HEADS,
+    SEQ,
+    HEAD_DIM,
+    BLOCK: tl.constexpr,
+    D_PAD: tl.constexpr,
+    SUBTRACT_MEAN: tl.constexpr,
+    BLOCK_MEAN: tl.constexpr,
+    INT8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
+
+    ``SUBTRACT_MEAN``: subtract the per-(batch, head) mean ``MEAN_IN`` (K-smoothing).
+    ``BLOCK_MEAN``: subtract the mean of the block's valid rows and write it to ``MEAN_OUT`` (Q-smoothing).
+    ``INT8``: write int8 codes and ``max|X| / 127``; otherwise the (smoothed) values in ``OUT``'s dtype and 1.
+    Rows past ``SEQ`` are zero, so they leave the block's scale alone (as the reference's padding does).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HEADS
+    h = pid_bh % HEADS
+    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D_PAD)
+    valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+    x_ptrs = X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd
+    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    if SUBTRACT_MEAN:
+        mean = tl.load(MEAN_IN + b * stride_mib + h * stride_mih + cols, mask=cols < HEAD_DIM, other=0.0)
+        x = tl.where(valid, x - mean[None, :], 0.0)
+    if BLOCK_MEAN:
+        count = tl.minimum(SEQ - pid_m * BLOCK, BLOCK).to(tl.float32)
+        mean = tl.sum(x, axis=0) / count
+        tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
+        x = tl.where(valid, x - mean[None, :], 0.0)
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :]
+    if INT8:
+        amax = nan_max(tl.abs(x))
+        scale = int8_scale(amax)
+        tl.store(out_ptrs, int8_codes(x, scale), mask=valid)
+    else:
+        scale = 1.0
+        tl.store(out_ptrs, to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
+    tl.store(SCALE + b * stride_sb + h * stride_sh + pid_m, scale)
+
+
+def _blocks(seq: int, block: int) -> int:
+    return -(-seq // block)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    block: int,
+    *,
+    int8: bool,
+    mean: torch.Tensor | None = None,
+    block_mean: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize ``x`` ``[B, H, N, D]`` per block of ``block`` rows (Q', K', V in the forward).
+
+    Args:
+        x: the input, any strides, bf16/fp16/fp32.
+        block: rows per quantization block (``BLOCK_M`` for Q, ``BLOCK_N`` for K and V).
+        int8: INT8 codes and scales; ``False`` keeps the values in ``x``'s dtype with scale 1 (a "bf16" product).
+        mean: ``[B, H, D]`` fp32, subtracted from every row first (K-smoothing).
+        block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
+
+    Returns:
+        ``(op, scale, block_means)``: ``op`` ``[B, H, N, D]`` contiguous (int8 or ``x``'s dtype), ``scale``
+        ``[B, H, blocks]`` fp32, and ``block_means`` ``[B, H, blocks, D]`` fp32 or ``None``.
+
+    Example::
+
+        codes, scale, _ = quantize_rows(k, 64, int8=True, mean=k.float().mean(dim=2))
+    """
+    batch, heads, seq, head_dim = x.shape
+    blocks = _blocks(seq, block)
+    op = torch.empty(x.shape, dtype=torch.int8 if int8 else x.dtype, device=x.device)
+    scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=x.device)
+    means = torch.empty(batch, heads, blocks, head_dim, dtype=torch.float32, device=x.device) if block_mean else None
+    mean_in = mean if mean is not None else scale  # any tensor: unused unless SUBTRACT_MEAN
+    mean_out = means if means is not None else scale
+    mi_strides = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)
+    mo_strides = (means.stride(0), means.stride(1), means.stride(2)) if means is not None else (0, 0, 0)
+    if blocks and batch * heads:
+        _quantize_rows_kernel[(blocks, batch * heads)](
+            x,
+            op,
+            scale,
+            mean_in,
+            mean_out,
+            *x.stride(),
+            *op.stride()[:3],
+            *scale.stride()[:2],
+            *mi_strides,
+            *mo_strides,
+            heads,
+            seq,
+            head_dim,
+            BLOCK=block,
+            D_PAD=triton.next_power_of_2(head_dim),
+            SUBTRACT_MEAN=mean is not None,
+            BLOCK_MEAN=block_mean,
+            INT8=int8,
+            DOT_PRECISION=dot_precision(x.dtype),
+        )
+    return op, scale, means
+
+
+@triton.jit
+def _backward_preprocess_kernel(
+    DO,
+    OUT,
+    DELTA,
+    DO_CODES,
+    DO_SCALE,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    HEADS,
+    SEQ,
+    HEAD_DIM,
+    BLOCK_M: tl.constexpr,
+    D_PAD: tl.constexpr,
+    INT8: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` per row and, when ``INT8``, dO's codes and scale per block, in one read of dO."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HEADS
+    h = pid_bh % HEADS
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, D_PAD)
+    valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+    do = tl.load(
+        DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + cols[None, :] * stride_dod,
+        mask=valid,
+        other=0.0,
+    ).to(tl.float32)
+    o = tl.load(
+        OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
+        mask=valid,
+        other=0.0,
+    ).to(tl.float32)
+    delta = tl.sum(do * o, axis=1)
+    tl.store(DELTA + pid_bh * SEQ + rows, delta, mask=rows < SEQ)
+    if INT8:
+        scale = int8_scale(nan_max(tl.abs(do)))
+        code_ptrs = DO_CODES + pid_bh * SEQ * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(code_ptrs, int8_codes(do, scale), mask=valid)
+        tl.store(DO_SCALE + pid_bh * tl.cdiv(SEQ, BLOCK_M) + pid_m, scale)
+
+
+def backward_preprocess(
+    grad_out: torch.Tensor, out: torch.Tensor, block_m: int, *, int8: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``delta`` ``[B, H, N]`` fp32 and, when ``int8``, dO's codes ``[B, H, N, D]`` and scales ``[B, H, blocks]``.
+
+    Args:
+        grad_out: dO ``[B, H, N, D]``, any strides (autograd may hand an expanded tensor).
+        out: the stored O, same shape.
+        block_m: rows per quantization block of dO.
+        int8: also quantize dO (needed when ``dv`` or ``dp`` runs in INT8).
+
+    Returns:
+        ``(delta, do_codes, do_scale)``, the last two ``None`` unless ``int8``.
+
+    Example::
+
+        delta, codes, scale = backward_preprocess(grad_out, out, 128, int8=True)
+    """
+    batch, heads, seq, head_dim = grad_out.shape
+    blocks = _blocks(seq, block_m)
+    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=grad_out.device)
+    codes = torch.empty(grad_out.shape, dtype=torch.int8, device=grad_out.device) if int8 else None
+    scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=grad_out.device) if int8 else None
+    if blocks and batch * heads:
+        _backward_preprocess_kernel[(blocks, batch * heads)](
+            grad_out,
+            out,
+            delta,
+            codes if codes is not None else delta,
+            scale if scale is not None else delta,
+            *grad_out.stride(),
+            *out.stride(),
+            heads,
+            seq,
+            head_dim,
+            BLOCK_M=block_m,
+            D_PAD=triton.next_power_of_2(head_dim),
+            INT8=int8,
+        )
+    return delta, codes, scale

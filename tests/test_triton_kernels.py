@@ -1,0 +1,202 @@
+"""The Triton kernels against the reference: same numerics, tile by tile.
+
+On a CPU-only machine they run under ``TRITON_INTERPRET=1`` (set by conftest.py) at small sizes; on a GPU the
+same tests run on CUDA. Agreement is to rounding: the kernels fold ``log2(e)`` into the scores and sum in a
+different order, so a value on a rounding boundary can land on the neighbouring bf16 number or INT8 code.
+Those flips are rare: the bounds below are two orders of magnitude under the INT8 error itself (~1e-2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
+from sage_lightning.kernels.ops import sage_attention_triton
+from sage_lightning.kernels.quant import backward_preprocess, quantize_rows
+from sage_lightning.kernels.reference import quantize_int8, sage_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not INTERPRETED, reason="the Triton kernels need a GPU or TRITON_INTERPRET=1"
+)
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(shape_q, shape_k, dtype, seed, sigma=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(shape_q, generator=gen) * sigma).to(DEVICE, dtype).requires_grad_()
+    k = (torch.randn(shape_k, generator=gen) * sigma).to(DEVICE, dtype).requires_grad_()
+    v = torch.randn(shape_k, generator=gen).to(DEVICE, dtype).requires_grad_()
+    do = torch.randn(shape_q, generator=gen).to(DEVICE, dtype)
+    return q, k, v, do
+
+
+def _run(fn, q, k, v, do, **kwargs):
+    stats = torch.zeros(2, device=DEVICE)
+    out, lse = fn(q, k, v, stats=stats, **kwargs)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return out, lse, grads, stats
+
+
+# (batch, q heads, kv heads, N, Nk, head dim, causal, precision, dtype): each line one thing the kernels must do.
+CASES = [
+    pytest.param(1, 2, 2, 100, 100, 32, False, AttentionPrecision(), torch.bfloat16, id="mha-ragged"),
+    pytest.param(1, 2, 2, 130, 130, 32, True, AttentionPrecision(), torch.bfloat16, id="causal-2-query-tiles"),
+    pytest.param(2, 4, 2, 70, 70, 16, True, AttentionPrecision(), torch.bfloat16, id="gqa-causal"),
+    pytest.param(1, 3, 1, 50, 90, 32, False, AttentionPrecision(), torch.bfloat16, id="mqa-n-lt-nk"),
+    pytest.param(1, 2, 1, 140, 60, 16, True, AttentionPrecision(), torch.bfloat16, id="causal-n-gt-nk"),
+    pytest.param(1, 2, 1, 60, 140, 16, True, AttentionPrecision(), torch.bfloat16, id="causal-n-lt-nk"),
+    pytest.param(1, 2, 2, 100, 100, 32, True, AttentionPrecision(ds="bf16"), torch.bfloat16, id="ds-bf16"),
+    pytest.param(1, 2, 1, 100, 80, 32, False, AttentionPrecision(dp="int8"), torch.bfloat16, id="dp-int8"),
+    pytest.param(1, 2, 1, 100, 80, 32, True, AttentionPrecision(smooth_q=True), torch.bfloat16, id="smooth-q"),
+    pytest.param(1, 2, 2, 100, 80, 32, False, AttentionPrecision(smooth_k=False), torch.bfloat16, id="no-smooth-k"),
+    pytest.param(1, 2, 1, 90, 90, 32, True, AttentionPrecision.all_bf16(), torch.bfloat16, id="all-bf16"),
+    pytest.param(1, 2, 1, 90, 90, 32, False, AttentionPrecision(qk="bf16", pv="bf16"), torch.bfloat16, id="fwd-bf16"),
+    pytest.param(1, 2, 2, 90, 90, 40, True, AttentionPrecision(), torch.bfloat16, id="head-dim-40"),
+    pytest.param(1, 2, 2, 90, 90, 32, True, AttentionPrecision(), torch.float16, id="fp16"),
+    pytest.param(1, 2, 1, 90, 90, 16, True, AttentionPrecision(smooth_q=True, ds="bf16"), torch.float32, id="fp32"),
+]
+
+
+@pytest.mark.parametrize("batch, hq, hkv, n, nk, d, causal, precision, dtype", CASES)
+def test_triton_matches_reference(batch, hq, hkv, n, nk, d, causal, precision, dtype):
+    q, k, v, do = _inputs((batch, hq, n, d), (batch, hkv, nk, d), dtype, seed=n + nk + d)
+    kw = dict(is_causal=causal, precision=precision)
+    out, lse, grads, stats = _run(sage_attention_triton, q, k, v, do, **kw)
+    ref_out, ref_lse, ref_grads, ref_stats = _run(sage_attention_reference, q, k, v, do, **kw)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert all(g.dtype == dtype for g in grads)
+    assert rel_l2(out, ref_out) < 2e-3
+    assert rel_l2(lse, ref_lse) < 1e-5
+    for name, g, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
+        assert g.shape == ref.shape, name
+        assert rel_l2(g, ref) < 3e-3, name
+    assert rel_l2(stats, ref_stats) < 1e-3
+
+
+def test_results_are_quantized_not_exact():
+    """Guard against a kernel that silently runs everything in high precision: INT8 and bf16 must differ."""
+    q, k, v, do = _inputs((1, 2, 100, 32), (1, 2, 100, 32), torch.bfloat16, seed=3)
+    int8 = _run(sage_attention_triton, q, k, v, do, precision=AttentionPrecision())
+    bf16 = _run(sage_attention_triton, q, k, v, do, precision=AttentionPrecision.all_bf16())
+    assert rel_l2(int8[0], bf16[0]) > 3e-3
+    assert rel_l2(int8[2][0], bf16[2][0]) > 1e-2
+
+
+@pytest.mark.parametrize("int8", [True, False])
+def test_quantize_rows_matches_reference_quantizer(int8):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 3, 100, 24, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    x[0, 0, 5, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # ties: half to even
+    mean = x.float().mean(dim=2)
+    op, scale, _ = quantize_rows(x, 64, int8=int8, mean=mean)
+    padded = torch.nn.functional.pad(x.float() - mean[:, :, None], (0, 0, 0, 28)).reshape(2, 3, 2, 64, 24)
+    if int8:
+        codes, ref_scale = quantize_int8(padded, (-2, -1))
+        assert op.dtype == torch.int8
+        assert torch.equal(op.float(), codes.reshape(2, 3, 128, 24)[:, :, :100])
+        assert torch.equal(scale, ref_scale.reshape(2, 3, 2))
+    else:
+        assert op.dtype == torch.bfloat16
+        assert torch.equal(op, padded.reshape(2, 3, 128, 24)[:, :, :100].to(torch.bfloat16))
+        assert torch.equal(scale, torch.ones_like(scale))
+
+
+def test_quantize_rows_block_mean_is_mean_of_valid_rows():
+    x = torch.randn(1, 1, 100, 16).to(DEVICE)
+    op, _, means = quantize_rows(x, 64, int8=False, block_mean=True)
+    assert torch.allclose(means[0, 0, 0], x[0, 0, :64].mean(0), atol=1e-6)
+    assert torch.allclose(means[0, 0, 1], x[0, 0, 64:].mean(0), atol=1e-6)  # 36 valid rows, not 64
+    assert torch.allclose(op[0, 0, 64:], x[0, 0, 64:] - means[0, 0, 1], atol=1e-6)
+
+
+def test_quantizer_edge_cases():
+    x = torch.zeros(1, 1, 64, 16, device=DEVICE)
+    x[0, 0, 1, 1] = 1.4e-45  # the smallest subnormal: max / 127 underflows to 0, which must become scale 1
+    op, scale, _ = quantize_rows(x, 32, int8=True)
+    assert torch.equal(scale, torch.ones_like(scale)) and not op.any()
+    x[0, 0, 40, 3] = float("nan")
+    _, scale, _ = quantize_rows(x, 32, int8=True)
+    assert scale[0, 0, 0] == 1 and scale[0, 0, 1].isnan()  # a NaN poisons its own block's scale only
+
+
+def test_backward_preprocess_delta_and_codes():
+    gen = torch.Generator().manual_seed(2)
+    do = torch.randn(1, 2, 70, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    out = torch.randn(1, 2, 70, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    # Autograd can hand an expanded (stride 0) or transposed gradient: the kernel reads strides.
+    do_t = do.transpose(1, 2).contiguous().transpose(1, 2)
+    delta, codes, scale = backward_preprocess(do_t, out, 64, int8=True)
+    assert torch.allclose(delta, (do.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-5)
+    padded = torch.nn.functional.pad(do.float(), (0, 0, 0, 58)).reshape(1, 2, 2, 64, 32)
+    ref_codes, ref_scale = quantize_int8(padded, (-2, -1))
+    assert torch.equal(codes.float(), ref_codes.reshape(1, 2, 128, 32)[:, :, :70])
+    assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_non_finite_input_gives_non_finite_output(where):
+    q, k, v, do = _inputs((1, 2, 80, 16), (1, 2, 80, 16), torch.bfloat16, seed=4)
+    poisoned = {"q": q, "k": k, "v": v}[where].detach().clone()
+    poisoned[0, 0, 3, 5] = float("nan")
+    args = {"q": q, "k": k, "v": v}
+    args[where] = poisoned.requires_grad_()
+    stats = torch.zeros(2, device=DEVICE)
+    out, _ = sage_attention_triton(args["q"], args["k"], args["v"], stats=stats)
+    assert not out.isfinite().all()
+    grads = torch.autograd.grad(out, tuple(args.values()), do)
+    assert not all(g.isfinite().all() for g in grads)
+    if where != "v":
+        assert not stats.isfinite().all()  # the controller sees the NaN in its dS statistics
+
+
+def test_backward_keeps_int8_operands_not_q_and_k():
+    """The backward needs Q'^ and K'^ (int8) and their scales; q and k themselves are not saved."""
+    q, k, v, _ = _inputs((1, 2, 64, 32), (1, 2, 64, 32), torch.bfloat16, seed=5)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sage_attention_triton(q, k, v)
+    assert not any(t is q or t is k for t in saved)
+    assert sorted(str(t.dtype) for t in saved if t.shape == q.shape) == [
+        "torch.bfloat16",  # O
+        "torch.bfloat16",  # V (same shape here)
+        "torch.int8",  # K'^
+        "torch.int8",  # Q'^
+    ]
+
+
+def test_sage_attention_routes_to_triton_when_asked():
+    q, k, v, do = _inputs((1, 2, 70, 16), (1, 1, 70, 16), torch.bfloat16, seed=6)
+    with use_backend("triton"):
+        out = sage_attention(q, k, v, is_causal=True)
+    ref, _ = sage_attention_triton(q, k, v, is_causal=True)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        use_backend("cuda")
+
+
+def test_torch_compile_has_no_graph_break():
+    """The custom ops trace into one graph (fake implementations) and give the eager results."""
+    q, k, v, do = _inputs((1, 2, 64, 16), (1, 1, 64, 16), torch.bfloat16, seed=7)
+
+    def attention(q, k, v):
+        return sage_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(16))
+
+    torch._dynamo.reset()
+    with use_backend("triton"):
+        compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+        out = compiled(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        eager = attention(q, k, v)
+        eager_grads = torch.autograd.grad(eager, (q, k, v), do)
+    assert torch.equal(out, eager)
+    for g, e in zip(grads, eager_grads, strict=True):
+        assert torch.equal(g, e)
