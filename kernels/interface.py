@@ -134,8 +134,9 @@ def sage_attention(
     attention when ``Hq`` is a multiple of ``Hkv`` (SDPA's ``enable_gqa=True``), ``is_causal`` the
     top-left aligned lower triangle (also when ``N != Nk``), any ``N`` and ``Nk``. Differentiable in
     ``q``, ``k`` and ``v``. CUDA tensors with head dim up to 128 run the Triton kernels; everything else
-    (CPU tensors, larger heads) runs the pure-PyTorch reference of the same numerics. ``attn_mask`` and dropout are not taken: route such calls
-    to SDPA (the Lightning mixin does that per call).
+    (CPU tensors, larger heads) runs the pure-PyTorch reference of the same numerics, which is correct but
+    slow on a GPU. ``attn_mask`` and dropout are not taken: route such calls to SDPA (the Lightning mixin
+    does that per call).
 
     Args:
         q: queries, bf16, fp16 or fp32 (fp32 is computed as it is, not cast).
