@@ -58,6 +58,10 @@ from sage_lightning.kernels.reference import exact_attention, sage_attention_int
 
 REPO = Path(__file__).resolve().parent.parent
 TENSORS: tuple[str, ...] = ("O", "lse", "delta", "P", "dP", "dS", "dQ", "dK", "dV")
+#: What the Triton path returns (its intermediates live in registers): the outputs and the gradients.
+OUTPUT_TENSORS: tuple[str, ...] = ("O", "lse", "dQ", "dK", "dV")
+#: The bar of issue #3 on N(0,1) inputs with the default setting: (O, dV) and (dQ, dK) cosines.
+BAR_COS = {"O": 0.999, "dV": 0.999, "dQ": 0.997, "dK": 0.997}
 SIGMAS: tuple[float, ...] = (1.0, 4.0, 10.0)
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = 10.0
@@ -162,15 +166,33 @@ def exact(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tens
 
 
 def measure(
-    inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], precision: AttentionPrecision, causal: bool
+    inputs: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    precision: AttentionPrecision,
+    causal: bool,
+    path: str = "reference",
 ) -> dict[str, tuple[float, float]]:
-    """``(cos, rel_l2)`` of every tensor of one SageBwd reference run against ``ref``.
+    """``(cos, rel_l2)`` of every tensor of one SageBwd run against ``ref``.
+
+    Args:
+        inputs, ref: from :func:`make_inputs` and :func:`exact`.
+        precision, causal: the run's setting.
+        path: ``"reference"`` (every intermediate, :data:`TENSORS`) or ``"triton"`` (the kernels' outputs and
+            gradients, :data:`OUTPUT_TENSORS`).
 
     Example::
 
         x = make_inputs("normal sigma=1", parse_args([]))
         measure(x, exact(x, False), AttentionPrecision(), False)["dS"]
     """
+    if path == "triton":
+        from sage_lightning.kernels.ops import sage_attention_triton
+
+        q, k, v = (inputs[name].detach().requires_grad_() for name in ("q", "k", "v"))
+        out, lse = sage_attention_triton(q, k, v, is_causal=causal, precision=precision)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs["do"])
+        got = {"O": out, "lse": lse, "dQ": dq, "dK": dk, "dV": dv}
+        return {name: compare(got[name], ref[name]) for name in OUTPUT_TENSORS}
     got = sage_attention_intermediates(
         inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision
     )
@@ -193,15 +215,15 @@ def collect_rows(args: argparse.Namespace) -> list[dict]:
         rows = collect_rows(parse_args(["--seq", "96", "--head-dim", "32"]))
     """
     rows = []
-    for kind in input_kinds():
+    for kind in args.inputs or input_kinds():
         inputs = make_inputs(kind, args)
         ref = exact(inputs, args.causal)
         for smooth_k in (True, False):
             for label, precision in settings(smooth_k):
-                for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal).items():
+                for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal, args.path).items():
                     rows.append(
                         {
-                            "path": "reference",
+                            "path": args.path,
                             "setting": precision.short_name,
                             "label": label,
                             "inputs": kind,
@@ -242,15 +264,17 @@ def format_tables(rows: list[dict]) -> str:
     """
     lines = []
     kinds = list(dict.fromkeys(row["inputs"] for row in rows))
+    present = {row["tensor"] for row in rows}
+    tensors = [t for t in TENSORS if t in present]
     for kind in kinds:
         for smooth_k in (True, False):
             table = _lookup(rows, kind, smooth_k)
             for metric, digits in (("cos", 6), ("rel_l2", 5)):
                 lines += [f"### {metric}: {kind}, smooth_k={smooth_k}", ""]
-                lines.append("| setting | " + " | ".join(TENSORS) + " |")
-                lines.append("|---|" + "---:|" * len(TENSORS))
+                lines.append("| setting | " + " | ".join(tensors) + " |")
+                lines.append("|---|" + "---:|" * len(tensors))
                 for label, by_tensor in table.items():
-                    cells = [_fmt(by_tensor[t][metric], digits) for t in TENSORS]
+                    cells = [_fmt(by_tensor[t][metric], digits) for t in tensors]
                     lines.append(f"| {label} | " + " | ".join(cells) + " |")
                 lines.append("")
     return "\n".join(lines)
@@ -321,6 +345,8 @@ def summarize(rows: list[dict]) -> list[str]:
 
         print("\\n".join(summarize(rows)))
     """
+    if {row["path"] for row in rows} == {"triton"}:
+        return summarize_outputs(rows)
     lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
     ordering, dominant = {}, {}
     for kind in dict.fromkeys(row["inputs"] for row in rows):
@@ -341,6 +367,25 @@ def summarize(rows: list[dict]) -> list[str]:
     return lines
 
 
+def summarize_outputs(rows: list[dict]) -> list[str]:
+    """Summary of a run without intermediates (the Triton path): the default setting's output cosines per
+    input kind, and whether N(0,1) inputs meet :data:`BAR_COS`.
+
+    Example::
+
+        print("\n".join(summarize_outputs(rows)))
+    """
+    lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
+    for kind in dict.fromkeys(row["inputs"] for row in rows):
+        sage = _lookup(rows, kind, True)["sagebwd"]
+        lines.append(f"- {kind}: cos " + ", ".join(f"{t} {_fmt(sage[t]['cos'], 5)}" for t in BAR_COS))
+        if kind == "normal sigma=1":
+            misses = [t for t, bar in BAR_COS.items() if sage[t]["cos"] is None or sage[t]["cos"] < bar]
+            verdict = "meets" if not misses else f"MISSES ({', '.join(misses)})"
+            lines.append(f"  bar (O, dV >= 0.999; dQ, dK >= 0.997 with int8 dS): {verdict}.")
+    return lines
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line.
 
@@ -357,6 +402,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--inputs",
+        action="append",
+        choices=input_kinds(),
+        help="an input kind to measure (repeatable; all kinds when left out)",
+    )
+    parser.add_argument(
+        "--path",
+        choices=("reference", "triton"),
+        default="reference",
+        help="reference: every intermediate; triton: the kernels' outputs and gradients (CUDA, or the CPU "
+        "under TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     return parser.parse_args(argv)
 
@@ -449,7 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_json(result))
     heading = (
-        f"# Accuracy: SageBwd reference vs float64\n\n{result['device']}, {result['date']}, commit "
+        f"# Accuracy: SageBwd ({args.path}) vs float64\n\n{result['device']}, {result['date']}, commit "
         f"{result['commit']}\n\n`{result['command']}`\n\n"
     )
     out.with_suffix(".md").write_text(heading + text)

@@ -81,3 +81,29 @@ def test_bf16_baseline_and_cos_bounds(result: tuple[dict, Path, list]) -> None:
 def test_every_cos_finite(result: tuple[dict, Path, list]) -> None:
     bad = {(r["inputs"], r["label"], r["smooth_k"]) for r in result[0]["rows"] if r["cos"] is None}
     assert not bad, sorted(bad)
+
+
+def test_triton_path_rows(tmp_path: Path) -> None:
+    """``--path triton`` measures the kernels' outputs (Triton interpreter on a CPU) and judges the bar."""
+    out = tmp_path / "acc-triton.json"
+    result = accuracy.main(
+        [
+            "--seq",
+            "80",
+            "--head-dim",
+            "16",
+            "--causal",
+            "--path",
+            "triton",
+            "--inputs",
+            "normal sigma=1",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = result["rows"]
+    assert {row["path"] for row in rows} == {"triton"}
+    assert {row["tensor"] for row in rows} == set(accuracy.OUTPUT_TENSORS)
+    default = {row["tensor"]: row for row in rows if row["label"] == "sagebwd" and row["smooth_k"]}
+    assert 0.99 < default["dQ"]["cos"] < 1.0  # INT8 error is there, and small
+    assert "bar (O, dV >= 0.999" in out.with_suffix(".md").read_text()

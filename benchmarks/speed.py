@@ -1,0 +1,232 @@
+"""Speed of SageBwd's Triton kernels against PyTorch's SDPA (flash and cuDNN backends), on one GPU.
+
+One run does the whole check, in this order:
+
+1. correctness: the Triton path against the PyTorch reference at full sizes (N up to 8192, D 64 and 128,
+   causal and not, GQA), relative L2 of O, dQ, dK, dV (``--check``; skipped with ``--no-check``);
+2. timings with ``triton.testing.do_bench`` (median) of forward, backward and forward+backward for ``sage``,
+   ``sdpa_flash`` and ``sdpa_cudnn``, bf16, ``B x N = --tokens`` (16K), heads ``= 2048 / D``; TFLOPS count
+   ``4 B H N Nk D`` per forward, 2.5 times that for the backward, half of both when causal;
+3. peak memory of forward+backward above the inputs, per implementation;
+4. a table, last: our ratio to each backend.
+
+Writes ``benchmarks/results/speed-<device>-<date>.json`` (format: ../shared/RESULTS.md) and a ``.md`` table.
+
+Example::
+
+    python benchmarks/speed.py                       # the full grid of issue #3
+    python benchmarks/speed.py --seq 4096 --head-dim 128 --no-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from accuracy import REPO, _commit, _versions, device_name, device_slug, to_json  # noqa: E402
+
+from sage_lightning.kernels import AttentionPrecision  # noqa: E402
+from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
+from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
+
+BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+
+def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: str) -> float:
+    """Matrix-product FLOPs of one pass (the convention of FlashAttention's benchmarks).
+
+    Example::
+
+        flops(4, 16, 4096, 128, False, "fwd+bwd")   # 3.5 * 4 * 4 * 16 * 4096**2 * 128
+    """
+    forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    return {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[which] * forward
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).norm() / ref.double().norm())
+
+
+def check(device: str) -> list[dict]:
+    """The Triton path against the reference at full sizes; one row per (shape, tensor) with ``rel_l2``.
+
+    Agreement is to rounding (a few flipped bf16 values or INT8 codes), far below the INT8 error (~1e-2).
+    """
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for seq in (1000, 4096, 8192):
+        for head_dim in (64, 128):
+            for causal in (False, True):
+                q = torch.randn(1, 4, seq, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+                k = torch.randn(1, 2, seq, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+                v = torch.randn(1, 2, seq, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+                do = torch.randn_like(q)
+                got, ref = {}, {}
+                for fn, into in ((sage_attention_triton, got), (sage_attention_reference, ref)):
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    stats = torch.zeros(2, device=device)
+                    out, _ = fn(*leaves, is_causal=causal, precision=AttentionPrecision(), stats=stats)
+                    into.update(zip(("O", "dQ", "dK", "dV"), (out, *torch.autograd.grad(out, leaves, do))))
+                    into["ds_stats"] = stats
+                for name in got:
+                    rows.append(
+                        {"seq": seq, "head_dim": head_dim, "causal": causal, "kv_heads": 2, "heads": 4,
+                         "tensor": name, "rel_l2": _rel(got[name], ref[name])}
+                    )  # fmt: skip
+                del q, k, v, do, got, ref
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _attention(impl: str) -> Callable[..., torch.Tensor]:
+    if impl == "sage":
+        return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal)[0]
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        with sdpa_kernel(BACKENDS[impl]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return sdpa
+
+
+def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[dict]:
+    """Rows for the three passes of one implementation and shape (``ms`` median, ``tflops``, ``peak_mem_mb``)."""
+    from triton.testing import do_bench
+
+    attention = _attention(impl)
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def fwd() -> torch.Tensor:
+        return attention(q, k, v, causal)
+
+    def fwd_bwd() -> None:
+        torch.autograd.grad(fwd(), (q, k, v), do)
+
+    out = fwd()
+
+    def bwd() -> None:
+        torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+
+    times = {"fwd": do_bench(fwd, return_mode="median"), "bwd": do_bench(bwd, return_mode="median")}
+    times["fwd+bwd"] = do_bench(fwd_bwd, return_mode="median")
+    del out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
+    rows = []
+    for which, ms in times.items():
+        rows.append(
+            {"impl": impl, "pass": which, "batch": batch, "heads": heads, "kv_heads": heads, "seq": seq,
+             "head_dim": head_dim, "causal": causal, "ms": ms,
+             "tflops": flops(batch, heads, seq, head_dim, causal, which) / ms / 1e9,
+             "peak_mem_mb": peak_mb if which == "fwd+bwd" else None}
+        )  # fmt: skip
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory."""
+    lines = [
+        "| D | N | causal | pass | sage TFLOPS | flash | cuDNN | sage/flash | sage/cuDNN | mem sage/flash/cuDNN MiB |",
+        "|---:|---:|:---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    index = {(r["impl"], r["pass"], r["seq"], r["head_dim"], r["causal"]): r for r in rows}
+    shapes = sorted({(r["head_dim"], r["seq"], r["causal"]) for r in rows})
+    for head_dim, seq, causal in shapes:
+        for which in PASSES:
+            got = {impl: index.get((impl, which, seq, head_dim, causal)) for impl in ("sage", *BACKENDS)}
+            if got["sage"] is None:
+                continue
+            tf = {impl: (r["tflops"] if r else float("nan")) for impl, r in got.items()}
+            mem = ""
+            if which == "fwd+bwd":
+                mem = " / ".join(f"{r['peak_mem_mb']:.0f}" if r else "-" for r in got.values())
+            lines.append(
+                f"| {head_dim} | {seq} | {'yes' if causal else 'no'} | {which} | {tf['sage']:.0f} | "
+                f"{tf['sdpa_flash']:.0f} | {tf['sdpa_cudnn']:.0f} | {tf['sage'] / tf['sdpa_flash']:.2f} | "
+                f"{tf['sage'] / tf['sdpa_cudnn']:.2f} | {mem} |"
+            )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384, help="batch x seq, fixed across seq lengths")
+    parser.add_argument("--seq", type=int, action="append", help="repeatable; default 1024 2048 4096 8192")
+    parser.add_argument("--head-dim", type=int, action="append", help="repeatable; default 64 128")
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--impl", action="append", choices=("sage", *BACKENDS), help="repeatable; default all")
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/speed.py times CUDA kernels; no CUDA device is available.")
+    start = time.perf_counter()
+    check_rows = check("cuda") if args.check else []
+    for row in check_rows:
+        print(f"check N={row['seq']} D={row['head_dim']} causal={row['causal']} {row['tensor']}: "
+              f"rel_l2 triton vs reference {row['rel_l2']:.2e}")  # fmt: skip
+    rows = []
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    for head_dim in args.head_dim or (64, 128):
+        for seq in args.seq or (1024, 2048, 4096, 8192):
+            for causal in causal_values:
+                for impl in args.impl or ("sage", *BACKENDS):
+                    try:
+                        rows += time_one(impl, args.tokens // seq, 2048 // head_dim, seq, head_dim, causal)
+                    except RuntimeError as error:  # a backend that refuses a shape: say so, keep going
+                        print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
+    name, today = device_name("cuda"), datetime.date.today()
+    out = args.out or REPO / "benchmarks" / "results" / f"speed-{device_slug(name)}-{today:%Y%m%d}.json"
+    result = {
+        "kind": "speed",
+        "device": name,
+        "date": today.isoformat(),
+        "commit": _commit(),
+        "command": shlex.join(["python", "benchmarks/speed.py", *argv]),
+        "versions": _versions(),
+        "rows": rows,
+        "check": check_rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_json(result))
+    text = table(rows)
+    worst = max((r["rel_l2"] for r in check_rows), default=float("nan"))
+    heading = (
+        f"# Speed: SageBwd (Triton) vs SDPA flash and cuDNN\n\n{name}, {result['date']}, commit {result['commit']}"
+        f"\n\n`{result['command']}`\n\nbf16, batch x seq = {args.tokens} tokens, heads = 2048 / head_dim; "
+        f"TFLOPS from the median time (`triton.testing.do_bench`). Peak memory: forward+backward above the "
+        f"inputs. Correctness check first: worst rel_l2 of Triton vs reference over {len(check_rows)} tensors: "
+        f"{worst:.2e}.\n\n"
+    )
+    out.with_suffix(".md").write_text(heading + text + "\n")
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)\n")
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
