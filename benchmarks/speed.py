@@ -35,7 +35,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import REPO, _commit, _versions, device_name, device_slug, to_json  # noqa: E402
-
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
@@ -78,7 +77,7 @@ def check(device: str) -> list[dict]:
                     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                     stats = torch.zeros(2, device=device)
                     out, _ = fn(*leaves, is_causal=causal, precision=AttentionPrecision(), stats=stats)
-                    into.update(zip(("O", "dQ", "dK", "dV"), (out, *torch.autograd.grad(out, leaves, do))))
+                    into.update(zip(("O", "dQ", "dK", "dV"), (out, *torch.autograd.grad(out, leaves, do)), strict=True))
                     into["ds_stats"] = stats
                 for name in got:
                     rows.append(
@@ -123,7 +122,7 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
 
     times = {"fwd": do_bench(fwd, return_mode="median"), "bwd": do_bench(bwd, return_mode="median")}
     times["fwd+bwd"] = do_bench(fwd_bwd, return_mode="median")
-    del out
+    out = None  # free the retained graph before measuring memory
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
