@@ -18,7 +18,7 @@ import triton.language as tl
 #: Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude below 2**22 to the nearest integer, ties
 #: to even (IEEE round-to-nearest-even on the add), the same as ``torch.round``; it runs identically on the
 #: GPU and in the interpreter, where ``libdevice.rint`` is not available.
-_ROUNDER = 12582912.0
+_ROUNDER = tl.constexpr(12582912.0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
