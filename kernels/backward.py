@@ -61,15 +61,6 @@ def _tile_gradients(
 
 
 @triton.jit
-def _quantized_ds(ds, IO_DTYPE: tl.constexpr, DS_INT8: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dS as the dQ/dK products take it: INT8 codes and one scale for the tile, or rounded to the input dtype."""
-    if DS_INT8:
-        ds_scale = int8_scale(nan_max(tl.abs(ds)))
-        return int8_codes(ds, ds_scale), ds_scale
-    return to_dtype(ds, IO_DTYPE, DOT_PRECISION), 1.0
-
-
-@triton.jit
 def _dkdv_kernel(
     Q_OP,
     Q_SCALE,
@@ -107,6 +98,7 @@ def _dkdv_kernel(
     DS_INT8: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     WITH_STATS: tl.constexpr,
+    DO_CODES_NEEDED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -127,8 +119,9 @@ def _dkdv_kernel(
     io_dtype = DK.dtype.element_ty
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
-    err2 = 0.0
-    norm2 = 0.0
+    # Per key column, so the loop carries tensors of one type (a scalar 0.0 would change type in the loop).
+    err2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    norm2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     lo = 0
     if CAUSAL:
         # Query blocks that end before this key block starts see none of its keys.
@@ -151,7 +144,7 @@ def _dkdv_kernel(
             )
             do_codes = do
             do_scale = 1.0
-            if DV_INT8 or DP_INT8:
+            if DO_CODES_NEEDED:
                 do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
                 do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
             lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
@@ -176,17 +169,22 @@ def _dkdv_kernel(
                 # The INT8 error of dS whatever ds runs in, so the controller sees what it would return to.
                 stat_scale = int8_scale(nan_max(tl.abs(ds)))
                 err = ds - int8_codes(ds, stat_scale).to(tl.float32) * stat_scale
-                err2 += tl.sum(tl.sum(err * err, axis=1), axis=0)
-                norm2 += tl.sum(tl.sum(ds * ds, axis=1), axis=0)
-            ds_op, ds_scale = _quantized_ds(ds, io_dtype, DS_INT8, DOT_PRECISION)
-            if DS_INT8 and QK_INT8:
-                dk += tl.dot(tl.trans(ds_op), q).to(tl.float32) * (ds_scale * q_scale)
+                err2 += tl.sum(err * err, axis=0)
+                norm2 += tl.sum(ds * ds, axis=0)
+            # dS as the dK product takes it: INT8 codes with one scale for the tile, or rounded to the input dtype.
+            # (Written out in both kernels: Triton 3.6 refuses a helper whose constexpr branches return
+            # different types.)
+            if DS_INT8:
+                ds_scale = int8_scale(nan_max(tl.abs(ds)))
+                ds_codes = int8_codes(ds, ds_scale)
+                if QK_INT8:
+                    dk += tl.dot(tl.trans(ds_codes), q).to(tl.float32) * (ds_scale * q_scale)
+                else:
+                    ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
+                    dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
             else:
-                dk += hp_dot(
-                    tl.trans(to_dtype(ds_op, io_dtype, DOT_PRECISION)),
-                    to_dtype(q, io_dtype, DOT_PRECISION),
-                    DOT_PRECISION,
-                ) * (ds_scale * q_scale)
+                ds_t = tl.trans(to_dtype(ds, io_dtype, DOT_PRECISION))
+                dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * q_scale
             if SMOOTH_Q:
                 dk += tl.sum(ds, axis=0)[:, None] * q_mean[None, :]
     mask = (offs_n[:, None] < SEQ_K) & (cols[None, :] < HEAD_DIM)
@@ -194,8 +192,8 @@ def _dkdv_kernel(
     tl.store(DK + out_offs, to_dtype(dk * tau, io_dtype, DOT_PRECISION), mask=mask)
     tl.store(DV + out_offs, to_dtype(dv, io_dtype, DOT_PRECISION), mask=mask)
     if WITH_STATS:
-        tl.atomic_add(STATS, err2)
-        tl.atomic_add(STATS + 1, norm2)
+        tl.atomic_add(STATS, tl.sum(err2, axis=0))
+        tl.atomic_add(STATS + 1, tl.sum(norm2, axis=0))
 
 
 @triton.jit
@@ -277,13 +275,16 @@ def _dq_kernel(
             q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
             SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
         )  # fmt: skip
-        ds_op, ds_scale = _quantized_ds(ds, io_dtype, DS_INT8, DOT_PRECISION)
-        if DS_INT8 and QK_INT8:
-            dq += tl.dot(ds_op, k).to(tl.float32) * (ds_scale * k_scale)
+        if DS_INT8:
+            ds_scale = int8_scale(nan_max(tl.abs(ds)))
+            ds_codes = int8_codes(ds, ds_scale)
+            if QK_INT8:
+                dq += tl.dot(ds_codes, k).to(tl.float32) * (ds_scale * k_scale)
+            else:
+                dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
         else:
-            dq += hp_dot(
-                to_dtype(ds_op, io_dtype, DOT_PRECISION), to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION
-            ) * (ds_scale * k_scale)
+            ds_hp = to_dtype(ds, io_dtype, DOT_PRECISION)
+            dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * k_scale
     tl.store(
         DQ + bh * SEQ_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + cols[None, :],
         to_dtype(dq * tau, io_dtype, DOT_PRECISION),
@@ -363,7 +364,7 @@ def backward(
         stats if stats is not None else delta,
         *grad_out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, scale * LOG2E, scale,
-        DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
+        DV_INT8=dv_int8, WITH_STATS=stats is not None, DO_CODES_NEEDED=dv_int8 or dp_int8, **common,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
         q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
