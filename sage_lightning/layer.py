@@ -1,0 +1,534 @@
+"""One swapped attention layer: its name, its precision, its signals, and the per-call routing.
+
+:func:`~sage_lightning.convert_to_sage_attention` gives every attention layer it swaps an
+:class:`AttentionLayerState`, kept on the module as ``module.sage_attention_state``. Each
+``scaled_dot_product_attention`` call made inside that module lands in
+:meth:`AttentionLayerState.scaled_dot_product_attention`, which serves it with SageBwd at the layer's current
+precision or, when the kernel cannot serve it, sends it to PyTorch's SDPA (counted and warned once per reason).
+The controller (``AdaptivePrecision``) reads the signals through the ``take_*`` methods and turns the levers by
+assigning :attr:`AttentionLayerState.precision`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from sage_lightning.kernels import AttentionPrecision, check_inputs, sage_attention
+from sage_lightning.kernels.reference import exact_attention
+
+#: The attribute of a swapped module that holds its :class:`AttentionLayerState`.
+STATE_ATTRIBUTE = "sage_attention_state"
+
+# SDPA's signature, so a call can be read whether its arguments came by position or by keyword.
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS: dict[str, Any] = {
+    "attn_mask": None,
+    "dropout_p": 0.0,
+    "is_causal": False,
+    "scale": None,
+    "enable_gqa": False,
+}
+# Probe metrics are computed per output, in this order.
+_PROBED_OUTPUTS = ("O", "dQ", "dK", "dV")
+
+
+class AttentionFallbackWarning(UserWarning):
+    """An attention call went to PyTorch's SDPA instead of SageBwd (warned once per layer and reason).
+
+    Example::
+
+        import warnings
+        from sage_lightning.layer import AttentionFallbackWarning
+
+        warnings.filterwarnings("ignore", category=AttentionFallbackWarning)  # counted all the same
+    """
+
+
+@dataclasses.dataclass
+class _ProbeCapture:
+    """The inputs of one served call and, once its backward ran, the gradient that reached its output."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    is_causal: bool
+    scale: float | None
+    precision: AttentionPrecision
+    grad_out: torch.Tensor | None = None
+
+
+class AttentionLayerState:
+    """One swapped attention layer: its name, its precision, its signals. Kernels read it per call.
+
+    Built by :func:`~sage_lightning.convert_to_sage_attention` (one per layer, reachable as
+    ``module.sage_attention_state`` and through :func:`attention_layers`); there is rarely a reason to build one
+    yourself.
+
+    Signals cost nothing unless asked for: the dS error statistics are gathered only while
+    :attr:`collect_stats` is on, the probe captures one call only after :meth:`arm_probe`, and the non-finite
+    check is a few reductions per call into a device flag, read (one host sync) only by :meth:`take_nonfinite`.
+
+    Args:
+        name: the layer's module path, e.g. ``"blocks.3.attn"`` (the root module is named by its class).
+        precision: how the layer runs; ``AttentionPrecision()`` (SageBwd defaults) when ``None``.
+        collect_stats: start with the dS statistics on.
+
+    Attributes:
+        name: as above.
+        precision: the layer's current :class:`~sage_lightning.kernels.AttentionPrecision`. Assign a new value
+            to change it; the next call uses it (no reallocation).
+        collect_stats: ``False``: ``sage_attention`` gets ``stats=None`` (free). ``True``: each backward adds
+            into :attr:`stats`.
+        stats: float32 ``(2,)`` = ``[sum (dS - deq(psi(dS)))^2, sum dS^2]``, created on the first call that
+            collects, on that call's device; ``None`` before.
+        calls: attention calls seen (served and sent to SDPA); a host-side counter.
+        fallback_calls: calls sent to SDPA because the kernel cannot serve them.
+        fallback_reasons: reason -> number of calls sent to SDPA for it.
+
+    Raises:
+        TypeError: ``name`` not a string, ``precision`` not an ``AttentionPrecision``, ``collect_stats`` not a
+            bool.
+
+    Example::
+
+        from sage_lightning import attention_layers, convert_to_sage_attention
+
+        convert_to_sage_attention(model)
+        layer = attention_layers(model)["blocks.0.attn"]
+        layer.precision = layer.precision.replace(ds="bf16")  # the next call runs dS in bf16
+        layer.collect_stats = True                            # the next backwards measure dS's INT8 error
+    """
+
+    def __init__(self, name: str, precision: AttentionPrecision | None = None, *, collect_stats: bool = False):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"AttentionLayerState: name must be a non-empty module path; received {name!r}.")
+        self.name = name
+        self.precision = AttentionPrecision() if precision is None else precision
+        self.collect_stats = collect_stats
+        self.stats: torch.Tensor | None = None
+        self.calls = 0
+        self.fallback_calls = 0
+        self.fallback_reasons: dict[str, int] = {}
+        self._warned: set[str] = set()
+        # True once a call handed the buffer to the kernel since the last take (host side, no sync).
+        self._stats_given = False
+        self._probe_armed = False
+        self._capture: _ProbeCapture | None = None
+        self._nonfinite: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------------------------------------- levers
+
+    @property
+    def precision(self) -> AttentionPrecision:
+        """The layer's current precision; assigning validates the type, so a bad value fails where it is set."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: AttentionPrecision) -> None:
+        if not isinstance(value, AttentionPrecision):
+            raise TypeError(
+                f"AttentionLayerState({self.name!r}): precision must be a sage_lightning.AttentionPrecision; "
+                f"received {type(value).__name__}."
+            )
+        self._precision = value
+
+    @property
+    def collect_stats(self) -> bool:
+        """Whether backwards add the dS quantization error into :attr:`stats`."""
+        return self._collect_stats
+
+    @collect_stats.setter
+    def collect_stats(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"AttentionLayerState({self.name!r}): collect_stats must be True or False; received {value!r}."
+            )
+        self._collect_stats = value
+
+    # ------------------------------------------------------------------------------------------- the call
+
+    def scaled_dot_product_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """This layer's ``torch.nn.functional.scaled_dot_product_attention``: SageBwd where it can serve the call.
+
+        Takes SDPA's arguments as SDPA does. A call with no ``attn_mask``, ``dropout_p == 0`` and inputs that
+        :func:`~sage_lightning.kernels.check_inputs` accepts runs
+        ``sage_attention(q, k, v, is_causal=..., scale=..., precision=self.precision, stats=...)``; any other
+        call (a mask, dropout, a head dim or dtype the kernel refuses, query and key head counts that differ
+        without ``enable_gqa``, arguments SDPA itself would reject) runs SDPA unchanged, so its result, or its
+        error, is SDPA's own. Such calls are counted in :attr:`fallback_calls` and :attr:`fallback_reasons` and
+        warned once per reason (:class:`AttentionFallbackWarning`).
+
+        Returns:
+            The attention output, as SDPA's.
+
+        Example::
+
+            out = layer.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """
+        self.calls += 1
+        bound, reason = self._route(args, kwargs)
+        if reason is not None:
+            return self._fallback(reason, bound, args, kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        stats = self._stats_buffer(q.device) if self.collect_stats else None
+        out = sage_attention(
+            q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision, stats=stats
+        )
+        self._stats_given = self._stats_given or stats is not None
+        self._record_finiteness(q, k, v, out)
+        if self._probe_armed and torch.is_grad_enabled() and out.requires_grad:
+            self._capture_for_probe(q, k, v, out, bound)
+        return out
+
+    def _route(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], str | None]:
+        """SDPA's arguments by name, and why the kernel cannot serve them (``None`` when it can)."""
+        if len(args) > len(_SDPA_PARAMETERS):
+            return {}, "more positional arguments than scaled_dot_product_attention takes"
+        bound = dict(zip(_SDPA_PARAMETERS, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in _SDPA_PARAMETERS or key in bound:
+                return {}, f"argument {key!r} that the kernel does not take"
+            bound[key] = value
+        if not all(name in bound for name in ("query", "key", "value")):
+            return {}, "query, key or value missing"
+        for key, value in _SDPA_DEFAULTS.items():
+            bound.setdefault(key, value)
+        if bound["attn_mask"] is not None:
+            return bound, "attn_mask given (SageBwd masks only through is_causal)"
+        dropout = bound["dropout_p"]
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or dropout != 0:
+            return bound, "dropout_p > 0 (SageBwd has no attention dropout; set it to 0 to train on the kernel)"
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        for tensor in (q, k, v):
+            # Subclasses (DTensor, nested tensors, ...) carry their own dispatch; SDPA knows them, we do not.
+            if isinstance(tensor, torch.Tensor) and (type(tensor) not in (torch.Tensor, torch.nn.Parameter)):
+                return bound, f"tensor subclass {type(tensor).__name__}"
+            if isinstance(tensor, torch.Tensor) and tensor.is_nested:
+                return bound, "nested tensor inputs"
+        try:
+            check_inputs(q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision)
+        except (TypeError, ValueError) as error:
+            return bound, str(error).removeprefix("sage_attention: ")
+        if q.shape[1] != k.shape[1] and bound["enable_gqa"] is not True:
+            # SDPA raises here (or broadcasts a single kv head): whatever it does, it stays SDPA's behaviour.
+            return bound, "query and key head counts differ without enable_gqa=True"
+        return bound, None
+
+    def _fallback(self, reason: str, bound: dict[str, Any], args: tuple, kwargs: dict) -> torch.Tensor:
+        self.fallback_calls += 1
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            rank_zero_warn(
+                f"Attention layer {self.name!r}: a call runs torch.nn.functional.scaled_dot_product_attention in "
+                f"full precision instead of SageBwd: {reason}. Warned once per layer and reason; every such call "
+                f"is counted in attention_layers(model)[{self.name!r}].fallback_calls.",
+                category=AttentionFallbackWarning,
+                stacklevel=7,
+            )
+        # The call exactly as it came: SDPA's result, or SDPA's error, is the caller's.
+        out = F.scaled_dot_product_attention(*args, **kwargs)
+        q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
+        if all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
+            self._record_finiteness(q, k, v, out)
+        return out
+
+    def _stats_buffer(self, device: torch.device) -> torch.Tensor:
+        if self.stats is None:
+            self.stats = torch.zeros(2, dtype=torch.float32, device=device)
+        elif self.stats.device != device:
+            # The module moved (e.g. to the GPU after the first CPU call); the sums so far move with it.
+            self.stats = self.stats.to(device)
+        return self.stats
+
+    def _record_finiteness(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        # A non-finite output from finite inputs marks the layer where a divergence starts; downstream layers
+        # then see non-finite inputs and stay unflagged. Device ops only: no sync per call.
+        with torch.no_grad():
+            inputs_finite = torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()
+            started_here = inputs_finite & torch.isfinite(out).all().logical_not()
+            if self._nonfinite is None or self._nonfinite.device != started_here.device:
+                self._nonfinite = started_here
+            else:
+                self._nonfinite.logical_or_(started_here)
+
+    def _capture_for_probe(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, bound: dict[str, Any]
+    ) -> None:
+        # Copies, not views: the caller may write into its q/k/v (a KV cache) after the call.
+        capture = _ProbeCapture(
+            q=q.detach().clone(),
+            k=k.detach().clone(),
+            v=v.detach().clone(),
+            is_causal=bound["is_causal"],
+            scale=None if bound["scale"] is None else float(bound["scale"]),
+            precision=self.precision,
+        )
+
+        def keep_grad_out(grad: torch.Tensor) -> None:
+            capture.grad_out = grad.detach().clone()
+
+        out.register_hook(keep_grad_out)
+        self._capture = capture
+        self._probe_armed = False
+
+    # --------------------------------------------------------------------------------------------- signals
+
+    def take_ds_stats(self) -> tuple[float, float] | None:
+        """The dS statistics summed since the last take, then zeroes them.
+
+        Raw sums, so they can be all-reduced across ranks before dividing:
+        ``ds_rel_err = sqrt(err2 / norm2)``. One host sync.
+
+        Returns:
+            ``(err2, norm2)``: the sum of squared INT8 quantization error of dS and the sum of dS squared, or
+            ``None`` when nothing was added since the last take (statistics off, no backward yet, or a layer in
+            ``"full"`` mode, whose kernel leaves the buffer alone).
+
+        Example::
+
+            layer.collect_stats = True
+            loss.backward()
+            err2, norm2 = layer.take_ds_stats()
+            print("dS relative error", (err2 / norm2) ** 0.5)
+        """
+        if self.stats is None or not self._stats_given:
+            return None
+        err2, norm2 = self.stats.tolist()
+        self.stats.zero_()
+        self._stats_given = False
+        if err2 == 0.0 and norm2 == 0.0:
+            return None
+        return err2, norm2
+
+    def arm_probe(self) -> None:
+        """Capture the next served call made with grad enabled, for :meth:`take_probe`.
+
+        The capture keeps detached copies of q, k, v (plus ``is_causal``, ``scale`` and the precision in use)
+        and, through a hook on the output, the gradient that reaches it in the backward. Training is untouched.
+        A call sent to SDPA is not captured (it has no low-precision error to measure); the probe stays armed.
+
+        Example::
+
+            layer.arm_probe()
+            model(batch).loss.backward()
+            print(layer.take_probe()["dQ"])
+        """
+        self._probe_armed = True
+        self._capture = None
+
+    def take_probe(self) -> dict[str, dict[str, float]] | None:
+        """The captured call at the precision it ran in against full-precision attention, then clears the capture.
+
+        Both sides see the captured q, k, v and output gradient: this layer's kernel (``sage_attention`` at the
+        captured precision) and float64 attention (:func:`~sage_lightning.kernels.reference.exact_attention`),
+        the latter one (batch, kv head) at a time so memory stays that of one head's score matrix. Metrics are
+        over the flattened tensors: ``cos`` the cosine similarity, ``rel_l2`` ``||a - b|| / ||b||`` with ``b``
+        the full-precision tensor.
+
+        Returns:
+            ``{"O": {"cos": .., "rel_l2": ..}, "dQ": {...}, "dK": {...}, "dV": {...}}``, or ``None`` when nothing
+            was captured (probe not armed, no served call, or no backward through the captured call yet).
+
+        Example::
+
+            layer.arm_probe()
+            loss.backward()
+            probe = layer.take_probe()
+            print(probe["dK"]["cos"], probe["dK"]["rel_l2"])
+        """
+        capture, self._capture = self._capture, None
+        self._probe_armed = False
+        if capture is None or capture.grad_out is None:
+            return None
+        return compare_with_full_precision(
+            capture.q,
+            capture.k,
+            capture.v,
+            capture.grad_out,
+            is_causal=capture.is_causal,
+            scale=capture.scale,
+            precision=capture.precision,
+        )
+
+    def take_nonfinite(self) -> bool:
+        """Whether a call since the last take returned a non-finite output from finite q, k, v. One host sync.
+
+        Returns:
+            ``True`` when this layer is where a divergence started since the last take.
+
+        Example::
+
+            if layer.take_nonfinite():
+                layer.precision = layer.precision.replace(ds="bf16")
+        """
+        if self._nonfinite is None:
+            return False
+        flag = bool(self._nonfinite.item())
+        self._nonfinite.zero_()
+        return flag
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """The precision (as a plain dict) and the counters; not the statistics buffer.
+
+        Returns:
+            ``{"precision": {...}, "calls": int, "fallback_calls": int, "fallback_reasons": {reason: int}}``.
+        """
+        return {
+            "precision": dataclasses.asdict(self.precision),
+            "calls": self.calls,
+            "fallback_calls": self.fallback_calls,
+            "fallback_reasons": dict(self.fallback_reasons),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: a dict from :meth:`state_dict`.
+
+        Raises:
+            TypeError, ValueError: ``state`` is not such a dict, or holds a precision that does not validate.
+
+        Example::
+
+            saved = layer.state_dict()
+            layer.load_state_dict(saved)
+        """
+        if not isinstance(state, dict) or not isinstance(state.get("precision"), dict):
+            raise TypeError(
+                f"AttentionLayerState({self.name!r}).load_state_dict: state must be a dict from state_dict() with "
+                f"a 'precision' dict; received {type(state).__name__}"
+                + (f" with keys {sorted(state)}" if isinstance(state, dict) else "")
+                + "."
+            )
+        known = {field.name for field in dataclasses.fields(AttentionPrecision)}
+        unknown = sorted(set(state["precision"]) - known)
+        if unknown:
+            raise ValueError(
+                f"AttentionLayerState({self.name!r}).load_state_dict: precision has fields {unknown} that "
+                f"AttentionPrecision does not know (it takes {sorted(known)})."
+            )
+        self.precision = AttentionPrecision(**state["precision"])
+        self.calls = int(state.get("calls", 0))
+        self.fallback_calls = int(state.get("fallback_calls", 0))
+        self.fallback_reasons = {str(k): int(n) for k, n in state.get("fallback_reasons", {}).items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionLayerState(name={self.name!r}, precision={self.precision.short_name!r}, "
+            f"collect_stats={self.collect_stats}, calls={self.calls}, fallback_calls={self.fallback_calls})"
+        )
+
+
+def attention_layers(module: torch.nn.Module) -> dict[str, AttentionLayerState]:
+    """Every swapped attention layer under ``module`` (itself included), by name, in module order.
+
+    Args:
+        module: a model (or part of one) after :func:`~sage_lightning.convert_to_sage_attention`.
+
+    Returns:
+        ``{name: AttentionLayerState}``; ``{}`` when nothing under ``module`` was swapped.
+
+    Example::
+
+        for name, layer in attention_layers(model).items():
+            print(name, layer.precision.short_name, layer.calls, layer.fallback_calls)
+    """
+    layers: dict[str, AttentionLayerState] = {}
+    for submodule in module.modules():
+        state = submodule.__dict__.get(STATE_ATTRIBUTE)
+        if isinstance(state, AttentionLayerState):
+            layers[state.name] = state
+    return layers
+
+
+def compare_with_full_precision(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    precision: AttentionPrecision | None = None,
+) -> dict[str, dict[str, float]]:
+    """O, dQ, dK, dV of ``sage_attention`` at ``precision`` against float64 attention on the same inputs.
+
+    The low-precision side is one ``sage_attention`` call (as in training); the float64 side runs one
+    (batch, kv head) at a time, which keeps its memory to one head group's score matrices and changes nothing
+    in its result. Sums are accumulated in float64 on the inputs' device and read once.
+
+    Args:
+        q, k, v: SDPA layout, as ``sage_attention`` takes them (detached; gradients are taken internally).
+        grad_out: the gradient of the output, shaped like ``q``.
+        is_causal, scale: as ``sage_attention``.
+        precision: the low-precision side's setting; SageBwd defaults when ``None``.
+
+    Returns:
+        ``{"O": {"cos": .., "rel_l2": ..}, "dQ": {...}, "dK": {...}, "dV": {...}}``, ``rel_l2`` relative to the
+        float64 tensor. Two all-zero tensors have ``cos == 1`` and ``rel_l2 == 0``.
+
+    Example::
+
+        import torch
+        from sage_lightning.layer import compare_with_full_precision
+
+        q, k, v, do = (torch.randn(1, 2, 64, 32) for _ in range(4))
+        print(compare_with_full_precision(q, k, v, do, is_causal=True)["dQ"])
+    """
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = sage_attention(*leaves, is_causal=is_causal, scale=scale, precision=precision)
+        grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
+    low = {"O": out.detach(), "dQ": grads[0], "dK": grads[1], "dV": grads[2]}
+
+    # Per output: [sum a*b, sum a*a, sum b*b, sum (a-b)^2], a the low-precision tensor, b the float64 one.
+    sums = torch.zeros(len(_PROBED_OUTPUTS), 4, dtype=torch.float64, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        for h in range(k.shape[1]):
+            heads = slice(h * group, (h + 1) * group)
+            ref = exact_attention(
+                q[b : b + 1, heads],
+                k[b : b + 1, h : h + 1],
+                v[b : b + 1, h : h + 1],
+                grad_out[b : b + 1, heads],
+                is_causal=is_causal,
+                scale=scale,
+            )
+            pieces = {
+                "O": low["O"][b : b + 1, heads],
+                "dQ": low["dQ"][b : b + 1, heads],
+                "dK": low["dK"][b : b + 1, h : h + 1],
+                "dV": low["dV"][b : b + 1, h : h + 1],
+            }
+            for row, name in enumerate(_PROBED_OUTPUTS):
+                a, r = pieces[name].to(torch.float64), ref[name]
+                sums[row] += torch.stack([(a * r).sum(), (a * a).sum(), (r * r).sum(), (a - r).square().sum()])
+    result = {}
+    for name, (dot, norm_a2, norm_b2, diff2) in zip(_PROBED_OUTPUTS, sums.tolist(), strict=True):
+        result[name] = {"cos": _cosine(dot, norm_a2, norm_b2), "rel_l2": _relative_l2(diff2, norm_b2)}
+    return result
+
+
+def _cosine(dot: float, norm_a2: float, norm_b2: float) -> float:
+    if norm_a2 == 0.0 and norm_b2 == 0.0:
+        return 1.0
+    if norm_a2 == 0.0 or norm_b2 == 0.0:
+        return 0.0
+    return dot / math.sqrt(norm_a2 * norm_b2)
+
+
+def _relative_l2(diff2: float, norm_b2: float) -> float:
+    if norm_b2 == 0.0:
+        return 0.0 if diff2 == 0.0 else math.inf
+    return math.sqrt(diff2 / norm_b2)

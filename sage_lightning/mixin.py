@@ -1,0 +1,112 @@
+"""``SageAttentionMixin``: a LightningModule whose attention runs as SageBwd."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from sage_lightning.kernels import AttentionPrecision
+from sage_lightning.swap import _convert, is_attention_module
+
+# Where Lightning's own no-op ``configure_model`` lives; a mixin listed after it would never run.
+_LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
+
+
+class SageAttentionMixin:
+    """Swap a LightningModule's attention to SageBwd in ``configure_model``.
+
+    List it before ``LightningModule`` in the bases. Lightning calls ``configure_model`` once per
+    fit/validate/test/predict, after ``__init__`` and before the optimizers are built; the mixin first calls
+    ``super().configure_model()`` (cooperative, so your own ``configure_model`` can build the model first and
+    then call ``super().configure_model()``) and then runs
+    :func:`~sage_lightning.convert_to_sage_attention` on the whole module. Converting is idempotent, so the
+    repeated calls change nothing, and it keeps every Parameter, so checkpoints and optimizers are unaffected.
+
+    Two knobs, set on the class or on the instance in ``__init__``:
+
+    * ``sage_precision``: the starting :class:`~sage_lightning.AttentionPrecision` of every layer
+      (``None``: SageBwd defaults);
+    * ``sage_attention_filter(module, fqn) -> bool``: a method choosing the modules to swap; the default
+      picks the innermost modules whose class name contains "Attention" or "Attn".
+
+    The swapped layers are then ``sage_lightning.attention_layers(self)``; ``AdaptivePrecision`` reads and
+    steers them.
+
+    Raises:
+        TypeError: at class creation, when the mixin comes after ``LightningModule`` in the bases (Lightning's
+            ``configure_model`` would hide it); in ``configure_model``, when ``sage_precision`` is not an
+            ``AttentionPrecision`` or the filter returns a non-bool.
+        ValueError: in ``configure_model``, when no attention layer is found.
+
+    Example::
+
+        import lightning as L
+        from sage_lightning import AttentionPrecision, SageAttentionMixin
+
+        class GPTModule(SageAttentionMixin, L.LightningModule):
+            sage_precision = AttentionPrecision(ds="bf16")     # optional: start with dS in bf16
+
+            def __init__(self):
+                super().__init__()
+                self.model = GPT()                              # attention modules call SDPA
+
+            def sage_attention_filter(self, module, fqn):       # optional: leave the first block alone
+                return super().sage_attention_filter(module, fqn) and not fqn.startswith("model.blocks.0.")
+    """
+
+    #: Starting precision of the swapped layers; ``None`` for SageBwd defaults.
+    sage_precision: AttentionPrecision | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        for klass in cls.__mro__:
+            if klass is SageAttentionMixin:
+                return
+            if "configure_model" in vars(klass) and klass.__module__.split(".")[0] in _LIGHTNING_PACKAGES:
+                bases = ", ".join(base.__name__ for base in cls.__bases__)
+                raise TypeError(
+                    f"SageAttentionMixin: list it before LightningModule in the bases of {cls.__name__}, as in "
+                    f"class {cls.__name__}(SageAttentionMixin, LightningModule); received bases ({bases}), where "
+                    f"{klass.__qualname__}.configure_model would hide the mixin's."
+                )
+
+    def sage_attention_filter(self, module: nn.Module, fqn: str) -> bool:
+        """Whether to swap ``module`` (at path ``fqn`` in this LightningModule). Override to choose.
+
+        Args:
+            module: a candidate module.
+            fqn: its path, e.g. ``"model.blocks.3.attn"``.
+
+        Returns:
+            The default: :func:`~sage_lightning.swap.is_attention_module` (innermost modules whose class name
+            contains "Attention" or "Attn").
+        """
+        return is_attention_module(module, fqn)
+
+    def configure_model(self) -> None:
+        """Lightning's hook: the parent's ``configure_model``, then the attention swap (idempotent).
+
+        Raises:
+            TypeError: ``sage_precision`` is not an ``AttentionPrecision`` or ``None``.
+            ValueError: no attention layer was found.
+        """
+        parent = getattr(super(), "configure_model", None)
+        if parent is not None:
+            parent()
+        if not isinstance(self, nn.Module):
+            raise TypeError(
+                "SageAttentionMixin: must be mixed into a LightningModule, as in "
+                f"class MyModel(SageAttentionMixin, LightningModule); received {type(self).__name__}, which is not "
+                "a torch.nn.Module."
+            )
+        _convert(
+            self,
+            filter_fn=self.sage_attention_filter,
+            precision=self.sage_precision,
+            caller="SageAttentionMixin.configure_model",
+            filter_name="sage_attention_filter",
+            precision_name="sage_precision",
+            hint=(
+                " If you build the model in your own configure_model, build it first and call "
+                "super().configure_model() after."
+            ),
+        )
