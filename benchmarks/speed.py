@@ -55,7 +55,8 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: 
 
 
 def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).norm() / ref.double().norm())
+    x, ref = x.detach().double(), ref.detach().double()
+    return float((x - ref).norm() / ref.norm())
 
 
 def check(device: str) -> list[dict]:
@@ -141,6 +142,52 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     return rows
 
 
+def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 10) -> list[dict]:
+    """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch, heads = tokens // seq, 2048 // head_dim
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    do = torch.randn_like(q)
+
+    def step() -> None:
+        out, _ = sage_attention_triton(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, (q, k, v), do)
+
+    for _ in range(3):  # compile, autotune, warm
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" or getattr(event, "self_device_time_total", 0) > 0:
+            us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+            if us > 0:
+                totals[event.key] = totals.get(event.key, 0.0) + us / 1000 / iters
+    whole = sum(totals.values())
+    return [
+        {"kernel": name, "seq": seq, "head_dim": head_dim, "causal": causal, "ms": ms, "share": ms / whole}
+        for name, ms in sorted(totals.items(), key=lambda item: -item[1])
+    ]
+
+
+def autotuned_configs() -> dict[str, str]:
+    """The configuration autotuning chose for each kernel and key (warps, stages)."""
+    from sage_lightning.kernels import backward, forward
+
+    chosen = {}
+    for kernel in (forward._forward_kernel, backward._dkdv_kernel, backward._dq_kernel):
+        for key, config in getattr(kernel, "cache", {}).items():
+            chosen[f"{kernel.fn.__name__}{list(key)[:3]}"] = f"warps={config.num_warps} stages={config.num_stages}"
+    return chosen
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory."""
     lines = [
@@ -174,6 +221,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--impl", action="append", choices=("sage", *BACKENDS), help="repeatable; default all")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -198,6 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
                         rows += time_one(impl, args.tokens // seq, 2048 // head_dim, seq, head_dim, causal)
                     except RuntimeError as error:  # a backend that refuses a shape: say so, keep going
                         print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
+    parts = []
+    if args.breakdown:
+        for causal in (False, True):
+            parts += breakdown(4096, 128, causal, args.tokens)
+    tuned = autotuned_configs()
     name, today = device_name("cuda"), datetime.date.today()
     out = args.out or REPO / "benchmarks" / "results" / f"speed-{device_slug(name)}-{today:%Y%m%d}.json"
     result = {
@@ -209,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": _versions(),
         "rows": rows,
         "check": check_rows,
+        "breakdown": parts,
+        "autotuned": tuned,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_json(result))
@@ -221,6 +276,17 @@ def main(argv: list[str] | None = None) -> dict:
         f"inputs. Correctness check first: worst rel_l2 of Triton vs reference over {len(check_rows)} tensors: "
         f"{worst:.2e}.\n\n"
     )
+    parts_text = "\n".join(
+        f"| {p['head_dim']} | {p['seq']} | {'yes' if p['causal'] else 'no'} | `{p['kernel'][:60]}` | "
+        f"{p['ms']:.3f} | {p['share']:.0%} |"
+        for p in parts
+    )
+    if parts:
+        text += (
+            "\n\nWhere the time goes (forward+backward, GPU time per kernel and iteration):\n\n"
+            "| D | N | causal | kernel | ms | share |\n|---:|---:|:---:|---|---:|---:|\n" + parts_text
+        )
+    text += "\n\nAutotuned: " + "; ".join(f"{k}: {v}" for k, v in tuned.items())
     out.with_suffix(".md").write_text(heading + text + "\n")
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)\n")
     print(text)

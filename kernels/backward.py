@@ -4,7 +4,7 @@ Both kernels walk the same ``BLOCK_M x BLOCK_N`` tiles the forward used and reco
 ``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`),
 so the two see the same dS and its INT8 codes. Per tile (as the reference):
 
-* ``dV += psi(P)^T psi(dO)``: one scale for the tile of P, one per block of dO;
+* ``dV += psi(P)^T psi(dO)``: one scale per key column of the tile of P, one per block of dO;
 * ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 when ``dp="int8"``);
 * ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS;
 * Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from .forward import LOG2E, load_tile, scores_tile
-from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, to_dtype
+from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, seq_bucket, to_dtype, tuning_configs
+
+_BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 
 
 @triton.jit
@@ -60,6 +62,10 @@ def _tile_gradients(
     return p, p * (dp - delta[:, None])
 
 
+# restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.
+@triton.autotune(
+    configs=tuning_configs(_BACKWARD_CONFIGS), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"], restore_value=["STATS"]
+)
 @triton.jit
 def _dkdv_kernel(
     Q_OP,
@@ -86,6 +92,7 @@ def _dkdv_kernel(
     SEQ_Q,
     SEQ_K,
     HEAD_DIM,
+    SEQ_BUCKET,
     qk_scale,
     tau,
     BLOCK_M: tl.constexpr,
@@ -160,9 +167,10 @@ def _dkdv_kernel(
                     SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
                 )  # fmt: skip
             if DV_INT8:
-                p_scale = int8_scale(nan_max(p))
-                p_codes = int8_codes(p, p_scale)
-                dv += tl.dot(tl.trans(p_codes), do_codes).to(tl.float32) * (p_scale * do_scale)
+                # P per key column of the tile: one scale per row of P^T, i.e. per row of dV.
+                p_scale = int8_scale(nan_max(p, axis=0))
+                p_codes = int8_codes(p, p_scale[None, :])
+                dv += tl.dot(tl.trans(p_codes), do_codes).to(tl.float32) * (p_scale[:, None] * do_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -196,6 +204,7 @@ def _dkdv_kernel(
         tl.atomic_add(STATS + 1, tl.sum(norm2, axis=0))
 
 
+@triton.autotune(configs=tuning_configs(_BACKWARD_CONFIGS), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"])
 @triton.jit
 def _dq_kernel(
     Q_OP,
@@ -220,6 +229,7 @@ def _dq_kernel(
     SEQ_Q,
     SEQ_K,
     HEAD_DIM,
+    SEQ_BUCKET,
     qk_scale,
     tau,
     BLOCK_M: tl.constexpr,
@@ -341,6 +351,7 @@ def backward(
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
     dv = torch.empty_like(dk)
     d_pad = triton.next_power_of_2(head_dim)
+    bucket = seq_bucket(max(seq_q, seq_k))
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out
     code_scale_arg = do_scale if do_scale is not None else delta
@@ -355,22 +366,20 @@ def backward(
         DS_INT8=ds_int8,
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(io_dtype),
-        num_warps=8 if d_pad >= 128 else 4,
-        num_stages=2,
     )
     _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
         q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
         grad_out, codes_arg, code_scale_arg, lse, delta, dk, dv,
         stats if stats is not None else delta,
         *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, scale * LOG2E, scale,
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,
         DV_INT8=dv_int8, WITH_STATS=stats is not None, DO_CODES_NEEDED=dv_int8 or dp_int8, **common,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
         q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
         grad_out, codes_arg, code_scale_arg, lse, delta, dq,
         *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, scale * LOG2E, scale,
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,
         **common,
     )  # fmt: skip
     return dq, dk, dv

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, to_dtype
+from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, seq_bucket, to_dtype, tuning_configs
 
 LOG2E = math.log2(math.e)
 
@@ -65,6 +65,7 @@ def scores_tile(
     return tl.where(invalid, float("-inf"), s), invalid
 
 
+@triton.autotune(configs=tuning_configs(((8, 2), (8, 3), (4, 3))), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"])
 @triton.jit
 def _forward_kernel(
     Q_OP,
@@ -84,6 +85,7 @@ def _forward_kernel(
     SEQ_Q,
     SEQ_K,
     HEAD_DIM,
+    SEQ_BUCKET,
     qk_scale,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -144,14 +146,20 @@ def _forward_kernel(
         p = tl.math.exp2(s - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         if PV_INT8:
+            # V^ is stored [D, Nk]: the 8-bit product wants the summed-over keys contiguous.
+            v_t = tl.load(
+                v_base + cols[:, None] * SEQ_K + offs_n[None, :],
+                mask=(cols[:, None] < HEAD_DIM) & (offs_n[None, :] < SEQ_K),
+                other=0,
+            )
             # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
             p_scale = int8_scale(nan_max(p, axis=1))
             p_codes = int8_codes(p, p_scale[:, None])
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-            pv = tl.dot(p_codes, v).to(tl.float32) * (p_scale[:, None] * v_scale)
+            pv = tl.dot(p_codes, tl.trans(v_t)).to(tl.float32) * (p_scale[:, None] * v_scale)
         else:
+            v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
             pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
@@ -187,7 +195,8 @@ def forward(
         q_op, q_scale, q_mean: Q'^ ``[B, Hq, N, D]``, its scales ``[B, Hq, N / BLOCK_M]`` and, with
             Q-smoothing, the block means ``[B, Hq, N / BLOCK_M, D]``.
         k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and ``[B, Hkv, Nk / BLOCK_N]``.
-        v_op, v_scale: V^ (or V when ``pv`` is high precision) and its scales.
+        v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` and its scales, or V ``[B, Hkv, Nk, D]`` when ``pv`` is high
+            precision.
         out_dtype: dtype of O (the input dtype).
         is_causal: top-left causal mask.
         scale: softmax scale ``tau``.
@@ -224,6 +233,7 @@ def forward(
         seq_q,
         seq_k,
         head_dim,
+        seq_bucket(max(seq_q, seq_k)),
         scale * LOG2E,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -233,7 +243,5 @@ def forward(
         PV_INT8=pv_int8,
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(out_dtype),
-        num_warps=8 if d_pad >= 128 else 4,
-        num_stages=2,
     )
     return out, lse

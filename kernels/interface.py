@@ -182,9 +182,7 @@ def sage_attention(
     if _uses_triton(q):
         out, _ = sage_attention_triton(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     else:
-        out, _ = sage_attention_reference(
-            q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats
-        )
+        out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     return out
 
 

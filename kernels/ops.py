@@ -59,7 +59,7 @@ def sagebwd_forward(
     q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
     k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
     if pv_int8:
-        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True)
+        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
     else:
         v_op, v_scale = v.contiguous(), k_scale
     out, lse = forward(

@@ -61,6 +61,19 @@ def hp_dot(a, b, DOT_PRECISION: tl.constexpr):
         return tl.dot(a, b, out_dtype=tl.float32)
 
 
+def tuning_configs(warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
+    """Autotuning candidates (``num_warps``, ``num_stages``); one plain config under the interpreter, where
+    timing means nothing and each candidate would run the kernel again."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
+
+
+def seq_bucket(n: int) -> int:
+    """The autotuning key for a sequence length: its next power of two, so lengths in one bucket share a tuning."""
+    return triton.next_power_of_2(max(n, 1))
+
+
 @triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -108,6 +121,7 @@ def _quantize_rows_kernel(
     stride_ob,
     stride_oh,
     stride_on,
+    stride_od,
     stride_sb,
     stride_sh,
     stride_mib,
@@ -149,7 +163,7 @@ def _quantize_rows_kernel(
         mean = tl.sum(x, axis=0) / count
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
         x = tl.where(valid, x - mean[None, :], 0.0)
-    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :]
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
     if INT8:
         amax = nan_max(tl.abs(x))
         scale = int8_scale(amax)
@@ -171,6 +185,7 @@ def quantize_rows(
     int8: bool,
     mean: torch.Tensor | None = None,
     block_mean: bool = False,
+    transposed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` ``[B, H, N, D]`` per block of ``block`` rows (Q', K', V in the forward).
 
@@ -180,9 +195,12 @@ def quantize_rows(
         int8: INT8 codes and scales; ``False`` keeps the values in ``x``'s dtype with scale 1 (a "bf16" product).
         mean: ``[B, H, D]`` fp32, subtracted from every row first (K-smoothing).
         block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
+        transposed: write ``op`` as ``[B, H, D, N]`` (V^ for the forward's ``P V``: 8-bit tensor-core products
+            on Hopper take the operand that is summed over, here the keys, contiguous).
 
     Returns:
-        ``(op, scale, block_means)``: ``op`` ``[B, H, N, D]`` contiguous (int8 or ``x``'s dtype), ``scale``
+        ``(op, scale, block_means)``: ``op`` ``[B, H, N, D]`` (``[B, H, D, N]`` if ``transposed``) contiguous
+        (int8 or ``x``'s dtype), ``scale``
         ``[B, H, blocks]`` fp32, and ``block_means`` ``[B, H, blocks, D]`` fp32 or ``None``.
 
     Example::
@@ -191,7 +209,9 @@ def quantize_rows(
     """
     batch, heads, seq, head_dim = x.shape
     blocks = _blocks(seq, block)
-    op = torch.empty(x.shape, dtype=torch.int8 if int8 else x.dtype, device=x.device)
+    op_shape = (batch, heads, head_dim, seq) if transposed else x.shape
+    op = torch.empty(op_shape, dtype=torch.int8 if int8 else x.dtype, device=x.device)
+    op_strides = (op.stride(0), op.stride(1), 1, seq) if transposed else op.stride()
     scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=x.device)
     means = torch.empty(batch, heads, blocks, head_dim, dtype=torch.float32, device=x.device) if block_mean else None
     mean_in = mean if mean is not None else scale  # any tensor: unused unless SUBTRACT_MEAN
@@ -206,7 +226,7 @@ def quantize_rows(
             mean_in,
             mean_out,
             *x.stride(),
-            *op.stride()[:3],
+            *op_strides,
             *scale.stride()[:2],
             *mi_strides,
             *mo_strides,

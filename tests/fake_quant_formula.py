@@ -121,8 +121,8 @@ def sagebwd_formula(
         through_p = qgrad(through_p, block_m, d)
     log_sum = torch.log(row_sum)
     through_delta = (log_sum - log_sum.detach()) * -out_value.detach()
-    # dV = psi(P)^T psi(dO): P per tile, dO per row block.
-    p_dv = (fake_quant(p, block_m, block_n) if "dv" in int8 else p).detach()
+    # dV = psi(P)^T psi(dO): P per key column of each row block (one scale per row of P^T), dO per row block.
+    p_dv = (fake_quant(p, block_m, 1) if "dv" in int8 else p).detach()
     through_v = p_dv @ v.repeat_interleave(group, dim=1)
     if "dv" in int8:
         through_v = qgrad(through_v, block_m, d)

@@ -161,12 +161,13 @@ def test_logsumexp_is_sdpas_also_with_smoothing_and_int8() -> None:
 # margin on each side, so the test fails both when the error grows and when a product silently stops being
 # quantized (the all-bf16 setting's error is 15-100x smaller).
 # Measured over seeds 7-9, bf16 and fp16: rel_l2 O 0.018-0.020, dQ 0.053-0.056, dK 0.053-0.055,
-# dV 0.046-0.050; the all-bf16 setting: 0.003 (bf16) and 0.0004 (fp16).
+# dV 0.021-0.022 (0.046-0.050 before P was scaled per key column for dV); the all-bf16 setting: 0.003 (bf16)
+# and 0.0004 (fp16).
 INT8_BANDS = {  # tensor: (min rel_l2, max rel_l2, min cos)
     "O": (0.012, 0.03, 0.9995),
     "dQ": (0.035, 0.08, 0.997),
     "dK": (0.035, 0.08, 0.997),
-    "dV": (0.03, 0.07, 0.998),
+    "dV": (0.012, 0.035, 0.9995),
 }
 
 
