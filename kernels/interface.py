@@ -180,7 +180,9 @@ def sage_attention(
     if q.shape[2] == 0:
         return q.new_empty(q.shape)
     if _uses_triton(q):
-        out, _ = sage_attention_triton(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
+        out, _ = sage_attention_triton(
+            q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats, with_lse=False
+        )
     else:
         out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     return out

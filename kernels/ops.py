@@ -191,7 +191,8 @@ def sage_attention_triton(
     stats: torch.Tensor | None = None,
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SageBwd through the Triton kernels, differentiable; returns ``(O, logsumexp)`` like the reference.
 
     Callers normally use :func:`sage_lightning.kernels.sage_attention`, which checks arguments and routes
@@ -202,9 +203,10 @@ def sage_attention_triton(
     Args:
         q, k, v, is_causal, scale, precision, stats: as :func:`sage_lightning.kernels.sage_attention`.
         block_m, block_n: the tiles, which are also the quantization blocks (powers of two, at least 16).
+        with_lse: also compute SDPA's logsumexp (one more pass over q); ``False`` returns ``None`` for it.
 
     Returns:
-        ``O`` ``[B, Hq, N, D]`` and SDPA's row logsumexp ``[B, Hq, N]`` (fp32, natural log).
+        ``O`` ``[B, Hq, N, D]`` and SDPA's row logsumexp ``[B, Hq, N]`` (fp32, natural log) or ``None``.
 
     Example::
 
@@ -218,6 +220,8 @@ def sage_attention_triton(
         "qk" in int8, "pv" in int8, "dv" in int8, "dp" in int8, "ds" in int8,
         precision.smooth_k, precision.smooth_q, block_m, block_n,
     )  # fmt: skip
+    if not with_lse:
+        return out, None
     lse = lse2.detach() / LOG2E
     if precision.smooth_k:
         # K-smoothing shifted row i of S by -tau q_i . kbar; SDPA's logsumexp has it back.

@@ -3,8 +3,8 @@
 On a CPU-only machine they run under ``TRITON_INTERPRET=1`` (set by conftest.py) at small sizes; on a GPU the
 same tests run on CUDA. Agreement is to rounding: the kernels fold ``log2(e)`` into the scores and sum in a
 different order, so a value on a rounding boundary can land on the neighbouring bf16 number or INT8 code.
-On a GPU, Triton's fp32 division is not correctly rounded, which flips a few more codes than in the
-interpreter. The bounds below are an order of magnitude under the INT8 error itself (2e-2 to 5e-2).
+On a GPU, Triton's fp32 division and exp2 are not correctly rounded, which flips more of them than in the
+interpreter. So each gradient is also held to the reference's own accuracy against float64.
 """
 
 from __future__ import annotations
@@ -17,10 +17,15 @@ import torch
 from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import backward_preprocess, quantize_rows
-from sage_lightning.kernels.reference import quantize_int8, sage_attention_reference
+from sage_lightning.kernels.reference import exact_attention, quantize_int8, sage_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Gradients against the reference. Causal rows with few keys have dS = P (dP - delta) with dP and delta
+# nearly equal, so a flipped bf16 value of the stored O (delta reads it) moves their dQ noticeably; the GPU's
+# approximate exp2 and division flip more of them than the interpreter (measured: dQ 9.6e-3 at N=130 on an
+# H200, 3e-3 in the interpreter). The accuracy check beside it is the one that matters.
+GRAD_BOUND = 6e-3 if INTERPRETED else 2e-2
 pytestmark = pytest.mark.skipif(
     DEVICE == "cpu" and not INTERPRETED, reason="the Triton kernels need a GPU or TRITON_INTERPRET=1"
 )
@@ -77,9 +82,12 @@ def test_triton_matches_reference(batch, hq, hkv, n, nk, d, causal, precision, d
     assert all(g.dtype == dtype for g in grads)
     assert rel_l2(out, ref_out) < 4e-3
     assert rel_l2(lse, ref_lse) < 2e-4
+    exact = exact_attention(q, k, v, do, is_causal=causal)
     for name, g, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
         assert g.shape == ref.shape, name
-        assert rel_l2(g, ref) < 6e-3, name
+        assert rel_l2(g, ref) < GRAD_BOUND, name
+        # As accurate as the reference: the flips move the error, they do not add to it.
+        assert rel_l2(g, exact[name]) < 1.15 * rel_l2(ref, exact[name]) + 1e-3, name
     assert rel_l2(stats, ref_stats) < 1e-3
 
 
