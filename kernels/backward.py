@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, load_tile, scores_tile
+from .forward import LOG2E, load_tile, load_tile_t, scores_tile
 from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, seq_bucket, to_dtype, tuning_configs
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
@@ -69,6 +69,7 @@ def _tile_gradients(
 @triton.jit
 def _dkdv_kernel(
     Q_OP,
+    Q_OP_T,
     Q_SCALE,
     Q_MEAN,
     K_OP,
@@ -77,6 +78,7 @@ def _dkdv_kernel(
     V_SCALE,
     DO,
     DO_CODES,
+    DO_CODES_T,
     DO_SCALE,
     LSE,
     DELTA,
@@ -105,7 +107,6 @@ def _dkdv_kernel(
     DS_INT8: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     WITH_STATS: tl.constexpr,
-    DO_CODES_NEEDED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -149,14 +150,15 @@ def _dkdv_kernel(
                 mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
                 other=0.0,
             )
-            do_codes = do
             do_scale = 1.0
-            if DO_CODES_NEEDED:
-                do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
+            if DV_INT8:
+                do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
+            if DP_INT8:
                 do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
             lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             if DP_INT8:
+                do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
                     SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
@@ -170,7 +172,9 @@ def _dkdv_kernel(
                 # P per key column of the tile: one scale per row of P^T, i.e. per row of dV.
                 p_scale = int8_scale(nan_max(p, axis=0))
                 p_codes = int8_codes(p, p_scale[None, :])
-                dv += tl.dot(tl.trans(p_codes), do_codes).to(tl.float32) * (p_scale[:, None] * do_scale)
+                # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
+                do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
+                dv += tl.dot(tl.trans(p_codes), tl.trans(do_t)).to(tl.float32) * (p_scale[:, None] * do_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -186,7 +190,8 @@ def _dkdv_kernel(
                 ds_scale = int8_scale(nan_max(tl.abs(ds)))
                 ds_codes = int8_codes(ds, ds_scale)
                 if QK_INT8:
-                    dk += tl.dot(tl.trans(ds_codes), q).to(tl.float32) * (ds_scale * q_scale)
+                    q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
+                    dk += tl.dot(tl.trans(ds_codes), tl.trans(q_t)).to(tl.float32) * (ds_scale * q_scale)
                 else:
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
                     dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
@@ -211,6 +216,7 @@ def _dq_kernel(
     Q_SCALE,
     Q_MEAN,
     K_OP,
+    K_OP_T,
     K_SCALE,
     V,
     V_SCALE,
@@ -289,7 +295,8 @@ def _dq_kernel(
             ds_scale = int8_scale(nan_max(tl.abs(ds)))
             ds_codes = int8_codes(ds, ds_scale)
             if QK_INT8:
-                dq += tl.dot(ds_codes, k).to(tl.float32) * (ds_scale * k_scale)
+                k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
+                dq += tl.dot(ds_codes, tl.trans(k_t)).to(tl.float32) * (ds_scale * k_scale)
             else:
                 dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
         else:
@@ -306,11 +313,14 @@ def backward(
     grad_out: torch.Tensor,
     delta: torch.Tensor,
     do_codes: torch.Tensor | None,
+    do_codes_t: torch.Tensor | None,
     do_scale: torch.Tensor | None,
     q_op: torch.Tensor,
+    q_op_t: torch.Tensor | None,
     q_scale: torch.Tensor,
     q_mean: torch.Tensor | None,
     k_op: torch.Tensor,
+    k_op_t: torch.Tensor | None,
     k_scale: torch.Tensor,
     v_dp: torch.Tensor,
     v_dp_scale: torch.Tensor | None,
@@ -330,8 +340,11 @@ def backward(
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
-        delta, do_codes, do_scale: from :func:`.quant.backward_preprocess` (codes when ``dv`` or ``dp`` is INT8).
+        delta, do_codes, do_codes_t, do_scale: from :func:`.quant.backward_preprocess`: dO's codes ``[N, D]``
+            when ``dp`` is INT8, ``[D, N]`` when ``dv`` is.
         q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands.
+        q_op_t, k_op_t: Q'^ and K'^ stored ``[D, N]`` when ``qk`` and ``ds`` are INT8 (the dK and dQ products sum
+            over queries and keys, which 8-bit tensor-core products want contiguous); else ``None``.
         v_dp, v_dp_scale: dP's V operand: V's INT8 codes and scales when ``dp="int8"``, else V contiguous.
         lse: the forward's internal logsumexp (base 2).
         stats: fp32 ``(2,)`` buffer the dS statistics are added to, or ``None`` (nothing computed).
@@ -340,7 +353,8 @@ def backward(
 
     Example::
 
-        dq, dk, dv = backward(grad_out, delta, codes, dscale, *q_parts, *k_parts, v, None, lse, None,
+        dq, dk, dv = backward(grad_out, delta, None, codes_t, dscale, q_op, q_op_t, q_scale, None, k_op,
+                              k_op_t, k_scale, v, None, lse, None,
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk_int8=True,
                               dv_int8=True, dp_int8=False, ds_int8=True)
     """
@@ -354,6 +368,9 @@ def backward(
     bucket = seq_bucket(max(seq_q, seq_k))
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out
+    codes_t_arg = do_codes_t if do_codes_t is not None else grad_out
+    q_t_arg = q_op_t if q_op_t is not None else q_op
+    k_t_arg = k_op_t if k_op_t is not None else k_op
     code_scale_arg = do_scale if do_scale is not None else delta
     v_scale_arg = v_dp_scale if v_dp_scale is not None else k_scale
     common = dict(
@@ -368,15 +385,15 @@ def backward(
         DOT_PRECISION=dot_precision(io_dtype),
     )
     _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
-        q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
-        grad_out, codes_arg, code_scale_arg, lse, delta, dk, dv,
+        q_op, q_t_arg, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
+        grad_out, codes_arg, codes_t_arg, code_scale_arg, lse, delta, dk, dv,
         stats if stats is not None else delta,
         *grad_out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,
-        DV_INT8=dv_int8, WITH_STATS=stats is not None, DO_CODES_NEEDED=dv_int8 or dp_int8, **common,
+        DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
-        q_op, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
+        q_op, q_scale, q_mean_arg, k_op, k_t_arg, k_scale, v_dp, v_scale_arg,
         grad_out, codes_arg, code_scale_arg, lse, delta, dq,
         *grad_out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,

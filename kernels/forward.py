@@ -30,6 +30,16 @@ def load_tile(BASE, offs, cols, stride, SEQ, HEAD_DIM):
 
 
 @triton.jit
+def load_tile_t(BASE, offs, cols, SEQ, HEAD_DIM):
+    """A ``[D_PAD, rows]`` tile of a ``[D, N]`` matrix at ``BASE`` (an operand stored transposed); zeros outside."""
+    return tl.load(
+        BASE + cols[:, None] * SEQ + offs[None, :],
+        mask=(cols[:, None] < HEAD_DIM) & (offs[None, :] < SEQ),
+        other=0,
+    )
+
+
+@triton.jit
 def scores_tile(
     q,
     q_scale,
@@ -148,11 +158,7 @@ def _forward_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if PV_INT8:
             # V^ is stored [D, Nk]: the 8-bit product wants the summed-over keys contiguous.
-            v_t = tl.load(
-                v_base + cols[:, None] * SEQ_K + offs_n[None, :],
-                mask=(cols[:, None] < HEAD_DIM) & (offs_n[None, :] < SEQ_K),
-                other=0,
-            )
+            v_t = load_tile_t(v_base, offs_n, cols, SEQ_K, HEAD_DIM)
             # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
             p_scale = int8_scale(nan_max(p, axis=1))
             p_codes = int8_codes(p, p_scale[:, None])

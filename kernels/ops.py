@@ -123,7 +123,12 @@ def sagebwd_backward(
     block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward: ``(dQ, dK, dV)``; adds the dS statistics into ``stats`` when given."""
-    delta, do_codes, do_scale = backward_preprocess(grad_out, out, block_m, int8=dv_int8 or dp_int8)
+    delta, do_codes, do_codes_t, do_scale = backward_preprocess(grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8)
+    # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
+    # cores want those contiguous, so the backward reads transposed copies (made here, freed on return).
+    transposed = qk_int8 and ds_int8
+    q_op_t = q_op.transpose(-1, -2).contiguous() if transposed else None
+    k_op_t = k_op.transpose(-1, -2).contiguous() if transposed else None
     if dp_int8:
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
     else:
@@ -132,11 +137,14 @@ def sagebwd_backward(
         grad_out,
         delta,
         do_codes,
+        do_codes_t,
         do_scale,
         q_op,
+        q_op_t,
         q_scale,
         q_mean if q_mean.numel() else None,
         k_op,
+        k_op_t,
         k_scale,
         v_dp,
         v_dp_scale,

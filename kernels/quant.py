@@ -249,6 +249,7 @@ def _backward_preprocess_kernel(
     OUT,
     DELTA,
     DO_CODES,
+    DO_CODES_T,
     DO_SCALE,
     stride_dob,
     stride_doh,
@@ -263,9 +264,14 @@ def _backward_preprocess_kernel(
     HEAD_DIM,
     BLOCK_M: tl.constexpr,
     D_PAD: tl.constexpr,
-    INT8: tl.constexpr,
+    CODES: tl.constexpr,
+    CODES_T: tl.constexpr,
 ):
-    """``delta = rowsum(dO * O)`` per row and, when ``INT8``, dO's codes and scale per block, in one read of dO."""
+    """``delta = rowsum(dO * O)`` per row and dO's INT8 codes and scale per block, in one read of dO.
+
+    ``CODES`` writes the codes ``[N, D]`` (an INT8 ``dP = dO V^T`` sums over D); ``CODES_T`` writes them ``[D, N]``
+    (the INT8 ``dV = P^T dO`` sums over queries, which 8-bit tensor-core products want contiguous).
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HEADS
@@ -285,42 +291,50 @@ def _backward_preprocess_kernel(
     ).to(tl.float32)
     delta = tl.sum(do * o, axis=1)
     tl.store(DELTA + pid_bh * SEQ + rows, delta, mask=rows < SEQ)
-    if INT8:
+    if CODES or CODES_T:
         scale = int8_scale(nan_max(tl.abs(do)))
-        code_ptrs = DO_CODES + pid_bh * SEQ * HEAD_DIM + rows[:, None] * HEAD_DIM + cols[None, :]
-        tl.store(code_ptrs, int8_codes(do, scale), mask=valid)
+        codes = int8_codes(do, scale)
+        base = pid_bh * SEQ * HEAD_DIM
+        if CODES:
+            tl.store(DO_CODES + base + rows[:, None] * HEAD_DIM + cols[None, :], codes, mask=valid)
+        if CODES_T:
+            tl.store(DO_CODES_T + base + cols[None, :] * SEQ + rows[:, None], codes, mask=valid)
         tl.store(DO_SCALE + pid_bh * tl.cdiv(SEQ, BLOCK_M) + pid_m, scale)
 
 
 def backward_preprocess(
-    grad_out: torch.Tensor, out: torch.Tensor, block_m: int, *, int8: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``delta`` ``[B, H, N]`` fp32 and, when ``int8``, dO's codes ``[B, H, N, D]`` and scales ``[B, H, blocks]``.
+    grad_out: torch.Tensor, out: torch.Tensor, block_m: int, *, codes: bool, codes_t: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``delta`` ``[B, H, N]`` fp32 and dO's INT8 codes (``[B, H, N, D]`` and/or ``[B, H, D, N]``) and scales.
 
     Args:
         grad_out: dO ``[B, H, N, D]``, any strides (autograd may hand an expanded tensor).
         out: the stored O, same shape.
         block_m: rows per quantization block of dO.
-        int8: also quantize dO (needed when ``dv`` or ``dp`` runs in INT8).
+        codes: write the codes ``[B, H, N, D]`` (needed when ``dp`` runs in INT8).
+        codes_t: write the codes ``[B, H, D, N]`` (needed when ``dv`` runs in INT8).
 
     Returns:
-        ``(delta, do_codes, do_scale)``, the last two ``None`` unless ``int8``.
+        ``(delta, codes, codes_t, scale)``, each of the last three ``None`` when not asked for.
 
     Example::
 
-        delta, codes, scale = backward_preprocess(grad_out, out, 128, int8=True)
+        delta, _, codes_t, scale = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True)
     """
     batch, heads, seq, head_dim = grad_out.shape
     blocks = _blocks(seq, block_m)
-    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=grad_out.device)
-    codes = torch.empty(grad_out.shape, dtype=torch.int8, device=grad_out.device) if int8 else None
-    scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=grad_out.device) if int8 else None
+    device = grad_out.device
+    delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
+    normal = torch.empty(grad_out.shape, dtype=torch.int8, device=device) if codes else None
+    transposed = torch.empty(batch, heads, head_dim, seq, dtype=torch.int8, device=device) if codes_t else None
+    scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=device) if codes or codes_t else None
     if blocks and batch * heads:
         _backward_preprocess_kernel[(blocks, batch * heads)](
             grad_out,
             out,
             delta,
-            codes if codes is not None else delta,
+            normal if normal is not None else delta,
+            transposed if transposed is not None else delta,
             scale if scale is not None else delta,
             *grad_out.stride(),
             *out.stride(),
@@ -329,6 +343,7 @@ def backward_preprocess(
             head_dim,
             BLOCK_M=block_m,
             D_PAD=triton.next_power_of_2(head_dim),
-            INT8=int8,
+            CODES=codes,
+            CODES_T=codes_t,
         )
-    return delta, codes, scale
+    return delta, normal, transposed, scale

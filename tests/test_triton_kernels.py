@@ -143,12 +143,15 @@ def test_backward_preprocess_delta_and_codes():
     out = torch.randn(1, 2, 70, 32, generator=gen).to(DEVICE, torch.bfloat16)
     # Autograd can hand an expanded (stride 0) or transposed gradient: the kernel reads strides.
     do_t = do.transpose(1, 2).contiguous().transpose(1, 2)
-    delta, codes, scale = backward_preprocess(do_t, out, 64, int8=True)
+    delta, codes, codes_t, scale = backward_preprocess(do_t, out, 64, codes=True, codes_t=True)
     assert torch.allclose(delta, (do.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-5)
     padded = torch.nn.functional.pad(do.float(), (0, 0, 0, 58)).reshape(1, 2, 2, 64, 32)
     ref_codes, ref_scale = quantize_int8(padded, (-2, -1))
     assert torch.equal(codes.float(), ref_codes.reshape(1, 2, 128, 32)[:, :, :70])
+    assert torch.equal(codes_t, codes.transpose(-1, -2))
     assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
+    only_delta = backward_preprocess(do, out, 64, codes=False, codes_t=False)
+    assert torch.equal(only_delta[0], delta) and only_delta[1:] == (None, None, None)
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
