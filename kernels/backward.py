@@ -21,9 +21,21 @@ import triton
 import triton.language as tl
 
 from .forward import LOG2E, load_tile, load_tile_t, scores_tile
-from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, seq_bucket, to_dtype, tuning_configs
+from .quant import (
+    dot_precision,
+    hp_dot,
+    int8_codes,
+    int8_scale,
+    nan_max,
+    padded_head_dim,
+    seq_bucket,
+    to_dtype,
+    tuning_configs,
+)
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
+# Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.
+_BACKWARD_KEY = ["HEAD_DIM", "SEQ_BUCKET", "CAUSAL", "QK_INT8", "DP_INT8", "DS_INT8", "SMOOTH_Q", "DOT_PRECISION"]
 
 
 @triton.jit
@@ -64,7 +76,7 @@ def _tile_gradients(
 
 # restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.
 @triton.autotune(
-    configs=tuning_configs(_BACKWARD_CONFIGS), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"], restore_value=["STATS"]
+    configs=tuning_configs(_BACKWARD_CONFIGS), key=_BACKWARD_KEY + ["DV_INT8", "WITH_STATS"], restore_value=["STATS"]
 )
 @triton.jit
 def _dkdv_kernel(
@@ -209,7 +221,7 @@ def _dkdv_kernel(
         tl.atomic_add(STATS + 1, tl.sum(norm2, axis=0))
 
 
-@triton.autotune(configs=tuning_configs(_BACKWARD_CONFIGS), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"])
+@triton.autotune(configs=tuning_configs(_BACKWARD_CONFIGS), key=_BACKWARD_KEY)
 @triton.jit
 def _dq_kernel(
     Q_OP,
@@ -364,7 +376,7 @@ def backward(
     dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
     dv = torch.empty_like(dk)
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = padded_head_dim(head_dim)
     bucket = seq_bucket(max(seq_q, seq_k))
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out

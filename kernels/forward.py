@@ -14,7 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import dot_precision, hp_dot, int8_codes, int8_scale, nan_max, seq_bucket, to_dtype, tuning_configs
+from .quant import (
+    dot_precision,
+    hp_dot,
+    int8_codes,
+    int8_scale,
+    nan_max,
+    padded_head_dim,
+    seq_bucket,
+    to_dtype,
+    tuning_configs,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -75,7 +85,12 @@ def scores_tile(
     return tl.where(invalid, float("-inf"), s), invalid
 
 
-@triton.autotune(configs=tuning_configs(((8, 2), (8, 3), (4, 3))), key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL"])
+# Every constexpr that changes the code is in the key: a tuning found for one variant (say without Q-smoothing)
+# may not fit another in shared memory.
+@triton.autotune(
+    configs=tuning_configs(((8, 2), (8, 3), (4, 3))),
+    key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL", "QK_INT8", "PV_INT8", "SMOOTH_Q", "DOT_PRECISION"],
+)
 @triton.jit
 def _forward_kernel(
     Q_OP,
@@ -222,7 +237,7 @@ def forward(
     out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
-    d_pad = triton.next_power_of_2(head_dim)
+    d_pad = padded_head_dim(head_dim)
     _forward_kernel[grid](
         q_op,
         q_scale,

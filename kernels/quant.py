@@ -69,6 +69,12 @@ def tuning_configs(warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Con
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels' tiles use: the next power of two, at least 32 (8-bit tensor-core products
+    on Hopper sum over 32 elements at a time; smaller heads are zero-padded, which changes no result)."""
+    return max(32, triton.next_power_of_2(head_dim))
+
+
 def seq_bucket(n: int) -> int:
     """The autotuning key for a sequence length: its next power of two, so lengths in one bucket share a tuning."""
     return triton.next_power_of_2(max(n, 1))
@@ -234,7 +240,7 @@ def quantize_rows(
             seq,
             head_dim,
             BLOCK=block,
-            D_PAD=triton.next_power_of_2(head_dim),
+            D_PAD=padded_head_dim(head_dim),
             SUBTRACT_MEAN=mean is not None,
             BLOCK_MEAN=block_mean,
             INT8=int8,
@@ -342,7 +348,7 @@ def backward_preprocess(
             seq,
             head_dim,
             BLOCK_M=block_m,
-            D_PAD=triton.next_power_of_2(head_dim),
+            D_PAD=padded_head_dim(head_dim),
             CODES=codes,
             CODES_T=codes_t,
         )
