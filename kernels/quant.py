@@ -105,10 +105,19 @@ def int8_scale(amax):
 
 
 @triton.jit
-def int8_codes(x, scale):
+def int8_codes(x, scale, EXACT: tl.constexpr = False):
     """Codes of ``x`` (fp32) for ``scale`` (broadcastable), as int8. Non-finite scales give garbage codes:
-    callers always multiply the product by the scale, which carries the NaN or infinity."""
-    codes = round_half_even(x / scale)
+    callers always multiply the product by the scale, which carries the NaN or infinity.
+
+    ``EXACT`` divides with IEEE rounding, so the codes equal the reference's bit for bit (the quantization
+    kernels, which are memory-bound); the hot loops use the GPU's faster division, which is off by at most
+    2 ulp and so flips a code only for a value within that of a rounding boundary.
+    """
+    if EXACT:
+        ratio = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    else:
+        ratio = x / scale
+    codes = round_half_even(ratio)
     codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
     return codes.to(tl.int8)
 
@@ -173,7 +182,7 @@ def _quantize_rows_kernel(
     if INT8:
         amax = nan_max(tl.abs(x))
         scale = int8_scale(amax)
-        tl.store(out_ptrs, int8_codes(x, scale), mask=valid)
+        tl.store(out_ptrs, int8_codes(x, scale, True), mask=valid)
     else:
         scale = 1.0
         tl.store(out_ptrs, to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
@@ -299,7 +308,7 @@ def _backward_preprocess_kernel(
     tl.store(DELTA + pid_bh * SEQ + rows, delta, mask=rows < SEQ)
     if CODES or CODES_T:
         scale = int8_scale(nan_max(tl.abs(do)))
-        codes = int8_codes(do, scale)
+        codes = int8_codes(do, scale, True)
         base = pid_bh * SEQ * HEAD_DIM
         if CODES:
             tl.store(DO_CODES + base + rows[:, None] * HEAD_DIM + cols[None, :], codes, mask=valid)
