@@ -18,7 +18,7 @@ import torch
 from .backward import backward
 from .forward import LOG2E, forward
 from .precision import AttentionPrecision
-from .quant import backward_preprocess, quantize_rows
+from .quant import backward_preprocess, quantize_rows, transpose_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
@@ -127,8 +127,8 @@ def sagebwd_backward(
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
     # cores want those contiguous, so the backward reads transposed copies (made here, freed on return).
     transposed = qk_int8 and ds_int8
-    q_op_t = q_op.transpose(-1, -2).contiguous() if transposed else None
-    k_op_t = k_op.transpose(-1, -2).contiguous() if transposed else None
+    q_op_t = transpose_rows(q_op) if transposed else None
+    k_op_t = transpose_rows(k_op) if transposed else None
     if dp_int8:
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
     else:

@@ -362,3 +362,32 @@ def backward_preprocess(
             CODES_T=codes_t,
         )
     return delta, normal, transposed, scale
+
+
+@triton.jit
+def _transpose_kernel(X, OUT, SEQ, HEAD_DIM, BLOCK: tl.constexpr, D_PAD: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    rows = pid_n * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D_PAD)
+    valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+    base = pid_bh * SEQ * HEAD_DIM
+    x = tl.load(X + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0)
+    tl.store(OUT + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
+
+
+def transpose_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` contiguous -> ``[B, H, D, N]`` contiguous, tile by tile. (PyTorch's generic strided
+    copy of the int8 Q'^ and K'^ took 0.41 ms of a 10.4 ms forward+backward at N=4096, D=128 on an H200.)
+
+    Example::
+
+        q_op_t = transpose_rows(q_op)
+    """
+    batch, heads, seq, head_dim = x.shape
+    out = torch.empty(batch, heads, head_dim, seq, dtype=x.dtype, device=x.device)
+    if seq and batch * heads:
+        _transpose_kernel[(triton.cdiv(seq, 64), batch * heads)](
+            x, out, seq, head_dim, BLOCK=64, D_PAD=padded_head_dim(head_dim)
+        )
+    return out

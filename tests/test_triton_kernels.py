@@ -16,7 +16,7 @@ import pytest
 import torch
 from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
 from sage_lightning.kernels.ops import sage_attention_triton
-from sage_lightning.kernels.quant import backward_preprocess, quantize_rows
+from sage_lightning.kernels.quant import backward_preprocess, quantize_rows, transpose_rows
 from sage_lightning.kernels.reference import exact_attention, quantize_int8, sage_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,6 +152,12 @@ def test_backward_preprocess_delta_and_codes():
     assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
     only_delta = backward_preprocess(do, out, 64, codes=False, codes_t=False)
     assert torch.equal(only_delta[0], delta) and only_delta[1:] == (None, None, None)
+
+
+@pytest.mark.parametrize("seq, head_dim", [(100, 32), (64, 20)])
+def test_transpose_rows(seq, head_dim):
+    x = torch.randint(-127, 128, (2, 3, seq, head_dim), dtype=torch.int8).to(DEVICE)
+    assert torch.equal(transpose_rows(x), x.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
