@@ -151,7 +151,8 @@ def test_backward_preprocess_delta_and_codes():
     assert torch.equal(codes_t, codes.transpose(-1, -2))
     assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
     only_delta = backward_preprocess(do, out, 64, codes=False, codes_t=False)
-    assert torch.equal(only_delta[0], delta) and only_delta[1:] == (None, None, None)
+    # Another compiled variant (and dO's other strides): the fp32 row sums may round differently.
+    assert torch.allclose(only_delta[0], delta, rtol=1e-6, atol=1e-6) and only_delta[1:] == (None, None, None)
 
 
 @pytest.mark.parametrize("seq, head_dim", [(100, 32), (64, 20)])
