@@ -1,0 +1,393 @@
+"""What ``AdaptivePrecision`` costs per optimizer step: the same training with and without the callback.
+
+A small transformer (by default 8 layers, d_model 1024, 16 heads, seq 2048, batch 4, bf16-mixed; pre-norm
+blocks, causal SDPA attention swapped to SageBwd by ``SageAttentionMixin``, GELU MLP) trains on tokens from a
+fixed random Markov chain (learnable, so the loss moves like a real run's), once per setting:
+
+* ``no callback``: the baseline;
+* ``callback, defaults``: ``AdaptivePrecision()`` as a user gets it (dS statistics every 25 steps, a probe every
+  5000, a snapshot every 100, and on every step the gradient norm and one packed all-reduce, read with one
+  host sync before the optimizer step);
+* ``callback, defaults, check_before_step=False``: the same, the signals read one step later without waiting
+  (the optimizer is AdamW with ``fused=True`` on CUDA, which skips a non-finite step on the device).
+
+These three run ``--steps`` measured steps (1000 by default: the dS statistics and snapshots come at their real
+rate; the probe's share, one step in 5000, is added in the rebuilt estimate below the table). To see where
+the cost goes, four more settings run ``--breakdown-steps`` steps each: the callback with signals and
+snapshots off (the per-step cost), and with only the dS statistics, only the probe, or only the snapshot on
+every step (the cost of one such step, to set against its period).
+
+A run's step time is the wall time of its measured steps divided by their number (a mean, not a median: the
+rare armed steps are the cost being measured), the device synchronised at each step's end. Settings run in
+turn, ``--repeats`` rounds, the order reversed every other round. Identical runs differ by a few percent from
+one to the next (the machine, not the code), so each row reports the median over rounds (``step_ms``,
+``baseline_step_ms``) and ``overhead``, the median over rounds of the ratio to the baseline run of the same
+round (paired, so slow drifts of the machine cancel); ``round_step_ms`` keeps every round.
+
+Example::
+
+    python benchmarks/overhead.py                                    # GPU defaults, writes benchmarks/results/
+    python benchmarks/overhead.py --device cpu --layers 2 --d-model 32 --heads 2 --seq 32 --batch 2 \\
+        --steps 6 --warmup 2 --precision 32-true --repeats 1 --out /tmp/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from sage_lightning.kernels import use_backend
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from sage_lightning import AdaptivePrecision, PolicyConfig, SageAttentionMixin
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy  # noqa: E402  (benchmarks/ is not a package: the result-file helpers live there)
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 4096
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention`` (what the mixin swaps)."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, heads)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TransformerLM(SageAttentionMixin, L.LightningModule):
+    """A decoder-only language model: embedding, ``layers`` blocks, a tied head; AdamW.
+
+    Args:
+        layers: transformer blocks.
+        d_model: model width.
+        heads: attention heads (head dim ``d_model // heads``).
+        lr: AdamW learning rate.
+        fused: AdamW's fused implementation (what GPU training usually runs).
+
+    Example::
+
+        model = TransformerLM(layers=2, d_model=64, heads=4)
+    """
+
+    def __init__(
+        self, layers: int = 4, d_model: int = 512, heads: int = 8, lr: float = 3e-4, fused: bool = False
+    ) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"TransformerLM: d_model ({d_model}) must be a multiple of heads; received {heads}.")
+        self.lr = lr
+        self.fused = fused
+        self.embed = nn.Embedding(VOCAB, d_model)
+        # GPT-2's scale: the tied head's logits start near zero, so the loss starts near log(VOCAB).
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.embed.weight.T
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        logits = self(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1, fused=self.fused or None)
+
+
+def markov_tokens(sequences: int, seq: int, seed: int = 0, branching: int = 8) -> torch.Tensor:
+    """Token ids ``[sequences, seq + 1]`` from a fixed random Markov chain: each token has ``branching``
+    possible successors, so a model can learn the data and the loss falls as in real training.
+
+    Example::
+
+        markov_tokens(4, 16).shape   # torch.Size([4, 17])
+    """
+    generator = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, VOCAB, (VOCAB, branching), generator=generator)
+    ids = torch.empty(sequences, seq + 1, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, VOCAB, (sequences,), generator=generator)
+    for position in range(1, seq + 1):
+        pick = torch.randint(0, branching, (sequences,), generator=generator)
+        ids[:, position] = successors[ids[:, position - 1], pick]
+    return ids
+
+
+class StepTimer(Callback):
+    """Wall time of each optimizer step, the device synchronised at its end."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self._step = -1
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._synchronize(pl_module)
+        self.ends.append(time.perf_counter())
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step != self._step:  # an optimizer step ended with this batch
+            self._synchronize(pl_module)
+            self.ends.append(time.perf_counter())
+            self._step = trainer.global_step
+
+    @staticmethod
+    def _synchronize(pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def step_ms(self, skip: int) -> float:
+        """Mean milliseconds per step after the first ``skip`` steps."""
+        ends = self.ends[skip:]
+        return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+#: A period that never comes within a benchmark run: turns one signal off.
+NEVER = 10**9
+
+
+def _callback(
+    ds_stats: int | None = None, probe: int | None = None, snapshot: int = 100, check_before_step: bool = True
+) -> Callable[[], AdaptivePrecision]:
+    """A factory of the callback with some periods changed (``None``: the default)."""
+    changes = {"ds_stats_every_n_steps": ds_stats, "probe_every_n_steps": probe}
+    config = PolicyConfig(**{name: value for name, value in changes.items() if value is not None})
+    return lambda: AdaptivePrecision(
+        config,
+        snapshot_every_n_steps=snapshot,
+        check_before_step=check_before_step,
+        progress_bar=False,
+        verbose=False,
+    )
+
+
+#: label -> (callback factory or None, whether it runs --steps (True) or --breakdown-steps (False)).
+SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
+    "no callback": (None, True),
+    "callback, defaults": (_callback(), True),
+    "callback, defaults, check_before_step=False": (_callback(check_before_step=False), True),
+    "callback, signals and snapshots off": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=NEVER), False),
+    "callback, dS statistics every step": (_callback(ds_stats=1, probe=NEVER, snapshot=NEVER), False),
+    "callback, probe every step": (_callback(ds_stats=NEVER, probe=1, snapshot=NEVER), False),
+    "callback, snapshot every step": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=1), False),
+}
+
+
+def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> tuple[float, int]:
+    """Train one setting for ``--warmup`` plus its measured steps; return its ``step_ms`` and the step count.
+
+    Example::
+
+        run_once(parse_args(["--device", "cpu", "--steps", "4"]), "no callback", data)
+    """
+    torch.manual_seed(args.seed)
+    model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
+    timer = StepTimer()
+    factory, main_setting = SETTINGS[label]
+    steps = args.steps if main_setting else args.breakdown_steps
+    callbacks = [timer] if factory is None else [factory(), timer]
+    trainer = L.Trainer(
+        accelerator=args.device,
+        devices=1,
+        precision=args.precision,
+        max_steps=args.warmup + steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    loader = DataLoader(TensorDataset(data), batch_size=args.batch, shuffle=False, num_workers=0)
+    with use_backend(args.backend):
+        trainer.fit(model, loader)
+    return timer.step_ms(skip=args.warmup), steps
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line.
+
+    Example::
+
+        parse_args(["--device", "cpu"]).layers   # 8
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1000, help="measured steps of the baseline and the defaults")
+    parser.add_argument("--breakdown-steps", type=int, default=30, help="measured steps of the other settings")
+    parser.add_argument("--warmup", type=int, default=20, help="steps run before timing starts")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over the settings (medians are reported)")
+    parser.add_argument("--precision", default="bf16-mixed", help="Lightning precision, e.g. bf16-mixed, 32-true")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "triton", "reference"),
+        help="sage_attention's implementation (auto: the Triton kernels on CUDA, the reference elsewhere)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
+    args = parser.parse_args(argv)
+    for name in ("layers", "d_model", "heads", "seq", "batch", "steps", "breakdown_steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1; received {getattr(args, name)}")
+    if args.warmup < 1:
+        parser.error(f"--warmup must be >= 1 (the first step compiles and allocates); received {args.warmup}")
+    return args
+
+
+def format_table(result: dict) -> str:
+    """The markdown table of one result file, and the defaults' overhead rebuilt from the breakdown rows.
+
+    Example::
+
+        print(format_table(main([...])))
+    """
+    lines = [
+        "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    by_label = {row["what"]: row for row in result["rows"]}
+    for row in result["rows"]:
+        each = ", ".join(f"{ms:.2f}" for ms in row["round_step_ms"])
+        lines.append(
+            f"| {row['what']} | {row['steps']} | {row['step_ms']:.2f} | {row['baseline_step_ms']:.2f} | "
+            f"{row['overhead']:+.2%} | {each} |"
+        )
+    base = by_label["no callback"]["step_ms"]
+    off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
+    config, callback = PolicyConfig(), AdaptivePrecision()
+    periods = {
+        "dS statistics every step": config.ds_stats_every_n_steps,
+        "probe every step": config.probe_every_n_steps,
+        "snapshot every step": callback.snapshot_every_n_steps,
+    }
+    parts = [("every step", off - base)]
+    for what, period in periods.items():
+        armed = base * (1 + by_label[f"callback, {what}"]["overhead"])
+        parts.append((f"{what[: -len(' every step')]} / {period}", (armed - off) / period))
+    estimate = sum(cost for _, cost in parts)
+    lines += [
+        "",
+        "Defaults rebuilt from the breakdown (ms per step): "
+        + " + ".join(f"{what} {cost:.3f}" for what, cost in parts)
+        + f" = {estimate:.3f} ms, {estimate / base:+.2%} of the baseline.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Measure every setting, print the table, write the JSON and markdown; returns the JSON dict.
+
+    Args:
+        argv: command-line arguments (``sys.argv[1:]`` when ``None``).
+
+    Example::
+
+        main(["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
+              "--batch", "2", "--steps", "4", "--warmup", "1", "--precision", "32-true", "--out", "/tmp/o.json"])
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("overhead.py: --device cuda needs a GPU; pass --device cpu (with small sizes) to try it")
+    data = markov_tokens(args.batch * (args.warmup + max(args.steps, args.breakdown_steps)), args.seq, seed=args.seed)
+    rounds: dict[str, list[float]] = {label: [] for label in SETTINGS}
+    steps: dict[str, int] = {}
+    for repeat in range(args.repeats):
+        for label in list(SETTINGS)[:: 1 if repeat % 2 == 0 else -1]:
+            step_ms, steps[label] = run_once(args, label, data)
+            rounds[label].append(step_ms)
+            print(f"{label}: {step_ms:.2f} ms/step", flush=True)
+    shape = {
+        "layers": args.layers,
+        "d_model": args.d_model,
+        "heads": args.heads,
+        "seq": args.seq,
+        "batch": args.batch,
+        "precision": args.precision,
+        "backend": args.backend,
+    }
+    baseline = rounds["no callback"]
+    rows = [
+        {
+            "what": label,
+            "step_ms": statistics.median(rounds[label]),
+            "baseline_step_ms": statistics.median(baseline),
+            "overhead": statistics.median(ms / base - 1 for ms, base in zip(rounds[label], baseline, strict=True)),
+            "steps": steps[label],
+            "round_step_ms": rounds[label],
+            **shape,
+        }
+        for label in SETTINGS
+    ]
+    name, today = accuracy.device_name(args.device), datetime.date.today()
+    out = args.out or REPO / "benchmarks" / "results" / f"overhead-{accuracy.device_slug(name)}-{today:%Y%m%d}.json"
+    result = {
+        "kind": "overhead",
+        "device": name,
+        "date": today.isoformat(),
+        "commit": accuracy._commit(),
+        "command": shlex.join(["python", "benchmarks/overhead.py", *argv]),
+        "versions": accuracy._versions(),
+        "rows": rows,
+    }
+    table = format_table(result)
+    print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(accuracy.to_json(result))
+    heading = (
+        f"# AdaptivePrecision overhead per optimizer step\n\n{name}, {result['date']}, commit {result['commit']}\n\n"
+        f"`{result['command']}`\n\n{args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
+        f"batch {args.batch}, {args.precision}, backend {args.backend}; mean over the measured steps after "
+        f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, overhead paired by round.\n\n"
+    )
+    out.with_suffix(".md").write_text(heading + table + "\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

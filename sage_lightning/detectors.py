@@ -1,0 +1,147 @@
+"""Spike detection over a sliding window: pure Python, no torch, so it is tested with plain lists of numbers.
+
+A value is compared with the median of the values before it, in units of their spread measured by the
+median absolute deviation (MAD). Median and MAD ignore a few outliers in the window, so one spike does not
+hide the next, and a slow trend (the loss falling during training) moves the median with it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+#: MAD of a normal distribution times this is its standard deviation, so ``z`` reads like a normal z-score.
+MAD_TO_SIGMA = 1.4826
+#: Spike levels, from calm to the one that makes the controller roll back.
+LEVELS: tuple[str, ...] = ("none", "soft", "hard")
+
+
+@dataclass(frozen=True)
+class SpikeReading:
+    """What :meth:`SpikeDetector.update` saw in one value.
+
+    Attributes:
+        value: the value passed in.
+        median: median of the window before this value; ``None`` while warming up.
+        z: ``(value - median) / spread``, the robust z-score; ``None`` while warming up.
+        level: ``"none"``, ``"soft"`` (``z > soft_z``) or ``"hard"`` (``z > hard_z``).
+    """
+
+    value: float
+    median: float | None
+    z: float | None
+    level: str
+
+
+class SpikeDetector:
+    """Flags upward spikes of a series (the per-step loss, the gradient norm) against a sliding window.
+
+    The spread is ``1.4826 * MAD``, floored at ``rel_floor * |median|``: a series that barely moves (a loss on
+    a plateau, identical values in a test) would otherwise turn a change in its last digit into a huge
+    z-score. Only upward moves count: a falling loss is good news. Values flagged ``"hard"`` are not added to
+    the window, since the controller undoes the step that produced them; ``"soft"`` ones are (training went
+    on with them, and a lasting shift in level must become the new normal). Non-finite values are neither
+    scored nor added: the controller handles them before asking.
+
+    Args:
+        window: how many recent values the median and MAD are taken over.
+        min_history: values needed in the window before anything is flagged.
+        soft_z: robust z-score above which a value is a soft spike.
+        hard_z: robust z-score above which a value is a hard spike; ``None`` for no hard level.
+        rel_floor: the spread is at least this fraction of ``|median|``.
+
+    Raises:
+        ValueError: an argument out of range; the message names it, the value received and what works.
+
+    Example::
+
+        from sage_lightning.detectors import SpikeDetector
+
+        detector = SpikeDetector(window=32, min_history=8, soft_z=6.0, hard_z=20.0)
+        for loss in [2.0, 2.01, 1.99, 2.02, 1.98, 2.0, 2.01, 1.99]:
+            detector.update(loss)
+        print(detector.update(3.0).level)   # "hard"
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int = 64,
+        min_history: int = 16,
+        soft_z: float = 6.0,
+        hard_z: float | None = None,
+        rel_floor: float = 0.005,
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise ValueError(f"SpikeDetector: window must be an int >= 3; received {window!r}.")
+        if isinstance(min_history, bool) or not isinstance(min_history, int) or not 3 <= min_history <= window:
+            raise ValueError(
+                f"SpikeDetector: min_history must be an int from 3 to window ({window}); received {min_history!r}."
+            )
+        if not _positive(soft_z):
+            raise ValueError(f"SpikeDetector: soft_z must be a positive finite number; received {soft_z!r}.")
+        if hard_z is not None and (not _positive(hard_z) or hard_z <= soft_z):
+            raise ValueError(
+                f"SpikeDetector: hard_z must be None or a finite number above soft_z ({soft_z}); received {hard_z!r}."
+            )
+        if isinstance(rel_floor, bool) or not isinstance(rel_floor, (int, float)) or not 0 <= rel_floor < 1:
+            raise ValueError(f"SpikeDetector: rel_floor must be a number in [0, 1); received {rel_floor!r}.")
+        self.window = window
+        self.min_history = min_history
+        self.soft_z = float(soft_z)
+        self.hard_z = None if hard_z is None else float(hard_z)
+        self.rel_floor = float(rel_floor)
+        self._values: deque[float] = deque(maxlen=window)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def update(self, value: float) -> SpikeReading:
+        """Score ``value`` against the window, then add it (unless it is hard or non-finite).
+
+        Args:
+            value: the newest value of the series.
+
+        Returns:
+            The :class:`SpikeReading`; ``level`` is ``"none"`` while fewer than ``min_history`` values were seen.
+
+        Example::
+
+            reading = detector.update(2.5)
+            if reading.level != "none":
+                print(f"spike: z={reading.z:.1f}")
+        """
+        value = float(value)
+        if not math.isfinite(value):
+            return SpikeReading(value=value, median=None, z=None, level="none")
+        if len(self._values) < self.min_history:
+            self._values.append(value)
+            return SpikeReading(value=value, median=None, z=None, level="none")
+        median = statistics.median(self._values)
+        mad = statistics.median(abs(x - median) for x in self._values)
+        # The absolute floor keeps an all-zero window (a gradient norm of exactly 0) from dividing by zero.
+        spread = max(MAD_TO_SIGMA * mad, self.rel_floor * abs(median), 1e-12)
+        z = (value - median) / spread
+        level = "none"
+        if self.hard_z is not None and z > self.hard_z:
+            level = "hard"
+        elif z > self.soft_z:
+            level = "soft"
+        if level != "hard":
+            self._values.append(value)
+        return SpikeReading(value=value, median=median, z=z, level=level)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window, so a resumed run scores the next value as the uninterrupted run would."""
+        return {"values": list(self._values)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the window saved by :meth:`state_dict` (keeping at most ``window`` newest values)."""
+        self._values = deque((float(x) for x in state["values"]), maxlen=self.window)
+
+
+def _positive(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0

@@ -1,0 +1,107 @@
+"""What ``AdaptivePrecision`` writes: its scalar tags, the decision text events and a custom-scalars dashboard.
+
+Scalars go to every logger of the Trainer (``logger.log_metrics``, which Lightning's loggers write on rank 0
+only). Text events and the custom-scalars layout exist only in TensorBoard, so they go to the
+``SummaryWriter`` of each :class:`~lightning.pytorch.loggers.TensorBoardLogger`, and only from global rank 0:
+decisions are identical on every rank, one copy is enough.
+
+Tags, all under ``sage/``:
+
+* per layer: ``sage/ds_rel_err/<layer>``, ``sage/probe/<tensor>_cos/<layer>`` and
+  ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV), ``sage/level/<layer>`` (0 at the
+  base, ``i + 1`` on the ladder's rung ``i``);
+* global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction``,
+  ``sage/accumulate_grad_batches``, ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
+  ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
+  ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``;
+* text: ``sage/decisions``, one event per step with decisions, a line per decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from sage_lightning.policy import Decision
+
+#: The text tag every decision is written under.
+DECISIONS_TAG = "sage/decisions"
+
+
+def custom_scalars_layout() -> dict[str, dict[str, list]]:
+    """The dashboard of TensorBoard's "Custom Scalars" tab: one chart per signal, every layer in it.
+
+    Charts select tags by regular expression, so the layout does not depend on the layer names.
+
+    Example::
+
+        writer.add_custom_scalars(custom_scalars_layout())
+    """
+    return {
+        "sage: precision": {
+            "level per layer (0 = base)": ["Multiline", [r"sage/level/.*"]],
+            "share of layer-steps on INT8": ["Multiline", [r"sage/int8_fraction"]],
+        },
+        "sage: signals": {
+            "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
+            "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
+            "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
+        },
+        "sage: stability": {
+            "loss per optimizer step": ["Multiline", [r"sage/loss$"]],
+            "gradient norm": ["Multiline", [r"sage/grad_norm$"]],
+            "spikes": ["Multiline", [r"sage/spike/.*"]],
+            "skipped steps and rollbacks": ["Multiline", [r"sage/skipped_steps", r"sage/rollbacks"]],
+        },
+        "sage: tokens": {
+            "tokens per step": ["Multiline", [r"sage/tokens_per_step", r"sage/accumulate_grad_batches"]],
+            "tokens seen": ["Multiline", [r"sage/tokens_seen"]],
+        },
+    }
+
+
+def decisions_markdown(decisions: Iterable[Decision]) -> str:
+    """One markdown line per decision: ``step 12 · blocks.0.attn · precision: old -> new · reason``.
+
+    Example::
+
+        decisions_markdown(outcome.decisions)
+    """
+    lines = []
+    for d in decisions:
+        lines.append(f"step {d.step} · {d.layer or 'global'} · {d.lever}: `{d.old}` -> `{d.new}` · {d.reason}")
+    # Two trailing spaces: a markdown line break, so each decision renders on its own line.
+    return "  \n".join(lines)
+
+
+def tensorboard_writers(trainer: pl.Trainer) -> list:
+    """The ``SummaryWriter`` of every TensorBoard logger of ``trainer``, on global rank 0; ``[]`` elsewhere."""
+    if not trainer.is_global_zero:
+        return []
+    return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:
+    """``metrics`` at ``step`` to every logger of ``trainer`` (Lightning's loggers write on rank 0 only)."""
+    if not metrics:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def log_decisions(trainer: pl.Trainer, decisions: Iterable[Decision], step: int) -> None:
+    """The decisions of one step as a text event under :data:`DECISIONS_TAG` (rank 0, TensorBoard loggers)."""
+    decisions = list(decisions)
+    if not decisions:
+        return
+    text = decisions_markdown(decisions)
+    for writer in tensorboard_writers(trainer):
+        writer.add_text(DECISIONS_TAG, text, global_step=step)
+
+
+def log_layout(trainer: pl.Trainer) -> None:
+    """Write :func:`custom_scalars_layout` once per TensorBoard logger (rank 0)."""
+    for writer in tensorboard_writers(trainer):
+        writer.add_custom_scalars(custom_scalars_layout())

@@ -1,0 +1,316 @@
+"""AdaptivePrecision in real Trainer runs on CPU: decisions caused by real signals, TensorBoard events,
+surviving a NaN, skipping a step, resuming, and its argument checks."""
+
+from __future__ import annotations
+
+import glob
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tiny_lightning import TinyLM, token_loader, trainer_kwargs
+
+from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
+from sage_lightning.callback import count_tokens
+
+LAYERS = ("blocks.0.attn", "blocks.1.attn")
+
+
+def events(root) -> EventAccumulator:
+    (path,) = glob.glob(f"{root}/**/events.out.tfevents.*", recursive=True)
+    accumulator = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def decision_texts(accumulator: EventAccumulator) -> list[str]:
+    return [event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors("sage/decisions/text_summary")]
+
+
+def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(tmp_path) -> None:
+    """Acceptance: the tiny model's dS error (about 0.015 in fp32) crosses a threshold of 0.01; nothing mocked."""
+    torch.manual_seed(0)
+    controller = AdaptivePrecision(
+        PolicyConfig(ds_stats_every_n_steps=2, probe_every_n_steps=3, ds_rel_err_high=0.01, ds_rel_err_low=0.005),
+        log_every_n_steps=1,
+        verbose=False,
+    )
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=6, logger=TensorBoardLogger(tmp_path, name="tb")),
+        callbacks=[controller],
+    )
+    model = TinyLM()
+    trainer.fit(model, token_loader(6))
+
+    # Escalated at step 2 (measurements at steps 0 and 2, patience 2), for the measured reason.
+    escalations = [d for d in controller.history if d.lever == "precision"]
+    assert [(d.step, d.layer) for d in escalations] == [(2, name) for name in LAYERS]
+    assert all(d.reason.startswith("ds_rel_err 0.01") and "> ds_rel_err_high 0.01" in d.reason for d in escalations)
+    assert {n: s.precision.ds for n, s in attention_layers(model).items()} == dict.fromkeys(LAYERS, "bf16")
+
+    accumulator = events(tmp_path)
+    scalars = set(accumulator.Tags()["scalars"])
+    for layer in LAYERS:
+        assert {f"sage/ds_rel_err/{layer}", f"sage/level/{layer}", f"sage/probe/dQ_cos/{layer}"} <= scalars
+    assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
+    ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
+    assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
+    assert [e.value for e in accumulator.Scalars("sage/level/blocks.0.attn")][-1] == 2.0
+    assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
+    # int8 share: 2 layers x 3 steps on INT8 dS, then 2 x 3 with dS in bf16.
+    assert [e.value for e in accumulator.Scalars("sage/int8_fraction")][-1] == pytest.approx(0.5)
+    (text,) = decision_texts(accumulator)
+    assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
+    assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
+    assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
+    assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
+    assert trainer.progress_bar_metrics["tokens_per_step"] == 66
+
+
+class HugeQueries(Callback):
+    """At one optimizer step, scale the q/k/v projection of one attention layer to the edge of fp32: finite
+    inputs, whose INT8 scores overflow to inf inside the kernel, so the layer's output is NaN."""
+
+    def __init__(self, step: int, layer: int) -> None:
+        self.step, self.layer = step, layer
+        self.fired = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def hook(module, inputs, output):
+            if trainer.global_step == self.step and self.fired == 0:
+                self.fired += 1
+                return output / output.abs().amax() * 3e38
+            return output
+
+        pl_module.blocks[self.layer].attn.qkv.register_forward_hook(hook)
+
+
+def test_a_nan_from_one_attention_layer_is_survived_and_reported(tmp_path) -> None:
+    torch.manual_seed(0)
+    controller = AdaptivePrecision(
+        PolicyConfig(ds_stats_every_n_steps=1000, probe_every_n_steps=1000), snapshot_every_n_steps=2, verbose=False
+    )
+    injector = HugeQueries(step=3, layer=1)
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=8, logger=TensorBoardLogger(tmp_path, name="tb")),
+        callbacks=[controller, injector],
+    )
+    model = TinyLM()
+    trainer.fit(model, token_loader(8))
+
+    assert injector.fired == 1 and controller.rollbacks == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(math.isfinite(loss) for i, loss in enumerate(model.step_losses) if i != 3)
+    rollback, escalation = controller.history
+    assert (rollback.step, rollback.lever, rollback.reason) == (3, "rollback", "loss is nan")
+    assert (escalation.layer, escalation.new) == ("blocks.1.attn", "full")
+    assert "non-finite attention output from finite inputs" in escalation.reason
+    assert attention_layers(model)["blocks.1.attn"].precision.mode == "full"
+    assert attention_layers(model)["blocks.0.attn"].precision == AttentionPrecision()
+    (text,) = decision_texts(events(tmp_path))
+    assert "rollback" in text and "blocks.1.attn" in text and "-> `full`" in text
+
+
+class ParameterTrace(Callback):
+    """Parameters and momentum buffers after every optimizer step (placed after AdaptivePrecision)."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.momentum: list[torch.Tensor | None] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
+        state = trainer.optimizers[0].state.get(pl_module.head.weight, {})
+        buffer = state.get("momentum_buffer")
+        self.momentum.append(None if buffer is None else buffer.clone())
+
+
+def test_non_finite_gradients_skip_the_step_and_leave_optimizer_state_alone(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = TinyLM()
+    bad_step = 2
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if model.trainer.global_step == bad_step else grad
+
+    model.head.bias.register_hook(poison)  # the loss stays finite; one gradient does not
+    controller = AdaptivePrecision(verbose=False)
+    trace = ParameterTrace()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=5), callbacks=[controller, trace])
+    trainer.fit(model, token_loader(5))
+
+    (decision,) = controller.history
+    assert (decision.step, decision.lever, decision.old, decision.new) == (bad_step, "optimizer_step", "apply", "skip")
+    assert "gradient norm is inf" in decision.reason or "gradient norm is nan" in decision.reason
+    assert controller.skipped_steps == 1 and controller.rollbacks == 0
+    assert torch.equal(trace.params[bad_step], trace.params[bad_step - 1])  # nothing moved ...
+    assert torch.equal(trace.momentum[bad_step], trace.momentum[bad_step - 1])  # ... not even the momentum
+    assert not torch.equal(trace.params[bad_step + 1], trace.params[bad_step])  # and training went on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def resume_config() -> PolicyConfig:
+    """Probes every 4 steps find every layer worse than an impossible 0.999999 cosine (up one rung each time);
+    rungs are left after 3 calm steps when the dS error (about 0.015) is below 0.5: escalations, step-downs
+    and a backoff, all depending on state kept across the checkpoint."""
+    return PolicyConfig(
+        ds_stats_every_n_steps=1,
+        probe_every_n_steps=4,
+        probe_grad_cos_min=0.999999,
+        ds_rel_err_high=0.9,
+        ds_rel_err_low=0.5,
+        calm_steps=3,
+    )
+
+
+def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path) -> None:
+    def fit(ckpt_path=None, seed: int = 0) -> tuple[AdaptivePrecision, TinyLM]:
+        controller = AdaptivePrecision(resume_config(), verbose=False)
+        # Saved where Lightning resumes cleanly: at the end of each 6-step epoch.
+        checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, save_on_train_epoch_end=True)
+        kwargs = trainer_kwargs(tmp_path, max_steps=14, enable_checkpointing=True)
+        trainer = L.Trainer(**kwargs, callbacks=[controller, checkpoints])
+        torch.manual_seed(seed)
+        model = TinyLM()
+        trainer.fit(model, token_loader(6, same_batch=True), ckpt_path=ckpt_path)
+        return controller, model
+
+    uninterrupted, model_a = fit()
+    (first_epoch,) = glob.glob(str(tmp_path / "ckpt" / "epoch=0-*.ckpt"))
+    # Another initialisation: everything the resumed run knows must come from the checkpoint.
+    resumed, model_b = fit(ckpt_path=first_epoch, seed=123)
+
+    decisions = [str(d) for d in uninterrupted.history]
+    assert [str(d) for d in resumed.history] == decisions
+    assert any(d.step < 6 for d in uninterrupted.history) and any(d.step >= 6 for d in uninterrupted.history)
+    assert any("calm period now 6" in d for d in decisions)  # the backoff counted across the checkpoint
+    assert resumed.precisions() == uninterrupted.precisions()
+    assert {n: s.precision for n, s in attention_layers(model_b).items()} == uninterrupted.precisions()
+    assert resumed.tokens_seen == uninterrupted.tokens_seen and resumed.int8_fraction == uninterrupted.int8_fraction
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_misconfigurations_fail_at_train_start(tmp_path) -> None:
+    class NoSage(TinyLM):
+        def configure_model(self) -> None:  # skip the mixin's swap
+            pass
+
+    with pytest.raises(MisconfigurationException, match="no SageBwd attention layer"):
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=1), callbacks=[AdaptivePrecision()]).fit(
+            NoSage(), token_loader(1)
+        )
+
+    class Manual(TinyLM):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(MisconfigurationException, match="automatic optimization"):
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=1), callbacks=[AdaptivePrecision()]).fit(
+            Manual(), token_loader(1)
+        )
+    with pytest.raises(MisconfigurationException, match="GradientAccumulationScheduler"):
+        callbacks = [AdaptivePrecision(), GradientAccumulationScheduler({0: 2})]
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=1), callbacks=callbacks).fit(TinyLM(), token_loader(1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"config": {"ds_rel_err_high": 0.1}}, "config"),
+        ({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"),
+        ({"log_every_n_steps": -1}, "log_every_n_steps"),
+        ({"tokens_fn": 5}, "tokens_fn"),
+        ({"progress_bar": "yes"}, "progress_bar"),
+    ],
+)
+def test_arguments_are_checked(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name) as info:
+        AdaptivePrecision(**kwargs)
+    assert "received" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens"),
+    [
+        (torch.zeros(4, 16, dtype=torch.long), 64),
+        ({"input_ids": torch.zeros(2, 8), "labels": torch.zeros(2, 9)}, 16),
+        ({"tokens": torch.zeros(3, 5)}, 15),
+        ((torch.zeros(2, 33), torch.zeros(2)), 66),
+        ([torch.zeros(1, 7)], 7),
+    ],
+)
+def test_count_tokens(batch, tokens: int) -> None:
+    assert count_tokens(batch) == tokens
+
+
+def test_count_tokens_asks_for_tokens_fn() -> None:
+    with pytest.raises(ValueError, match="tokens_fn"):
+        count_tokens("text")
+
+
+# ------------------------------------------------------------------ check_before_step=False: verdicts one step late
+
+
+def test_without_the_per_step_sync_a_nan_is_rolled_back_one_step_later(tmp_path) -> None:
+    torch.manual_seed(0)
+    controller = AdaptivePrecision(
+        PolicyConfig(ds_stats_every_n_steps=1000, probe_every_n_steps=1000),
+        snapshot_every_n_steps=2,
+        check_before_step=False,
+        verbose=False,
+    )
+    injector = HugeQueries(step=3, layer=1)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=8), callbacks=[controller, injector])
+    model = TinyLM()
+    trainer.fit(model, token_loader(8))
+
+    assert injector.fired == 1 and controller.rollbacks == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    rollback, escalation = controller.history
+    assert (rollback.step, rollback.lever, rollback.reason) == (3, "rollback", "loss is nan")
+    assert (escalation.layer, escalation.new) == ("blocks.1.attn", "full")
+    # Every step counted, the last verdict at the end of training; the escalation landed one step later than
+    # with the check before the step, so step 4 still ran both layers on INT8.
+    assert controller.int8_fraction == pytest.approx((2 * 5 + 1 * 3) / (2 * 8))
+    assert controller.tokens_seen == 8 * 2 * 33
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(tmp_path, fused: bool) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(fused=fused)
+    bad_step = 2
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if model.trainer.global_step == bad_step else grad
+
+    model.head.bias.register_hook(poison)
+    initial = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    controller = AdaptivePrecision(check_before_step=False, verbose=False)
+    trace = ParameterTrace()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=5), callbacks=[controller, trace])
+    trainer.fit(model, token_loader(5))
+
+    levers = [(d.step, d.lever) for d in controller.history]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    if fused:
+        # The fused optimizer skipped it on the device: nothing moved, not even the momentum, no rollback.
+        assert levers == [(bad_step, "optimizer_step")] and controller.skipped_steps == 1
+        assert controller.rollbacks == 0
+        assert torch.equal(trace.params[bad_step], trace.params[bad_step - 1])
+        assert torch.equal(trace.momentum[bad_step], trace.momentum[bad_step - 1])
+    else:
+        # Applied, found one step later, undone by the snapshot (taken at the start: step 0).
+        assert levers == [(bad_step, "optimizer_step"), (bad_step, "rollback")] and controller.rollbacks == 1
+        assert "were applied" in controller.history[-1].reason
+        assert torch.equal(trace.params[bad_step + 1], initial)  # back to the start, and that step dropped

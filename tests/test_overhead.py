@@ -1,0 +1,43 @@
+"""benchmarks/overhead.py and benchmarks/controller_thresholds.py run at tiny sizes on CPU and write result
+files in the format of /work/shared/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import controller_thresholds  # noqa: E402  (benchmarks/ is not a package)
+import overhead  # noqa: E402
+
+HEADER = {"kind", "device", "date", "commit", "command", "versions", "rows"}
+TINY = ["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "2"]
+
+
+def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
+    out = tmp_path / "overhead.json"
+    argv = [*TINY, "--steps", "3", "--breakdown-steps", "2", "--warmup", "1", "--precision", "32-true"]
+    result = overhead.main([*argv, "--repeats", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(result)) and set(saved) == HEADER and saved["kind"] == "overhead"
+    assert [row["what"] for row in saved["rows"]] == list(overhead.SETTINGS)
+    for row in saved["rows"]:
+        assert row["step_ms"] > 0 and row["baseline_step_ms"] > 0 and len(row["round_step_ms"]) == 1
+        assert row["steps"] == (3 if overhead.SETTINGS[row["what"]][1] else 2)
+    assert saved["rows"][0]["overhead"] == 0.0
+    table = out.with_suffix(".md").read_text()
+    assert "| callback, defaults | 3 |" in table and "Defaults rebuilt from the breakdown" in table
+
+
+def test_controller_thresholds_runs_small(tmp_path) -> None:
+    signals, calm = controller_thresholds.main(["--seq", "64", "--steps", "20", "--out-dir", str(tmp_path)])
+    assert signals["kind"] == "accuracy" and calm["kind"] == "training"
+    rows = {(r["inputs"], r["label"], r["tensor"]): r for r in signals["rows"]}
+    assert rows[("normal sigma=1", "full", "ds_rel_err")]["rel_l2"] is None  # full mode leaves the buffer alone
+    assert 0 < rows[("normal sigma=1", "base", "ds_rel_err")]["rel_l2"] < 0.2
+    assert rows[("normal sigma=1", "full", "dQ")]["cos"] > 0.9999
+    assert len(calm["rows"]) == 20 and all(r["train_loss"] > 0 for r in calm["rows"])
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert len(names) == 4 and all(n.startswith(("accuracy-cpu-", "training-cpu-")) for n in names)

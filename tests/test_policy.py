@@ -1,0 +1,458 @@
+"""PrecisionPolicy: tables of signals in, decisions out. No torch, no Lightning: plain numbers."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+from sage_lightning.kernels import AttentionPrecision
+
+from sage_lightning.policy import (
+    LayerSignals,
+    PolicyConfig,
+    PrecisionPolicy,
+    Rung,
+    SignalRequest,
+    StepSignals,
+)
+
+BASE = AttentionPrecision()
+DS_BF16 = BASE.replace(ds="bf16")
+NAMES = ("blocks.0.attn", "blocks.1.attn", "blocks.2.attn")
+CALM = 100
+NAN = math.nan
+
+
+def make(layers: int = 1, accumulate: int = 1, base: AttentionPrecision = BASE, **config) -> PrecisionPolicy:
+    config.setdefault("calm_steps", CALM)
+    return PrecisionPolicy(
+        {name: base for name in NAMES[:layers]}, accumulate_grad_batches=accumulate, config=PolicyConfig(**config)
+    )
+
+
+def signals(step: int, loss: float | None = 2.0, grad_norm: float | None = 1.0, **layers: LayerSignals) -> StepSignals:
+    """Layer keyword arguments name layers by index: l0, l1, l2."""
+    return StepSignals(
+        step=step, loss=loss, grad_norm=grad_norm, layers={NAMES[int(k[1:])]: v for k, v in layers.items()}
+    )
+
+
+def probe(o: float = 0.9999, dq: float = 0.999, dk: float = 0.999, dv: float = 0.999) -> dict:
+    """Probe metrics; each rel_l2 is what its cosine implies for equal norms, sqrt(2 (1 - cos))."""
+    cosines = {"O": o, "dQ": dq, "dK": dk, "dV": dv}
+    return {name: {"cos": cos, "rel_l2": math.sqrt(max(0.0, 2 * (1 - cos)))} for name, cos in cosines.items()}
+
+
+# ----------------------------------------------------------------------------------------- per-layer triggers
+
+
+@pytest.mark.parametrize(
+    ("measurements", "escalated_at"),
+    [
+        ([0.3, 0.3], 10),  # two in a row above 0.2: next backward rung (smooth_q is skipped)
+        ([0.3, 0.1, 0.3], None),  # the streak is broken
+        ([0.21, 0.25, 0.05], 10),
+        ([0.2, 0.2, 0.2], None),  # at the threshold is not above it
+        ([0.05, 0.3, 0.3, 0.3], 20),
+    ],
+)
+def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float], escalated_at: int | None) -> None:
+    policy = make()
+    steps = []
+    for i, err in enumerate(measurements):
+        outcome = policy.decide(signals(10 * i, l0=LayerSignals(ds_rel_err=err)))
+        assert outcome.action == "step"
+        steps += [d.step for d in outcome.decisions]
+    if escalated_at is None:
+        assert steps == [] and policy.precision(NAMES[0]) == BASE
+    else:
+        assert steps == [escalated_at]
+        assert policy.precision(NAMES[0]) == DS_BF16
+        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 2
+        decision = policy.decide(signals(1000, l0=LayerSignals(ds_rel_err=0.5)))  # dS runs bf16: rule is moot
+        assert decision.decisions == ()
+
+
+@pytest.mark.parametrize(
+    ("path", "measured", "rung", "reason"),
+    [
+        ([], {"probe": probe(o=0.99)}, "smooth_q", "probe O cos 0.99000 < probe_o_cos_min 0.995"),
+        ([], {"probe": probe(o=0.99), "ds_rel_err": 0.3}, "smooth_q", "probe O cos"),  # O is the forward's
+        # dK rel_l2 0.447: a dS error of 0.3 explains it (>= 0.5 x 0.447): dS to bf16 ...
+        ([], {"probe": probe(dk=0.9), "ds_rel_err": 0.3}, "ds_bf16", "which dS's INT8 error explains"),
+        # ... a dS error of 0.02 does not: the error comes from the forward (sigma=10 inputs look like this).
+        ([], {"probe": probe(dk=0.9), "ds_rel_err": 0.02}, "smooth_q", "beyond dS's INT8 error"),
+        ([], {"probe": probe(dq=0.96, dk=0.95), "ds_rel_err": 0.25}, "ds_bf16", "probe dK cos 0.95000"),
+        ([], {"probe": probe(dk=0.9)}, "ds_bf16", "ds_rel_err not measured"),  # no evidence: dS, the usual suspect
+        ([], {"probe": probe(dv=0.9), "ds_rel_err": 0.3}, "smooth_q", "dV does not use dS"),
+        ([], {"probe": probe()}, "base", None),
+        ([], {"probe": probe(o=0.996, dq=0.971)}, "base", None),  # just inside both thresholds
+        # Already Q-smoothed and the forward still poor: the next rung that changes the forward is full.
+        ([{"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "full", "probe O cos"),
+        # dS already bf16 and dQ still poor: only the forward is left.
+        ([{"ds_rel_err": 0.3}, {"ds_rel_err": 0.3}], {"probe": probe(dq=0.9)}, "full", "already in high precision"),
+        # A non-finite probe (cos NaN) counts as the worst cosine.
+        ([], {"probe": probe(dq=NAN), "ds_rel_err": 0.3}, "ds_bf16", "probe dQ cos -1.00000"),
+    ],
+)
+def test_probe_points_at_forward_or_backward(path: list[dict], measured: dict, rung: str, reason: str | None) -> None:
+    policy = make()
+    for i, earlier in enumerate(path):
+        policy.decide(signals(i, l0=LayerSignals(**earlier)))
+    outcome = policy.decide(signals(50, l0=LayerSignals(**measured)))
+    assert policy.rung(NAMES[0]) == rung
+    if reason is None:
+        assert outcome.decisions == ()
+    else:
+        assert reason in outcome.decisions[-1].reason
+    if rung == "full" and path[0].get("probe"):
+        # Passing ds_bf16 on the way keeps it on the path, so stepping down retraces it.
+        assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "ds_bf16", "full"]
+
+
+def test_layers_are_decided_independently() -> None:
+    policy = make(layers=3, ds_rel_err_patience=1)
+    outcome = policy.decide(
+        signals(0, l0=LayerSignals(ds_rel_err=0.05), l1=LayerSignals(ds_rel_err=0.4), l2=LayerSignals(probe=probe()))
+    )
+    assert [(d.layer, d.old, d.new) for d in outcome.decisions] == [(NAMES[1], BASE.short_name, DS_BF16.short_name)]
+    assert policy.precisions() == {NAMES[0]: BASE, NAMES[1]: DS_BF16, NAMES[2]: BASE}
+
+
+# ------------------------------------------------------------------------------ stepping down: hysteresis, backoff
+
+
+def escalated(policy: PrecisionPolicy, step: int = 0) -> None:
+    policy.decide(signals(step, l0=LayerSignals(ds_rel_err=0.3)))
+    policy.decide(signals(step + 1, l0=LayerSignals(ds_rel_err=0.3)))
+    assert policy.rung(NAMES[0]) == "ds_bf16"
+
+
+@pytest.mark.parametrize(
+    ("step", "ds_rel_err", "stepped_down"),
+    [
+        (1 + CALM - 1, 0.05, False),  # calm period not over
+        (1 + CALM, 0.05, True),  # over, and dS error below ds_rel_err_low
+        (1 + CALM, 0.15, False),  # hysteresis: between low (0.1) and high (0.2) keeps the rung
+        (1 + CALM, None, False),  # no measurement since the change: no evidence
+        (1 + 3 * CALM, 0.099, True),
+    ],
+)
+def test_step_down_needs_calm_and_low_error(step: int, ds_rel_err: float | None, stepped_down: bool) -> None:
+    policy = make()
+    escalated(policy)
+    outcome = policy.decide(signals(step, l0=LayerSignals(ds_rel_err=ds_rel_err)))
+    assert (policy.rung(NAMES[0]) == "base") is stepped_down
+    if stepped_down:
+        (decision,) = outcome.decisions
+        assert decision.old == DS_BF16.short_name and decision.new == BASE.short_name
+        assert f"ds_rel_err {ds_rel_err:.4g} < ds_rel_err_low 0.1" in decision.reason
+        # The faster setting is checked on the very next step, so a relapse meets the backoff.
+        assert policy.signals_wanted(step + 1) == SignalRequest(ds_stats=True, probe=True)
+
+
+def test_backoff_doubles_the_calm_period_after_a_quick_relapse() -> None:
+    policy = make(max_backoff=2)
+    escalated(policy, step=0)
+    policy.decide(signals(1 + CALM, l0=LayerSignals(ds_rel_err=0.05)))  # steps down at 101
+    assert policy.rung(NAMES[0]) == "base"
+    relapse = 110
+    policy.decide(signals(relapse, l0=LayerSignals(ds_rel_err=0.3)))
+    outcome = policy.decide(signals(relapse + 1, l0=LayerSignals(ds_rel_err=0.3)))
+    assert f"calm period now {2 * CALM}" in outcome.decisions[0].reason
+    # One calm period is no longer enough; two are.
+    assert policy.decide(signals(relapse + 1 + CALM, l0=LayerSignals(ds_rel_err=0.05))).decisions == ()
+    assert policy.decide(signals(relapse + 1 + 2 * CALM, l0=LayerSignals(ds_rel_err=0.05))).decisions != ()
+    # Backoff is capped at max_backoff: 2**2 calm periods at most.
+    for cycle in range(5):
+        start = 10_000 * (cycle + 1)
+        policy.decide(signals(start, l0=LayerSignals(ds_rel_err=0.3)))
+        policy.decide(signals(start + 1, l0=LayerSignals(ds_rel_err=0.3)))
+        policy.decide(signals(start + 1 + 4 * CALM, l0=LayerSignals(ds_rel_err=0.05)))
+        assert policy.rung(NAMES[0]) == "base"
+        policy.decide(signals(start + 2 + 4 * CALM, l0=LayerSignals(ds_rel_err=0.3)))
+        policy.decide(signals(start + 3 + 4 * CALM, l0=LayerSignals(ds_rel_err=0.3)))
+        policy.decide(signals(start + 3 + 8 * CALM, l0=LayerSignals(ds_rel_err=0.05)))
+        assert policy.rung(NAMES[0]) == "base"
+    assert policy.state_dict()["layers"][NAMES[0]]["backoff"] == 2
+
+
+def test_full_rung_steps_down_on_time_alone() -> None:
+    """In "full" mode there is no dS statistic to wait for: the calm period is the evidence."""
+    policy = make()
+    policy.decide(signals(0, loss=NAN, l0=LayerSignals(nonfinite=True)))
+    assert policy.rung(NAMES[0]) == "full"
+    assert policy.decide(signals(CALM - 1)).decisions == ()
+    (decision,) = policy.decide(signals(CALM)).decisions
+    assert decision.new == DS_BF16.short_name and policy.rung(NAMES[0]) == "ds_bf16"
+
+
+# ------------------------------------------------------------------------------------ divergence and skipped steps
+
+
+@pytest.mark.parametrize(
+    ("layers", "rungs", "reason"),
+    [
+        # The layer that produced a non-finite output from finite inputs goes straight to full precision.
+        (
+            {"l1": LayerSignals(nonfinite=True)},
+            ["base", "full", "base"],
+            "non-finite attention output from finite inputs",
+        ),
+        # Non-finite dS in l0 and l1, finite in l2: it started in l1, the first layer the backward reaches.
+        (
+            {
+                "l0": LayerSignals(ds_rel_err=NAN),
+                "l1": LayerSignals(ds_rel_err=NAN),
+                "l2": LayerSignals(ds_rel_err=0.1),
+            },
+            ["base", "ds_bf16", "base"],
+            "dS non-finite here and finite in blocks.2.attn",
+        ),
+        # Non-finite everywhere: it may come from after every attention layer (the loss), nothing is pinned.
+        (
+            {f"l{i}": LayerSignals(ds_rel_err=NAN) for i in range(3)},
+            ["ds_bf16", "ds_bf16", "ds_bf16"],
+            "no layer flagged",
+        ),
+        # Nothing flagged: every layer whose dS is still INT8 moves up one backward rung.
+        ({}, ["ds_bf16", "ds_bf16", "ds_bf16"], "no layer flagged"),
+    ],
+)
+def test_non_finite_loss_rolls_back_and_escalates_where_it_started(layers: dict, rungs: list[str], reason: str) -> None:
+    policy = make(layers=3)
+    outcome = policy.decide(signals(7, loss=NAN, grad_norm=NAN, **layers))
+    assert outcome.action == "rollback"
+    assert outcome.decisions[0].lever == "rollback" and "loss is nan" in outcome.decisions[0].reason
+    assert [policy.rung(name) for name in NAMES] == rungs
+    assert all(reason in d.reason for d in outcome.decisions[1:])
+    # Everything is measured on the next step, to localise a relapse.
+    assert policy.signals_wanted(8) == SignalRequest(ds_stats=True, probe=True)
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "floor", "expected"),
+    [(4, 1, 2), (3, 1, 1), (2, 2, 2), (4, None, 4), (1, 1, 1)],
+)
+def test_tokens_per_step_lever_when_no_ds_is_left_in_int8(accumulate: int, floor: int | None, expected: int) -> None:
+    policy = make(layers=2, accumulate=accumulate, base=DS_BF16, min_accumulate_grad_batches=floor)
+    outcome = policy.decide(signals(5, loss=NAN))
+    assert outcome.action == "rollback"
+    assert policy.accumulate_grad_batches == expected
+    levers = [d.lever for d in outcome.decisions]
+    assert levers == (["rollback", "accumulate_grad_batches"] if expected != accumulate else ["rollback"])
+
+
+def test_tokens_per_step_come_back_after_calm_with_backoff() -> None:
+    policy = make(layers=1, accumulate=4, base=DS_BF16)
+    policy.decide(signals(0, loss=NAN))
+    policy.decide(signals(1, loss=NAN))
+    assert policy.accumulate_grad_batches == 1
+    assert policy.decide(signals(CALM)).decisions == ()
+    (up,) = policy.decide(signals(1 + CALM)).decisions
+    assert (up.lever, up.old, up.new) == ("accumulate_grad_batches", "1", "2")
+    # A divergence right after raising it: halved again, and the calm period doubles.
+    policy.decide(signals(2 + CALM, loss=NAN))
+    assert policy.accumulate_grad_batches == 1
+    assert policy.decide(signals(2 + 2 * CALM)).decisions == ()
+    assert policy.decide(signals(2 + 3 * CALM)).decisions[0].new == "2"
+    assert policy.decide(signals(2 + 4 * CALM)).decisions == ()  # its own backoff: 2 * CALM between raises
+    assert policy.decide(signals(2 + 5 * CALM)).decisions[0].new == "4"
+    assert policy.decide(signals(2 + 9 * CALM)).decisions == ()  # never above the run's own setting
+
+
+def calm_losses(policy: PrecisionPolicy, count: int = 16) -> None:
+    for step in range(count):
+        policy.decide(signals(step, loss=2.0 + 0.01 * (-1) ** step, grad_norm=1.0 + 0.01 * (-1) ** step))
+
+
+@pytest.mark.parametrize(
+    ("loss", "grad_norm", "action", "armed"),
+    [
+        (2.0, 1.0, "step", (False, False)),
+        (2.1, 1.0, "step", (True, False)),  # soft loss spike (z 6.7): measure dS next step
+        (2.0, 1.2, "step", (True, False)),  # soft gradient-norm spike (z 13.5)
+        (2.0, 1.1, "step", (False, False)),  # z 6.7: below grad_norm_spike_z 10
+        (2.4, 1.0, "rollback", (True, True)),  # hard loss spike (z 27): after a rollback, everything
+    ],
+)
+def test_spikes(loss: float, grad_norm: float, action: str, armed: tuple[bool, bool]) -> None:
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    outcome = policy.decide(signals(16, loss=loss, grad_norm=grad_norm))
+    assert outcome.action == action
+    assert policy.signals_wanted(17) == SignalRequest(*armed)
+    if action == "rollback":
+        assert "loss_hard_spike_z 20" in outcome.decisions[0].reason
+        assert policy.rung(NAMES[0]) == "ds_bf16"
+
+
+def test_non_finite_gradients_skip_then_roll_back() -> None:
+    policy = make(max_consecutive_skips=3)
+    assert policy.decide(signals(0, grad_norm=NAN)).action == "skip"
+    assert policy.signals_wanted(1) == SignalRequest(ds_stats=True, probe=False)  # to find where it started
+    assert [policy.decide(signals(s, grad_norm=NAN)).action for s in (1, 2)] == ["skip", "rollback"]
+    # A finite step in between resets the count.
+    actions = [policy.decide(signals(s, grad_norm=g)).action for s, g in ((3, NAN), (4, 1.0), (5, NAN), (6, NAN))]
+    assert actions == ["skip", "step", "skip", "skip"]
+    # With a GradScaler (fp16), non-finite gradients are routine overflow that the scaler skips itself.
+    scaled = StepSignals(step=7, loss=2.0, grad_norm=math.inf, grad_scaler=True)
+    assert [policy.decide(scaled).action for _ in range(5)] == ["step"] * 5
+
+
+def test_skip_with_non_finite_ds_escalates_its_origin() -> None:
+    policy = make(layers=2)
+    outcome = policy.decide(signals(3, grad_norm=NAN, l0=LayerSignals(ds_rel_err=NAN), l1=LayerSignals(ds_rel_err=0.1)))
+    assert outcome.action == "skip"
+    assert [(d.lever, d.layer) for d in outcome.decisions] == [("optimizer_step", None), ("precision", NAMES[0])]
+
+
+def test_no_loss_this_step_is_not_a_divergence() -> None:
+    assert make().decide(signals(0, loss=None, grad_norm=None)).action == "step"
+
+
+# ------------------------------------------------------------------------------------------ cadence, ladder, base
+
+
+@pytest.mark.parametrize(
+    ("step", "wanted"),
+    [(0, (True, True)), (5, (False, False)), (10, (True, False)), (100, (True, True)), (30, (True, False))],
+)
+def test_signal_cadence(step: int, wanted: tuple[bool, bool]) -> None:
+    policy = make(ds_stats_every_n_steps=10, probe_every_n_steps=100)
+    assert policy.signals_wanted(step) == SignalRequest(*wanted)
+    # A probe step measures dS too, to attribute what the probe finds.
+    assert make(ds_stats_every_n_steps=7, probe_every_n_steps=5).signals_wanted(5) == SignalRequest(True, True)
+
+
+def test_base_with_ds_bf16_skips_that_rung() -> None:
+    policy = make(base=DS_BF16)
+    assert policy.decide(signals(0, l0=LayerSignals(ds_rel_err=0.9))).decisions == ()  # nothing INT8 to fix
+    policy.decide(signals(1, l0=LayerSignals(probe=probe(dk=0.5))))  # dS is bf16: the forward's error
+    assert policy.precision(NAMES[0]) == DS_BF16.replace(smooth_q=True)
+    policy.decide(signals(2, l0=LayerSignals(probe=probe(dk=0.5))))
+    assert policy.precision(NAMES[0]).mode == "full"
+    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "full"]
+
+
+def test_custom_ladder() -> None:
+    ladder = (Rung("dv_bf16", {"dv": "bf16"}, scope="backward"), Rung("ds_bf16", {"ds": "bf16"}, scope="backward"))
+    policy = make(ladder=ladder, ds_rel_err_patience=1)
+    policy.decide(signals(0, l0=LayerSignals(ds_rel_err=0.5)))
+    assert policy.precision(NAMES[0]) == BASE.replace(dv="bf16")
+    explained = LayerSignals(probe=probe(dk=0.1), ds_rel_err=0.9)  # dK rel_l2 1.34, half of it explained
+    policy.decide(signals(1, l0=explained))
+    assert policy.precision(NAMES[0]) == BASE.replace(dv="bf16", ds="bf16")
+    # At the top, nothing is left: no decision, no error; and no forward rung in this ladder.
+    assert policy.decide(signals(2, l0=explained)).decisions == ()
+    assert policy.decide(signals(3, l0=LayerSignals(probe=probe(o=0.5)))).decisions == ()
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+
+
+def scripted(step: int) -> StepSignals:
+    """A run with a bit of everything: measurements, a spike, a divergence, a relapse."""
+    loss = 2.0 + 0.01 * (-1) ** step
+    if step == 40:
+        loss = 2.1
+    if step == 60:
+        loss = NAN
+    layers = {}
+    if step % 10 == 0:
+        layers = {"l0": LayerSignals(ds_rel_err=0.3 if 20 <= step <= 40 else 0.05), "l1": LayerSignals(ds_rel_err=0.05)}
+    if step == 80:
+        layers["l1"] = LayerSignals(probe=probe(o=0.95), ds_rel_err=0.05)
+    return signals(step, loss=loss, grad_norm=1.0, **layers)
+
+
+def test_a_restored_policy_decides_as_the_uninterrupted_one() -> None:
+    config = dict(layers=2, accumulate=4, calm_steps=30)
+    uninterrupted = make(**config)
+    first, resumed = make(**config), make(**config)
+    expected = [uninterrupted.decide(scripted(s)).decisions for s in range(300)]
+    got = [first.decide(scripted(s)).decisions for s in range(150)]
+    resumed.load_state_dict(first.state_dict())
+    got += [resumed.decide(scripted(s)).decisions for s in range(150, 300)]
+    assert got == expected
+    assert sum(len(d) for d in expected) >= 6  # the script does cause decisions
+    assert resumed.precisions() == uninterrupted.precisions()
+
+
+def test_load_state_dict_refuses_another_model() -> None:
+    state = make(layers=2).state_dict()
+    with pytest.raises(ValueError, match="do not match the model's"):
+        make(layers=3).load_state_dict(state)
+    state = make(layers=1).state_dict()
+    state["layers"][NAMES[0]]["path"] = ["nope"]
+    with pytest.raises(ValueError, match="rungs \\['nope'\\]"):
+        make(layers=1).load_state_dict(state)
+
+
+# -------------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"ds_rel_err_high": 0.1, "ds_rel_err_low": 0.1}, "ds_rel_err_low"),
+        ({"ds_rel_err_high": -1.0}, "ds_rel_err_high"),
+        ({"probe_o_cos_min": 1.5}, "probe_o_cos_min"),
+        ({"calm_steps": 0}, "calm_steps"),
+        ({"ds_stats_every_n_steps": 2.5}, "ds_stats_every_n_steps"),
+        ({"loss_spike_z": 20.0, "loss_hard_spike_z": 10.0}, "loss_hard_spike_z"),
+        ({"spike_min_history": 100}, "spike_min_history"),
+        ({"min_accumulate_grad_batches": 0}, "min_accumulate_grad_batches"),
+        ({"ladder": ()}, "ladder"),
+        ({"ladder": (Rung("a", {"ds": "bf16"}), Rung("a", {"dv": "bf16"}))}, "unique"),
+        ({"max_backoff": -1}, "max_backoff"),
+    ],
+)
+def test_config_errors_name_the_argument(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name) as info:
+        PolicyConfig(**kwargs)
+    assert "received" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("", {"ds": "bf16"}), "name"),
+        (("x", {"ds": "fp4"}), "refused"),
+        (("x", {"nope": 1}), "unknown AttentionPrecision fields"),
+        (("x", {}), "non-empty mapping"),
+        (("x", {"ds": "bf16"}, "sideways"), "scope"),
+    ],
+)
+def test_rung_errors(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Rung(*args)
+
+
+def test_policy_argument_errors() -> None:
+    with pytest.raises(ValueError, match="layers must be a non-empty mapping"):
+        PrecisionPolicy({})
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        PrecisionPolicy({"a": BASE}, accumulate_grad_batches=0)
+    with pytest.raises(ValueError, match="unknown layers"):
+        make().decide(StepSignals(step=0, loss=1.0, layers={"ghost": LayerSignals()}))
+
+
+def test_decision_reads_as_a_sentence() -> None:
+    policy = make(ds_rel_err_patience=1)
+    (decision,) = policy.decide(signals(3, l0=LayerSignals(ds_rel_err=0.25))).decisions
+    assert str(decision) == (
+        "step 3: blocks.0.attn precision: sagebwd:int8=qk,pv,dv,ds;smooth_k -> sagebwd:int8=qk,pv,dv;smooth_k "
+        "(ds_rel_err 0.25 > ds_rel_err_high 0.2 (1 measurements in a row))"
+    )
+
+
+def test_policy_module_is_pure() -> None:
+    """The policy takes numbers and returns decisions: no torch, Lightning or Triton import in it."""
+    for module in ("policy.py", "detectors.py"):
+        tree = ast.parse((Path(__file__).resolve().parent.parent / "sage_lightning" / module).read_text())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"torch", "lightning", "pytorch_lightning", "triton"}, module
