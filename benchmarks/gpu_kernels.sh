@@ -16,5 +16,5 @@ python3 benchmarks/accuracy.py --device cuda --path triton --seq 4096 --head-dim
   --out "$OUT/accuracy-$SLUG-$DAY-triton.json" >"$OUT/accuracy.log" 2>&1 || tail -30 "$OUT/accuracy.log"
 grep -A8 "^## Summary" "$OUT/accuracy.log"
 python3 benchmarks/speed.py --out "$OUT/speed-$SLUG-$DAY.json" "$@" 2>&1 | tee "$OUT/speed.log" | grep -v "^check" | tail -60
-grep "^check" "$OUT/speed.log" | sort -t' ' -k8 -g | tail -3
+grep "^check" "$OUT/speed.log" | sort -t' ' -k10 -g | tail -3
 rm -f "$OUT/install.log"
