@@ -11,7 +11,7 @@ python3 -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 python3 -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -x 2>&1 | tail -15
 DAY=$(date +%Y%m%d)
-SLUG=$(python3 -c "import torch,re; n=torch.cuda.get_device_name(); m=re.search(r'\b([A-Z]\d{2,4}[A-Z]?)\b', n); print(m.group(1).lower() if m else 'gpu')")
+SLUG=$(cd benchmarks && python3 -c "from accuracy import device_name, device_slug; print(device_slug(device_name('cuda')))")
 python3 benchmarks/accuracy.py --device cuda --path triton --seq 4096 --head-dim 128 \
   --out "$OUT/accuracy-$SLUG-$DAY-triton.json" >"$OUT/accuracy.log" 2>&1 || tail -30 "$OUT/accuracy.log"
 grep -A8 "^## Summary" "$OUT/accuracy.log"

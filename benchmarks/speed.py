@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from accuracy import REPO, _commit, _versions, device_name, device_slug, to_json  # noqa: E402
+from accuracy import REPO, _commit, _versions, compare, device_name, device_slug, to_json  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
@@ -52,11 +52,6 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: 
     """
     forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[which] * forward
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double(), ref.detach().double()
-    return float((x - ref).norm() / ref.norm())
 
 
 def check(device: str) -> list[dict]:
@@ -83,7 +78,7 @@ def check(device: str) -> list[dict]:
                 for name in got:
                     rows.append(
                         {"seq": seq, "head_dim": head_dim, "causal": causal, "kv_heads": 2, "heads": 4,
-                         "tensor": name, "rel_l2": _rel(got[name], ref[name])}
+                         "tensor": name, "rel_l2": compare(got[name].detach(), ref[name].detach())[1]}
                     )  # fmt: skip
                 del q, k, v, do, got, ref
                 torch.cuda.empty_cache()

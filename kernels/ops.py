@@ -14,22 +14,19 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from .backward import backward
 from .forward import LOG2E, forward
 from .precision import AttentionPrecision
 from .quant import backward_preprocess, quantize_rows, transpose_rows
-from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N
+from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
 #: other head dims are padded to the next power of two inside the kernel.
 MAX_TRITON_HEAD_DIM = 128
 
 _EMPTY = (0,)
-
-
-def _blocks(n: int, block: int) -> int:
-    return -(-n // block)
 
 
 @torch.library.custom_op("sage_lightning::sagebwd_forward", mutates_args=())
@@ -88,7 +85,7 @@ def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk_int8, pv_int8, dv
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     op_dtype = torch.int8 if qk_int8 else q.dtype
-    m_blocks, n_blocks = _blocks(seq_q, block_m), _blocks(seq_k, block_n)
+    m_blocks, n_blocks = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
     f32 = torch.float32
     return (
         q.new_empty(q.shape),
@@ -232,7 +229,5 @@ def sage_attention_triton(
         return out, None
     lse = lse2.detach() / LOG2E
     if precision.smooth_k:
-        # K-smoothing shifted row i of S by -tau q_i . kbar; SDPA's logsumexp has it back.
-        k_mean = k.detach().mean(dim=2, dtype=torch.float32).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        lse = lse + torch.einsum("bhnd,bhd->bhn", q.detach().float(), k_mean) * tau
+        lse = undo_k_smoothing_shift(lse, q.detach(), k.detach().mean(dim=2, dtype=torch.float32), tau)
     return out, lse

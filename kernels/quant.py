@@ -20,6 +20,9 @@ import triton.language as tl
 #: GPU and in the interpreter, where ``libdevice.rint`` is not available.
 _ROUNDER = tl.constexpr(12582912.0)
 
+#: Triton reads ``TRITON_INTERPRET`` once, when it is imported; so do we (not on every launch).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """How :func:`hp_dot` runs the products kept in high precision, for inputs of ``dtype``.
@@ -31,7 +34,7 @@ def dot_precision(dtype: torch.dtype) -> str:
     """
     if dtype == torch.float32:
         return "ieee"
-    return "upcast" if os.environ.get("TRITON_INTERPRET") == "1" else "native"
+    return "upcast" if _INTERPRETED else "native"
 
 
 @triton.jit
@@ -64,7 +67,7 @@ def hp_dot(a, b, DOT_PRECISION: tl.constexpr):
 def tuning_configs(warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:
     """Autotuning candidates (``num_warps``, ``num_stages``); one plain config under the interpreter, where
     timing means nothing and each candidate would run the kernel again."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRETED:
         return [triton.Config({}, num_warps=4, num_stages=1)]
     return [triton.Config({}, num_warps=w, num_stages=s) for w, s in warps_stages]
 
@@ -189,10 +192,6 @@ def _quantize_rows_kernel(
     tl.store(SCALE + b * stride_sb + h * stride_sh + pid_m, scale)
 
 
-def _blocks(seq: int, block: int) -> int:
-    return -(-seq // block)
-
-
 def quantize_rows(
     x: torch.Tensor,
     block: int,
@@ -223,7 +222,7 @@ def quantize_rows(
         codes, scale, _ = quantize_rows(k, 64, int8=True, mean=k.float().mean(dim=2))
     """
     batch, heads, seq, head_dim = x.shape
-    blocks = _blocks(seq, block)
+    blocks = triton.cdiv(seq, block)
     op_shape = (batch, heads, head_dim, seq) if transposed else x.shape
     op = torch.empty(op_shape, dtype=torch.int8 if int8 else x.dtype, device=x.device)
     op_strides = (op.stride(0), op.stride(1), 1, seq) if transposed else op.stride()
@@ -337,7 +336,7 @@ def backward_preprocess(
         delta, _, codes_t, scale = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True)
     """
     batch, heads, seq, head_dim = grad_out.shape
-    blocks = _blocks(seq, block_m)
+    blocks = triton.cdiv(seq, block_m)
     device = grad_out.device
     delta = torch.empty(batch, heads, seq, dtype=torch.float32, device=device)
     normal = torch.empty(grad_out.shape, dtype=torch.int8, device=device) if codes else None

@@ -404,8 +404,27 @@ def _public_lse(q: torch.Tensor, lse_rows: torch.Tensor, saved: _Saved, geo: _Ge
     lse = geo.from_rows(lse_rows[..., None])[..., 0]
     if saved.k_mean is None:
         return lse
-    k_mean = saved.k_mean.repeat_interleave(geo.group, dim=1)  # [B, Hq, 1, D]
-    return lse + (q.to(geo.compute_dtype) * k_mean).sum(dim=-1) * geo.scale
+    return undo_k_smoothing_shift(lse, q, saved.k_mean, geo.scale)
+
+
+def undo_k_smoothing_shift(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA's logsumexp from the one of K-smoothed scores: row i of S was shifted by ``-tau q_i . kbar``.
+
+    Shared by the reference and the Triton path.
+
+    Args:
+        lse: ``[B, Hq, N]`` logsumexp of the smoothed scores (natural log), in the compute dtype.
+        q: the queries ``[B, Hq, N, D]``.
+        k_mean: the K-smoothing means, ``[B, Hkv, D]`` or ``[B, Hkv, 1, D]``.
+        scale: the softmax scale ``tau``.
+
+    Example::
+
+        lse = undo_k_smoothing_shift(lse, q, k.float().mean(dim=2), 1 / 8)
+    """
+    batch, kv_heads, head_dim = k_mean.shape[0], k_mean.shape[1], k_mean.shape[-1]
+    k_mean = k_mean.reshape(batch, kv_heads, 1, head_dim).repeat_interleave(q.shape[1] // kv_heads, dim=1)
+    return lse + (q.to(lse.dtype) * k_mean).sum(dim=-1) * scale
 
 
 class _SageAttentionFunction(torch.autograd.Function):
