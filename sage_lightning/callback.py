@@ -296,7 +296,8 @@ class AdaptivePrecision(Callback):
         if scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused optimizers skip a step on the device when told so (as a GradScaler tells them): a step with
             # non-finite gradients is skipped without waiting for its verdict.
-            optimizer.found_inf = (~torch.isfinite(step.packed[3])).to(torch.float32).reshape(1)
+            # A 0-dim float32 flag, as GradScaler hands it (fused Adam/AdamW subtract it from their 0-dim steps).
+            optimizer.found_inf = (~torch.isfinite(step.packed[3])).to(torch.float32).reshape(())
             step.skipped_on_device = True
         step.start_copy()
         previous, self._pending = self._pending, step

@@ -126,7 +126,7 @@ class ParameterTrace(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.params.append(torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]))
         state = trainer.optimizers[0].state.get(pl_module.head.weight, {})
-        buffer = state.get("momentum_buffer")
+        buffer = state.get("momentum_buffer", state.get("exp_avg"))
         self.momentum.append(None if buffer is None else buffer.clone())
 
 
@@ -285,10 +285,12 @@ def test_without_the_per_step_sync_a_nan_is_rolled_back_one_step_later(tmp_path)
     assert controller.tokens_seen == 8 * 2 * 33
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(tmp_path, fused: bool) -> None:
+@pytest.mark.parametrize(("optimizer", "fused"), [("sgd", True), ("adamw", True), ("sgd", False)])
+def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(
+    tmp_path, optimizer: str, fused: bool
+) -> None:
     torch.manual_seed(0)
-    model = TinyLM(fused=fused)
+    model = TinyLM(fused=fused, optimizer=optimizer)
     bad_step = 2
 
     def poison(grad: torch.Tensor) -> torch.Tensor:

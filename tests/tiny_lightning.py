@@ -53,7 +53,8 @@ class TinyLM(SageAttentionMixin, L.LightningModule):
         precision: the starting precision of every attention layer (the mixin's ``sage_precision``).
         nan_loss_at_step: make the loss of the first micro-batch of this optimizer step NaN (a real NaN in
             training: it flows into the gradients), on rank ``nan_loss_rank`` only.
-        fused: the fused SGD implementation (it can skip a step on the device).
+        fused: the fused optimizer implementation (it can skip a step on the device).
+        optimizer: ``"sgd"`` (SGD with momentum 0.9) or ``"adamw"``.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class TinyLM(SageAttentionMixin, L.LightningModule):
         nan_loss_at_step: int | None = None,
         nan_loss_rank: int = 0,
         fused: bool = False,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
         self.lr = lr
@@ -73,6 +75,7 @@ class TinyLM(SageAttentionMixin, L.LightningModule):
         self.nan_loss_at_step = nan_loss_at_step
         self.nan_loss_rank = nan_loss_rank
         self.fused = fused
+        self.optimizer = optimizer
         self.embed = nn.Embedding(VOCAB, d_model)
         self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(layers))
         self.head = nn.Linear(d_model, VOCAB)
@@ -100,6 +103,8 @@ class TinyLM(SageAttentionMixin, L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr * 0.1, fused=self.fused or None)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, fused=self.fused or None)
 
 
