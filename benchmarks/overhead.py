@@ -6,15 +6,17 @@ fixed random Markov chain (learnable, so the loss moves like a real run's), once
 
 * ``no callback``: the baseline;
 * ``callback, defaults``: ``AdaptivePrecision()`` as a user gets it (dS statistics every 25 steps, a probe every
-  5000, a snapshot every 100, and on every step the gradient norm and one packed all-reduce, read with one
-  host sync before the optimizer step);
-* ``callback, defaults, check_before_step=False``: the same, the signals read one step later without waiting
-  (the optimizer is AdamW with ``fused=True`` on CUDA, which skips a non-finite step on the device).
+  5000, a snapshot every 100, and on every step the gradient norm and one packed all-reduce). The optimizer is
+  AdamW with ``fused=True`` on CUDA, which can skip a non-finite step on the device, so by default the signals
+  are read one step later, without a host sync;
+* ``callback, defaults, check_before_step=True``: the same, the signals read with one host sync before every
+  optimizer step (what the default does with an optimizer that cannot skip on the device).
 
 These three run ``--steps`` measured steps (1000 by default: the dS statistics and snapshots come at their real
 rate; the probe's share, one step in 5000, is added in the rebuilt estimate below the table). To see where
-the cost goes, four more settings run ``--breakdown-steps`` steps each: the callback with signals and
-snapshots off (the per-step cost), and with only the dS statistics, only the probe, or only the snapshot on
+the cost goes, five more settings run ``--breakdown-steps`` steps each: the callback with signals and
+snapshots off (the per-step cost, without and with the check before the step), and with only the dS
+statistics, only the probe, or only the snapshot on
 every step (the cost of one such step, to set against its period).
 
 A run's step time is the wall time of its measured steps divided by their number (a mean, not a median: the
@@ -184,7 +186,7 @@ NEVER = 10**9
 
 
 def _callback(
-    ds_stats: int | None = None, probe: int | None = None, snapshot: int = 100, check_before_step: bool = True
+    ds_stats: int | None = None, probe: int | None = None, snapshot: int = 100, check_before_step: bool | None = None
 ) -> Callable[[], AdaptivePrecision]:
     """A factory of the callback with some periods changed (``None``: the default)."""
     changes = {"ds_stats_every_n_steps": ds_stats, "probe_every_n_steps": probe}
@@ -202,8 +204,12 @@ def _callback(
 SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
     "no callback": (None, True),
     "callback, defaults": (_callback(), True),
-    "callback, defaults, check_before_step=False": (_callback(check_before_step=False), True),
+    "callback, defaults, check_before_step=True": (_callback(check_before_step=True), True),
     "callback, signals and snapshots off": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=NEVER), False),
+    "callback, signals and snapshots off, check_before_step=True": (
+        _callback(ds_stats=NEVER, probe=NEVER, snapshot=NEVER, check_before_step=True),
+        False,
+    ),
     "callback, dS statistics every step": (_callback(ds_stats=1, probe=NEVER, snapshot=NEVER), False),
     "callback, probe every step": (_callback(ds_stats=NEVER, probe=1, snapshot=NEVER), False),
     "callback, snapshot every step": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=1), False),

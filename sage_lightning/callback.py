@@ -84,13 +84,16 @@ class AdaptivePrecision(Callback):
             spike or a measurement are always logged); the Trainer's ``log_every_n_steps`` when ``None``.
         progress_bar: show ``int8_share`` and ``tokens_per_step`` in the progress bar.
         verbose: print every decision (rank 0).
-        check_before_step: read each step's signals before its optimizer step, so a step with non-finite
-            gradients is skipped outright. That takes one host sync per step, which serialises the optimizer's
-            launch behind the backward (``benchmarks/overhead.py`` measures it). ``False``: read them one step
-            later without waiting; decisions land one step later, a step that should not have been applied is
-            undone by the rollback, and fused optimizers (``torch.optim.AdamW(..., fused=True)``) still skip a
-            step with non-finite gradients on the device, as under a GradScaler. The verdict of the last step
-            before a checkpoint is not in that checkpoint.
+        check_before_step: ``True``: read each step's signals before its optimizer step, so a step with
+            non-finite gradients is skipped outright. That takes one host sync per step, which leaves the GPU
+            idle while the host launches the optimizer step and the next forward (``benchmarks/overhead.py``
+            measures it). ``False``: read them one step later without waiting. Decisions land one step later; a
+            step with non-finite gradients is still skipped on the device by fused optimizers
+            (``torch.optim.AdamW(..., fused=True)``), as under a GradScaler, and undone by a rollback with other
+            optimizers; a loss spike or NaN loss rolls back one more step. Snapshots are then taken ahead of their
+            step's verdict, so two are kept in host memory. ``None`` (default): ``False`` when every optimizer
+            can skip a step on the device (fused Adam, AdamW, SGD, Adagrad) and there is no GradScaler,
+            ``True`` otherwise.
 
     Raises:
         ValueError: an argument of the wrong type or out of range; the message names it, the value received
@@ -124,7 +127,7 @@ class AdaptivePrecision(Callback):
         log_every_n_steps: int | None = None,
         progress_bar: bool = True,
         verbose: bool = True,
-        check_before_step: bool = True,
+        check_before_step: bool | None = None,
     ) -> None:
         super().__init__()
         if config is not None and not isinstance(config, PolicyConfig):
@@ -143,10 +146,14 @@ class AdaptivePrecision(Callback):
         for name, value in (
             ("progress_bar", progress_bar),
             ("verbose", verbose),
-            ("check_before_step", check_before_step),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"AdaptivePrecision: {name} must be True or False; received {value!r}.")
+        if check_before_step is not None and not isinstance(check_before_step, bool):
+            raise ValueError(
+                "AdaptivePrecision: check_before_step must be True, False or None (decide from the optimizers); "
+                f"received {check_before_step!r}."
+            )
         self.config = config or PolicyConfig()
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.tokens_fn = tokens_fn or count_tokens
@@ -172,6 +179,11 @@ class AdaptivePrecision(Callback):
         self._snapshot: dict[str, Any] | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._snapshot_copied: torch.cuda.Event | None = None
+        # Without the check before the step: the snapshot taken ahead of its step's verdict, and the host buffers
+        # of the one it replaced or would have replaced (reused by the next).
+        self._candidate: dict[str, Any] | None = None
+        self._spare: dict[str, Any] | None = None
+        self._check_first = True
         # The optimizer step being accumulated: opened by its first micro-batch, closed by the optimizer step.
         self._window_open = False
         self._request = SignalRequest(ds_stats=False, probe=False)
@@ -241,7 +253,14 @@ class AdaptivePrecision(Callback):
         self._applied_accumulate = trainer.accumulate_grad_batches
         self._apply_precisions()
         self._window_open = False
-        self._pending = None
+        self._pending = None if state is None else _StepRecord.from_state(state.get("pending"))
+        self._check_first = self.check_before_step
+        if self._check_first is None:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            self._check_first = scaler is not None or not all(
+                getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in trainer.optimizers
+            )
+        self._candidate = None
         self._take_snapshot(trainer, pl_module)
         tensorboard.log_layout(trainer)
 
@@ -289,7 +308,7 @@ class AdaptivePrecision(Callback):
         for layer in self._layers.values():
             layer.collect_stats = False
         self._window_open = False
-        if self.check_before_step:
+        if self._check_first:
             outcome = self._conclude(trainer, pl_module, step, applied=False)
             self._last_action = outcome.action
             return
@@ -322,8 +341,12 @@ class AdaptivePrecision(Callback):
         for optimizer in trainer.optimizers:
             if hasattr(optimizer, "found_inf"):
                 del optimizer.found_inf  # used by this step only
-        if action == "step" and trainer.global_step % self.snapshot_every_n_steps == 0:
-            self._take_snapshot(trainer, pl_module)
+        if trainer.global_step % self.snapshot_every_n_steps == 0:
+            if action == "step":
+                self._take_snapshot(trainer, pl_module)
+            elif action == "pending" and self._pending is not None:
+                # Ahead of the step's verdict (next step): kept apart until the verdict says the step was good.
+                self._take_snapshot(trainer, pl_module, candidate=True)
         if self.progress_bar:
             pl_module.log("int8_share", self.int8_fraction, prog_bar=True, logger=False)
             pl_module.log("tokens_per_step", float(self.tokens_per_step), prog_bar=True, logger=False)
@@ -351,6 +374,9 @@ class AdaptivePrecision(Callback):
             "int8_layer_steps": self._int8_layer_steps,
             "skipped_steps": self.skipped_steps,
             "rollbacks": self.rollbacks,
+            # Without the check before the step, the last step's verdict is still on its way: the resumed run
+            # concludes it first, as the uninterrupted one would have.
+            "pending": None if self._pending is None else self._pending.state(),
         }
 
     @override
@@ -403,20 +429,30 @@ class AdaptivePrecision(Callback):
                 zero + (1.0 if grads else 0.0),
             ]
         )
-        if self._request.ds_stats or self._request.probe:
-            rows: list[float] = []
+        count = len(self._layers)
+        if self._request.ds_stats:
+            # The sums stay on the device: no host sync for them, on this step or any.
+            none = torch.zeros(2, dtype=torch.float32, device=device)
+            taken = [layer.take_ds_stats_on_device() for layer in self._layers.values()]
+            sums = torch.stack([none if t is None else t.to(device) for t in taken]).to(torch.float64)
+            has_ds = (sums != 0).any(dim=1, keepdim=True).to(torch.float64)
+        else:
+            sums = torch.zeros(count, 2, dtype=torch.float64, device=device)
+            has_ds = torch.zeros(count, 1, dtype=torch.float64, device=device)
+        if self._request.probe:
+            # The probe's metrics are host numbers (the probe itself waited for the device): one copy.
+            rows: list[list[float]] = []
             for layer in self._layers.values():
-                ds = layer.take_ds_stats() if self._request.ds_stats else None
-                probe = layer.take_probe() if self._request.probe else None
-                row = [*(ds if ds is not None else (0.0, 0.0)), float(ds is not None), 0.0, float(probe is not None)]
+                probe = layer.take_probe()
+                row = [0.0, float(probe is not None)]
                 for tensor in _PROBE_TENSORS:
                     metrics = probe.get(tensor, {}) if probe is not None else {}
                     row += [float(metrics.get("cos", 0.0)), float(metrics.get("rel_l2", 0.0))]
-                rows += row
-            block = torch.tensor(rows, dtype=torch.float64, device=device)
+                rows.append(row)
+            rest = torch.tensor(rows, dtype=torch.float64, device=device)
         else:
-            # Nothing armed: no host values to send, so no host-to-device copy (which would wait for the backward).
-            block = torch.zeros(len(self._layers) * _LAYER_WIDTH, dtype=torch.float64, device=device)
+            rest = torch.zeros(count, _LAYER_WIDTH - 3, dtype=torch.float64, device=device)
+        block = torch.cat([sums, has_ds, rest], dim=1).flatten()
         return trainer.strategy.reduce(torch.cat([head, block]), reduce_op="sum")
 
     def _signals(self, trainer: pl.Trainer, record: _StepRecord, total: list[float]) -> StepSignals:
@@ -507,12 +543,12 @@ class AdaptivePrecision(Callback):
             for decision in decisions:
                 rank_zero_info(f"AdaptivePrecision: {decision}")
         self._log_step(trainer, signals, dataclasses.replace(outcome, decisions=tuple(decisions)))
-        if applied and action == "step" and (record.step + 1) % self.snapshot_every_n_steps == 0:
-            # The step is now known to be good, and the parameters are still those it left.
-            self._take_snapshot(trainer, pl_module, step=record.step + 1)
-            if self._snapshot_copied is not None:
-                torch.cuda.current_stream(trainer.strategy.root_device).wait_event(self._snapshot_copied)
-                self._snapshot_copied = None
+        if self._candidate is not None and self._candidate["step"] == record.step + 1:
+            # The snapshot taken after this step: good where the step stands, dropped where it was undone.
+            if action == "undone":
+                self._spare, self._candidate = self._candidate, None
+            else:
+                self._spare, self._snapshot, self._candidate = self._snapshot, self._candidate, None
         return dataclasses.replace(outcome, action=action, decisions=tuple(decisions))
 
     # ---------------------------------------------------------------------------------------------- actions
@@ -528,15 +564,23 @@ class AdaptivePrecision(Callback):
         base = set(self._bases[name].int8_products)
         return base <= set(self._layers[name].precision.int8_products)
 
-    def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int | None = None) -> None:
-        previous = self._snapshot or {}
+    def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, candidate: bool = False) -> None:
+        """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.
+
+        ``candidate``: keep it apart from the last good snapshot (in the spare buffers) until its step's verdict.
+        """
+        if candidate:
+            previous = self._spare or {}
+            self._spare = None
+        else:
+            previous = self._snapshot or {}
         device = trainer.strategy.root_device
 
         def copy() -> dict[str, Any]:
             # Into the previous snapshot's buffers (pinned host memory for CUDA tensors), without waiting:
             # allocating and page-faulting fresh host memory each time cost more than the copies.
             return {
-                "step": trainer.global_step if step is None else step,
+                "step": trainer.global_step,
                 "model": _copy_to_host(pl_module.state_dict(), previous.get("model")),
                 "optimizers": _copy_to_host(
                     [optimizer.state_dict() for optimizer in trainer.optimizers], previous.get("optimizers")
@@ -544,7 +588,7 @@ class AdaptivePrecision(Callback):
             }
 
         if device.type != "cuda":
-            self._snapshot = copy()
+            self._keep_snapshot(copy(), candidate)
             return
         # On a side stream, the copies overlap the next forward and backward (which only read the parameters);
         # the next optimizer step, the first writer, waits for them (on_before_optimizer_step).
@@ -552,9 +596,15 @@ class AdaptivePrecision(Callback):
             self._copy_stream = torch.cuda.Stream(device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._copy_stream):
-            self._snapshot = copy()
+            self._keep_snapshot(copy(), candidate)
         self._snapshot_copied = torch.cuda.Event()
         self._snapshot_copied.record(self._copy_stream)
+
+    def _keep_snapshot(self, snapshot: dict[str, Any], candidate: bool) -> None:
+        if candidate:
+            self._candidate = snapshot
+        else:
+            self._snapshot = snapshot
 
     def _restore_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         snapshot = self._snapshot
@@ -639,6 +689,31 @@ class _StepRecord:
             self.packed = self.packed.to("cpu", non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of a step whose verdict is pending (waits for its signals)."""
+        return {
+            "step": self.step,
+            "values": self.host_values(),
+            "request": dataclasses.asdict(self.request),
+            "grad_scaler": self.grad_scaler,
+            "ran_int8": self.ran_int8,
+            "skipped_on_device": self.skipped_on_device,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None) -> _StepRecord | None:
+        """The record :meth:`state` kept, or ``None``."""
+        if state is None:
+            return None
+        return cls(
+            step=state["step"],
+            packed=torch.tensor(state["values"], dtype=torch.float64),
+            request=SignalRequest(**state["request"]),
+            grad_scaler=state["grad_scaler"],
+            ran_int8=state["ran_int8"],
+            skipped_on_device=state["skipped_on_device"],
+        )
 
     def host_values(self) -> list[float]:
         if self._copied is not None:

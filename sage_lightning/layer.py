@@ -298,14 +298,35 @@ class AttentionLayerState:
             err2, norm2 = layer.take_ds_stats()
             print("dS relative error", (err2 / norm2) ** 0.5)
         """
-        if self.stats is None or not self._stats_given:
+        sums = self.take_ds_stats_on_device()
+        if sums is None:
             return None
-        err2, norm2 = self.stats.tolist()
-        self.stats.zero_()
-        self._stats_given = False
+        err2, norm2 = sums.tolist()
         if err2 == 0.0 and norm2 == 0.0:
             return None
         return err2, norm2
+
+    def take_ds_stats_on_device(self) -> torch.Tensor | None:
+        """The dS statistics summed since the last take, as a tensor ``[err2, norm2]`` on their device, then
+        zeroes them, without waiting for the device (the sums of :meth:`take_ds_stats`, not yet on the host).
+
+        Returns:
+            A fresh float32 tensor of 2 elements, or ``None`` when no served call was asked for statistics since
+            the last take. Both sums are zero where the kernel added nothing (a layer in ``"full"`` mode).
+
+        Example::
+
+            layer.collect_stats = True
+            loss.backward()
+            sums = layer.take_ds_stats_on_device()      # no host sync
+            err2, norm2 = sums.tolist()                 # one, later
+        """
+        if self.stats is None or not self._stats_given:
+            return None
+        sums = self.stats.clone()
+        self.stats.zero_()
+        self._stats_given = False
+        return sums
 
     def arm_probe(self) -> None:
         """Capture the next served call made with grad enabled, for :meth:`take_probe`.

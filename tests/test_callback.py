@@ -168,9 +168,11 @@ def resume_config() -> PolicyConfig:
     )
 
 
-def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path) -> None:
+@pytest.mark.parametrize("check_before_step", [True, False])
+def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, check_before_step: bool) -> None:
+    # check_before_step=False: the checkpoint is taken while the last step's verdict is still pending.
     def fit(ckpt_path=None, seed: int = 0) -> tuple[AdaptivePrecision, TinyLM]:
-        controller = AdaptivePrecision(resume_config(), verbose=False)
+        controller = AdaptivePrecision(resume_config(), verbose=False, check_before_step=check_before_step)
         # Saved where Lightning resumes cleanly: at the end of each 6-step epoch.
         checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, save_on_train_epoch_end=True)
         kwargs = trainer_kwargs(tmp_path, max_steps=14, enable_checkpointing=True)
@@ -231,6 +233,7 @@ def test_misconfigurations_fail_at_train_start(tmp_path) -> None:
         ({"log_every_n_steps": -1}, "log_every_n_steps"),
         ({"tokens_fn": 5}, "tokens_fn"),
         ({"progress_bar": "yes"}, "progress_bar"),
+        ({"check_before_step": "auto"}, "check_before_step"),
     ],
 )
 def test_arguments_are_checked(kwargs: dict, name: str) -> None:
@@ -316,3 +319,59 @@ def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(
         assert levers == [(bad_step, "optimizer_step"), (bad_step, "rollback")] and controller.rollbacks == 1
         assert "were applied" in controller.history[-1].reason
         assert torch.equal(trace.params[bad_step + 1], initial)  # back to the start, and that step dropped
+
+
+def test_without_the_per_step_sync_a_snapshot_taken_after_a_bad_step_is_not_restored(tmp_path) -> None:
+    # Snapshots every 2 steps are taken before the verdict of the step they follow. The bad steps 5 and 7 are
+    # applied (plain SGD cannot skip on the device); the snapshots after them must be dropped, and both rollbacks
+    # must land on the one taken after step 3, which its own verdict had confirmed.
+    torch.manual_seed(0)
+    model = TinyLM()
+    bad_steps = (5, 7)
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if model.trainer.global_step in bad_steps else grad
+
+    model.head.bias.register_hook(poison)
+    controller = AdaptivePrecision(snapshot_every_n_steps=2, check_before_step=False, verbose=False)
+    trace = ParameterTrace()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=10), callbacks=[controller, trace])
+    trainer.fit(model, token_loader(10))
+
+    levers = [(d.step, d.lever) for d in controller.history]
+    assert levers == [(step, lever) for step in bad_steps for lever in ("optimizer_step", "rollback")]
+    for step in bad_steps:
+        assert not torch.isfinite(trace.params[step]).all()  # it was applied
+        # Found in the next step's hook: back to the state after step 3, and that step's gradients dropped.
+        assert torch.equal(trace.params[step + 1], trace.params[3])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fused", "checked_first"), [("sgd", True, False), ("adamw", True, False), ("adamw", False, True)]
+)
+def test_by_default_the_check_waits_only_for_optimizers_that_cannot_skip_on_the_device(
+    tmp_path, optimizer: str, fused: bool, checked_first: bool
+) -> None:
+    torch.manual_seed(0)
+    model = TinyLM(fused=fused, optimizer=optimizer)
+    bad_step = 2
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if model.trainer.global_step == bad_step else grad
+
+    model.head.bias.register_hook(poison)
+    controller = AdaptivePrecision(verbose=False)
+    seen: list[int] = []
+
+    class DecisionsAtBatchEnd(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            seen.append(len(controller.history))
+
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[controller, DecisionsAtBatchEnd()])
+    trainer.fit(model, token_loader(4))
+
+    # Checked before the step: the skip is decided within step 2; otherwise within step 3 (one step later).
+    assert seen[bad_step] == (1 if checked_first else 0)
+    assert controller.skipped_steps == 1 and controller.rollbacks == 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
