@@ -1,4 +1,4 @@
-"""``sage_attention``: SDPA's layout and meaning, SageBwd numerics; checks arguments and picks the path."""
+"""``sage_attention``: SDPA's layout and meaning, SageBwd or Attn-QAT numerics; checks arguments and picks the path."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import torch
 import torch.nn.functional as F
 
 from .precision import AttentionPrecision
+from .qat_reference import attn_qat_reference
 from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
 
 try:  # Triton is a Linux dependency; elsewhere every call takes the reference.
     from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
+    from .qat_ops import attn_qat_triton
 except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    MAX_TRITON_HEAD_DIM, sage_attention_triton = 0, None
+    MAX_TRITON_HEAD_DIM, sage_attention_triton, attn_qat_triton = 0, None, None
 
 #: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
 #: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
@@ -128,7 +130,7 @@ def sage_attention(
     precision: AttentionPrecision | None = None,
     stats: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with SageBwd numerics, a drop-in for ``scaled_dot_product_attention`` without a mask.
+    """Attention with SageBwd (or Attn-QAT) numerics, a drop-in for ``scaled_dot_product_attention`` without a mask.
 
     Layout and meaning are SDPA's: ``q`` ``[B, Hq, N, D]``, ``k``/``v`` ``[B, Hkv, Nk, D]``, grouped-query
     attention when ``Hq`` is a multiple of ``Hkv`` (SDPA's ``enable_gqa=True``), ``is_causal`` the
@@ -145,10 +147,11 @@ def sage_attention(
         is_causal: causal mask as SDPA's ``is_causal``.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
         precision: how the products run; ``AttentionPrecision()`` (SageBwd defaults) when ``None``.
+            ``mode="attn_qat"`` runs simulated NVFP4 attention for quantization-aware training;
             ``mode="full"`` calls SDPA itself.
         stats: optional float32 tensor of shape ``(2,)`` on ``q``'s device; each backward adds the sum of
             squared INT8 quantization error of dS and the sum of dS squared into it (measured whatever
-            ``ds`` runs in; left alone in ``"full"`` mode).
+            ``ds`` runs in; left alone in ``"attn_qat"`` and ``"full"`` modes, which have no INT8 dS).
             ``ds_rel_err = sqrt(stats[0] / stats[1])``.
 
     Returns:
@@ -179,6 +182,12 @@ def sage_attention(
         )
     if q.shape[2] == 0:
         return q.new_empty(q.shape)
+    if precision.mode == "attn_qat":
+        if _uses_triton(q):
+            out, _ = attn_qat_triton(q, k, v, is_causal=is_causal, scale=scale, precision=precision, with_lse=False)
+        else:
+            out, _ = attn_qat_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision)
+        return out
     if _uses_triton(q):
         out, _ = sage_attention_triton(
             q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats, with_lse=False

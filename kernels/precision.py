@@ -1,4 +1,4 @@
-"""How one attention layer runs: the per-product formats of SageBwd, or full precision."""
+"""How one attention layer runs: the per-product formats of SageBwd, simulated NVFP4 (Attn-QAT), or full precision."""
 
 from __future__ import annotations
 
@@ -13,11 +13,16 @@ PRODUCTS: tuple[str, ...] = ("qk", "pv", "dv", "dp", "ds")
 #: Formats a product can run in. ``"bf16"`` means "the input's 16-bit float type with fp32
 #: accumulation" (fp16 inputs run it in fp16, fp32 inputs in fp32).
 FORMATS: tuple[str, ...] = ("int8", "bf16")
-#: Modes of an attention layer. ``"full"`` is plain full-precision attention (the last rung of the
-#: controller's ladder).
-MODES: tuple[str, ...] = ("sagebwd", "full")
-#: Modes the design names that this version does not implement yet.
-PLANNED_MODES: tuple[str, ...] = ("attn_qat",)
+#: Modes of an attention layer. ``"sagebwd"`` is INT8 attention (the product formats below), ``"attn_qat"``
+#: simulated NVFP4 attention for quantization-aware training (``docs/how-it-works.md``), ``"full"`` plain
+#: full-precision attention (the last rung of the controller's ladder).
+MODES: tuple[str, ...] = ("sagebwd", "attn_qat", "full")
+#: Backward passes of ``mode="attn_qat"``. ``"matched"`` is Attn-QAT's: S and P recomputed from the same
+#: fake-quantized Q and K as the forward, dV from P re-quantized as in the forward, and
+#: ``delta = rowsum(dO * O_hp)`` with the output of the unquantized P. ``"dropin"`` is the "drop-in" QAT the
+#: paper reports as unstable: FlashAttention's backward from the unquantized q, k, v, fed the FP4 forward's
+#: output and logsumexp.
+QAT_BACKWARDS: tuple[str, ...] = ("matched", "dropin")
 
 
 @dataclass(frozen=True)
@@ -27,9 +32,15 @@ class AttentionPrecision:
     The default is SageBwd as published: six of the seven matrix products in INT8 (``dp`` stays in
     bf16), K-smoothing on, Q-smoothing off.
 
+    Each field belongs to one mode and is ignored (kept as it is) in the others, so switching a layer's mode
+    back and forth keeps its settings: the product formats and smoothing flags are SageBwd's, ``qat_backward``
+    is Attn-QAT's, and ``"full"`` reads none. :attr:`short_name` names only what runs.
+
     Args:
-        mode: ``"sagebwd"`` (quantized attention, formats below) or ``"full"`` (plain
-            full-precision attention through ``torch.nn.functional.scaled_dot_product_attention``).
+        mode: ``"sagebwd"`` (INT8 attention, formats below), ``"attn_qat"`` (simulated NVFP4 attention for
+            quantization-aware training: Q, K, V and P fake-quantized to NVFP4, products in the input's
+            16-bit type) or ``"full"`` (plain full-precision attention through
+            ``torch.nn.functional.scaled_dot_product_attention``).
         qk: format of ``S = Q K^T``.
         pv: format of ``O = P V``.
         dv: format of ``dV = P^T dO``.
@@ -39,9 +50,12 @@ class AttentionPrecision:
             to it; it removes the channel bias that would otherwise dominate K's INT8 scale).
         smooth_q: subtract the per-block mean of Q before quantizing it and add the dropped term
             back to S in fp32.
+        qat_backward: the backward of ``mode="attn_qat"``: ``"matched"`` (Attn-QAT: matching low-precision
+            recomputation, the default) or ``"dropin"`` (an FP4 forward with FlashAttention's backward from
+            the unquantized inputs, the unstable baseline of the Attn-QAT paper; for comparisons).
 
     Raises:
-        ValueError: an unknown mode or format, or a non-bool smoothing flag.
+        ValueError: an unknown mode, format or ``qat_backward``, or a non-bool smoothing flag.
 
     Example::
 
@@ -50,6 +64,8 @@ class AttentionPrecision:
         fast = AttentionPrecision()                      # SageBwd defaults
         safer = fast.replace(ds="bf16")                   # the score gradient in bf16
         print(safer.short_name)                           # "sagebwd:int8=qk,pv,dv;smooth_k"
+        qat = AttentionPrecision(mode="attn_qat")         # simulated NVFP4, Attn-QAT's backward
+        print(qat.replace(qat_backward="dropin").short_name)  # "attn_qat:dropin"
     """
 
     mode: str = "sagebwd"
@@ -60,13 +76,9 @@ class AttentionPrecision:
     ds: str = "int8"
     smooth_k: bool = True
     smooth_q: bool = False
+    qat_backward: str = "matched"
 
     def __post_init__(self) -> None:
-        if self.mode in PLANNED_MODES:
-            raise ValueError(
-                f"AttentionPrecision: mode={self.mode!r} (simulated NVFP4 attention) is planned but not "
-                f"available in this version; use one of {MODES}."
-            )
         if self.mode not in MODES:
             raise ValueError(f"AttentionPrecision: mode must be one of {MODES}; received {self.mode!r}.")
         for name in PRODUCTS:
@@ -77,17 +89,26 @@ class AttentionPrecision:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"AttentionPrecision: {name} must be True or False; received {value!r}.")
+        if self.qat_backward not in QAT_BACKWARDS:
+            raise ValueError(
+                f"AttentionPrecision: qat_backward must be one of {QAT_BACKWARDS} (used by mode='attn_qat'); "
+                f"received {self.qat_backward!r}."
+            )
 
     @property
     def int8_products(self) -> tuple[str, ...]:
-        """The products that run in INT8 (empty in ``"full"`` mode)."""
+        """The products that run in INT8 (empty in ``"attn_qat"`` and ``"full"`` modes)."""
         if self.mode != "sagebwd":
             return ()
         return tuple(name for name in PRODUCTS if getattr(self, name) == "int8")
 
     @property
     def short_name(self) -> str:
-        """A compact, stable label, e.g. ``"sagebwd:int8=qk,pv,dv,ds;smooth_k"`` or ``"full"``."""
+        """A compact, stable label of what runs, e.g. ``"sagebwd:int8=qk,pv,dv,ds;smooth_k"``, ``"attn_qat"``,
+        ``"attn_qat:dropin"`` or ``"full"``. Two precisions with the same label compute the same numbers (fields
+        the mode ignores are not in it)."""
+        if self.mode == "attn_qat":
+            return "attn_qat" if self.qat_backward == "matched" else f"attn_qat:{self.qat_backward}"
         if self.mode != "sagebwd":
             return self.mode
         parts = [f"int8={','.join(self.int8_products) or 'none'}"]

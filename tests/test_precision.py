@@ -1,11 +1,11 @@
-"""AttentionPrecision: SageBwd defaults, validation, labels."""
+"""AttentionPrecision: SageBwd defaults, the attn_qat mode, validation, labels."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from sage_lightning.kernels import FORMATS, MODES, PRODUCTS, AttentionPrecision
+from sage_lightning.kernels import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
 
 
 def test_defaults_are_sagebwd() -> None:
@@ -30,14 +30,30 @@ def test_helpers() -> None:
     assert AttentionPrecision.all_bf16().short_name == "sagebwd:int8=none;smooth_k"
     assert AttentionPrecision(mode="full").int8_products == () and AttentionPrecision(mode="full").short_name == "full"
     assert AttentionPrecision().replace(smooth_q=True).short_name.endswith("smooth_k;smooth_q")
-    assert FORMATS == ("int8", "bf16") and MODES == ("sagebwd", "full")
+    assert FORMATS == ("int8", "bf16") and MODES == ("sagebwd", "attn_qat", "full")
+    assert QAT_BACKWARDS == ("matched", "dropin")
+
+
+def test_attn_qat_mode_labels_and_ignored_fields() -> None:
+    qat = AttentionPrecision(mode="attn_qat")
+    assert qat.qat_backward == "matched" and qat.int8_products == () and qat.short_name == "attn_qat"
+    assert qat.replace(qat_backward="dropin").short_name == "attn_qat:dropin"
+    # SageBwd's fields are kept but do not run in attn_qat mode: the label, which names what runs, ignores them.
+    assert qat.replace(ds="bf16", smooth_q=True).short_name == "attn_qat"
+    # ... and qat_backward is ignored outside attn_qat mode; switching modes keeps every field.
+    dropin_sage = AttentionPrecision(qat_backward="dropin")
+    assert dropin_sage.short_name == AttentionPrecision().short_name
+    assert dropin_sage.replace(mode="attn_qat").replace(mode="sagebwd") == dropin_sage
+    assert qat.replace(mode="full").short_name == "full"
 
 
 @pytest.mark.parametrize(
     "kwargs, pieces",
     [
         ({"mode": "fp8"}, ["mode", "'fp8'", "sagebwd"]),
-        ({"mode": "attn_qat"}, ["attn_qat", "not available"]),
+        ({"mode": "attn-qat"}, ["mode", "'attn-qat'", "attn_qat"]),
+        ({"mode": "attn_qat", "qat_backward": "drop-in"}, ["qat_backward", "'drop-in'", "'matched', 'dropin'"]),
+        ({"qat_backward": None}, ["qat_backward", "None"]),
         ({"ds": "fp16"}, ["ds", "'fp16'", "'int8', 'bf16'"]),
         ({"qk": "INT8"}, ["qk", "'INT8'"]),
         ({"smooth_k": 1}, ["smooth_k", "1", "True or False"]),
