@@ -262,6 +262,11 @@ class AdaptivePrecision(Callback):
             )
         self._candidate = None
         self._take_snapshot(trainer, pl_module)
+        if not self._check_first:
+            # The second set of host buffers, allocated now rather than in the middle of training (pinning a
+            # gigabyte of host memory takes a while).
+            self._take_snapshot(trainer, pl_module, candidate=True)
+            self._spare, self._candidate = self._candidate, None
         tensorboard.log_layout(trainer)
 
     @override
