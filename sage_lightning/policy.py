@@ -9,7 +9,8 @@ reduced numbers takes the same decisions.
 The levers:
 
 * per layer, a ladder of rungs climbed one at a time from the layer's base :class:`AttentionPrecision`
-  (default: ``smooth_q`` only when the forward is implicated, then ``ds="bf16"``, then ``mode="full"``);
+  (default: ``smooth_q`` only when the forward is implicated, then ``ds="bf16"``, then ``mode="full"``;
+  a rung that changes nothing that runs is passed over, so an ``attn_qat`` layer's only rung is ``full``);
 * globally, ``accumulate_grad_batches`` (tokens per optimizer step), lowered only when a divergence cannot be
   pinned on any attention setting, and raised back after a calm period;
 * per step, skipping an optimizer step whose gradients are non-finite, and rolling back to the last
@@ -132,6 +133,10 @@ class PolicyConfig:
             backward's rungs when dS's INT8 error explains it, on the forward's otherwise.
         ds_explains_ratio: dS's INT8 error explains a poor dQ or dK when ``ds_rel_err`` is at least this
             fraction of their relative L2 error (dQ and dK inherit dS's error one for one).
+        attn_qat_probe_o_cos_min: ``probe_o_cos_min`` for a layer in ``mode="attn_qat"``, whose simulated FP4
+            is meant to differ from full precision (quantization-aware training absorbs it): the O cosine below
+            which FP4 has lost the layer's attention, and the layer goes to full precision.
+        attn_qat_probe_grad_cos_min: ``probe_grad_cos_min`` for a layer in ``mode="attn_qat"``.
         calm_steps: optimizer steps a layer stays on a rung, with no trigger, before stepping down one rung;
             each re-escalation soon after a step down doubles it (backoff).
         max_backoff: the calm period grows to at most ``calm_steps * 2**max_backoff``.
@@ -166,6 +171,8 @@ class PolicyConfig:
     probe_o_cos_min: float = 0.995
     probe_grad_cos_min: float = 0.97
     ds_explains_ratio: float = 0.5
+    attn_qat_probe_o_cos_min: float = 0.95
+    attn_qat_probe_grad_cos_min: float = 0.9
     calm_steps: int = 1000
     max_backoff: int = 4
     spike_window: int = 64
@@ -212,7 +219,13 @@ class PolicyConfig:
                 f"PolicyConfig: loss_hard_spike_z must be above loss_spike_z ({self.loss_spike_z}); "
                 f"received {self.loss_hard_spike_z!r}."
             )
-        for name in ("probe_o_cos_min", "probe_grad_cos_min", "ds_explains_ratio"):
+        for name in (
+            "probe_o_cos_min",
+            "probe_grad_cos_min",
+            "ds_explains_ratio",
+            "attn_qat_probe_o_cos_min",
+            "attn_qat_probe_grad_cos_min",
+        ):
             value = getattr(self, name)
             if not _is_number(value) or not 0 < value <= 1:
                 raise ValueError(f"PolicyConfig: {name} must be in (0, 1]; received {value!r}.")
@@ -331,14 +344,17 @@ class PrecisionPolicy:
     * probe O cosine ``< probe_o_cos_min``: the forward, so the next rung, ``smooth_q`` included;
     * probe dQ or dK cosine ``< probe_grad_cos_min``: the next backward rung when ``ds_rel_err`` explains it
       (at least ``ds_explains_ratio`` of their relative error, dS still INT8), the forward's otherwise; a poor
-      dV is the forward's (it does not use dS).
+      dV is the forward's (it does not use dS);
+    * a layer in ``mode="attn_qat"`` (no INT8 dS, no dS statistics) is probed against its own thresholds,
+      ``attn_qat_probe_o_cos_min`` and ``attn_qat_probe_grad_cos_min``: any poor tensor is the FP4 forward's.
 
     Divergence (roll back to the last snapshot, then escalate): a non-finite loss, a hard loss spike, or
     non-finite gradients ``max_consecutive_skips`` steps in a row. The escalation goes to where it started:
     layers that returned non-finite outputs from finite inputs go to the top rung; else the last layer (in
     module order, so the first the backward reaches) whose dS was non-finite, a later layer's being finite,
     goes up one backward rung; else every layer whose dS still runs in INT8 goes up one backward rung (dS is
-    the dominant INT8 error); else the tokens per step are halved. Single non-finite gradients skip the step.
+    the dominant INT8 error), and every layer in ``mode="attn_qat"`` goes to its next rung (full precision);
+    else the tokens per step are halved. Single non-finite gradients skip the step.
 
     Stepping down (one rung, hysteresis and backoff): after ``calm_steps * 2**backoff`` steps on a rung with no
     trigger, and, for a rung that changed ``ds``, a ``ds_rel_err`` below ``ds_rel_err_low`` measured since.
@@ -594,6 +610,8 @@ class PrecisionPolicy:
         cannot fix. dV does not use dS at all.
         """
         cfg = self.config
+        if current.mode == "attn_qat":
+            return self._attn_qat_probe_trigger(probe)
         o_cos = _probe_cos(probe, "O")
         if o_cos is not None and o_cos < cfg.probe_o_cos_min:
             return "forward", f"probe O cos {o_cos:.5f} < probe_o_cos_min {cfg.probe_o_cos_min:g}"
@@ -615,6 +633,23 @@ class PrecisionPolicy:
             f"rel_l2 {_fmt(rel_l2)}): the forward's error"
             if current.mode == "sagebwd" and current.ds == "int8"
             else " with dS already in high precision: the forward's error"
+        )
+
+    def _attn_qat_probe_trigger(self, probe: Mapping[str, Mapping[str, float]]) -> tuple[str | None, str]:
+        """An ``attn_qat`` layer's probe: every error is its FP4 forward's (Q, K, V and P quantized; the backward's
+        products run in bf16), measured against the looser thresholds FP4 attention is held to."""
+        cfg = self.config
+        o_cos = _probe_cos(probe, "O")
+        if o_cos is not None and o_cos < cfg.attn_qat_probe_o_cos_min:
+            return "forward", f"probe O cos {o_cos:.5f} < attn_qat_probe_o_cos_min {cfg.attn_qat_probe_o_cos_min:g}"
+        poor = [(t, c) for t in PROBE_GRADIENTS if (c := _probe_cos(probe, t)) is not None]
+        poor = [(t, c) for t, c in poor if c < cfg.attn_qat_probe_grad_cos_min]
+        if not poor:
+            return None, ""
+        tensor, cos = min(poor, key=lambda item: item[1])
+        return "forward", (
+            f"probe {tensor} cos {cos:.5f} < attn_qat_probe_grad_cos_min {cfg.attn_qat_probe_grad_cos_min:g} "
+            "(the FP4 forward's error)"
         )
 
     def _escalate_backward_origin(self, layers: Mapping[str, LayerSignals], step: int) -> list[Decision]:
@@ -640,12 +675,13 @@ class PrecisionPolicy:
         if backward:
             return backward
         # Nothing points at one layer. dS is SageBwd's dominant INT8 error (the study; our accuracy harness), so
-        # every layer whose dS is still INT8 moves up one backward rung, the forward staying fast.
-        reason = f"{cause}; no layer flagged, so every layer with INT8 dS moves up"
+        # every layer whose dS is still INT8 moves up one backward rung, the forward staying fast. A layer in
+        # attn_qat mode has no rung but full precision; the drop-in variant's backward is the known unstable one.
+        reason = f"{cause}; no layer flagged, so every layer with INT8 dS or FP4 attention moves up"
         decisions = []
         for name in self._layers:
             current = self.precision(name)
-            if current.mode == "sagebwd" and current.ds == "int8":
+            if (current.mode == "sagebwd" and current.ds == "int8") or current.mode == "attn_qat":
                 decision = self._escalate(name, "backward", step, reason)
                 if decision is not None:
                     decisions.append(decision)
@@ -665,8 +701,10 @@ class PrecisionPolicy:
         candidates: list[int] = []
         for index in range(start, len(ladder)):
             rung = ladder[index]
-            if rung.apply(precision) == precision:
-                continue  # this rung changes nothing from here (e.g. ds already bf16 in the base)
+            if rung.apply(precision).short_name == precision.short_name:
+                # This rung changes nothing that runs from here: ds already bf16 in the base, or a SageBwd field
+                # of a layer in attn_qat mode (short_name names exactly what runs).
+                continue
             candidates.append(index)
             precision = rung.apply(precision)
         if not candidates:
