@@ -456,3 +456,66 @@ def test_policy_module_is_pure() -> None:
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not imported & {"torch", "lightning", "pytorch_lightning", "triton"}, module
+
+
+# ------------------------------------------------------------------------------------------- attn_qat layers
+
+QAT = AttentionPrecision(mode="attn_qat")
+DROPIN = QAT.replace(qat_backward="dropin")
+
+
+@pytest.mark.parametrize(
+    ("measured", "escalated", "reason"),
+    [
+        # FP4's usual error (O about 0.98 on N(0, 1) inputs) is what QAT trains through: below SageBwd's
+        # thresholds, above attn_qat's.
+        (LayerSignals(probe=probe(o=0.98, dq=0.97, dk=0.97, dv=0.98)), False, None),
+        (LayerSignals(probe=probe(o=0.94)), True, "probe O cos 0.94000 < attn_qat_probe_o_cos_min 0.95"),
+        (LayerSignals(probe=probe(dk=0.85)), True, "probe dK cos 0.85000 < attn_qat_probe_grad_cos_min 0.9"),
+        (LayerSignals(probe=probe(dv=0.8)), True, "(the FP4 forward's error)"),
+        # No INT8 dS in attn_qat mode: a dS statistic (not collected there) triggers nothing.
+        (LayerSignals(ds_rel_err=0.9), False, None),
+        (LayerSignals(nonfinite=False), False, None),
+    ],
+)
+@pytest.mark.parametrize("base", [QAT, DROPIN], ids=["matched", "dropin"])
+def test_attn_qat_layer_falls_back_to_full_on_its_probe(
+    base: AttentionPrecision, measured: LayerSignals, escalated: bool, reason: str | None
+) -> None:
+    policy = make(base=base, ds_rel_err_patience=1)
+    outcome = policy.decide(signals(0, l0=measured))
+    if not escalated:
+        assert outcome.decisions == () and policy.precision(NAMES[0]) == base
+        return
+    (decision,) = outcome.decisions
+    assert (decision.old, decision.new) == (base.short_name, "full") and reason in decision.reason
+    # smooth_q and ds_bf16 change nothing that runs in attn_qat mode: passed over, full is the only rung.
+    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 3
+    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["full"]
+    # The calm period alone brings it back, to the very base (the drop-in variant stays the drop-in variant).
+    (back,) = policy.decide(signals(CALM)).decisions
+    assert (back.old, back.new) == ("full", base.short_name) and policy.precision(NAMES[0]) == base
+
+
+@pytest.mark.parametrize(
+    ("layers", "rungs"),
+    [
+        # Nothing flagged: INT8 dS moves up one backward rung, an attn_qat layer to full precision.
+        ({}, ["ds_bf16", "full", "full"]),
+        # The attn_qat layer that returned a non-finite output goes to full; the others stay.
+        ({"l1": LayerSignals(nonfinite=True)}, ["base", "full", "base"]),
+    ],
+)
+def test_divergence_with_attn_qat_layers(layers: dict, rungs: list[str]) -> None:
+    policy = PrecisionPolicy({NAMES[0]: BASE, NAMES[1]: QAT, NAMES[2]: DROPIN}, config=PolicyConfig(calm_steps=CALM))
+    outcome = policy.decide(signals(3, loss=NAN, **layers))
+    assert outcome.action == "rollback"
+    assert [policy.rung(name) for name in NAMES] == rungs
+    assert all(d.new in ("full", DS_BF16.short_name) for d in outcome.decisions[1:])
+
+
+def test_attn_qat_thresholds_are_validated() -> None:
+    with pytest.raises(ValueError, match=r"attn_qat_probe_o_cos_min must be in \(0, 1\]; received 1.5"):
+        PolicyConfig(attn_qat_probe_o_cos_min=1.5)
+    with pytest.raises(ValueError, match="attn_qat_probe_grad_cos_min"):
+        PolicyConfig(attn_qat_probe_grad_cos_min=0)
