@@ -31,10 +31,19 @@ used in the tables):
 
 Each with ``smooth_k`` True and False (``smooth_q`` False).
 
+``--mode attn_qat`` measures simulated NVFP4 attention (``AttentionPrecision(mode="attn_qat")``) instead, beside
+the ``bf16`` baseline and the ``sagebwd`` default (both with ``smooth_k``): ``attn_qat`` (Attn-QAT's matched
+backward) and ``attn_qat dropin`` (the drop-in backward). Its reference intermediates are Attn-QAT's (``P`` the
+quantized P the output used, ``delta`` the backward's). Rows against float64 attention carry
+``"against": "float64"``; the two QAT settings' O, dQ, dK, dV are also compared with the gradient of the FP4
+forward itself (``"against": "fp4_float64"``: the Attn-QAT reference in float64 on the same inputs, the
+straight-through gradient of what ran), which the matched backward reproduces and the drop-in one does not.
+
 Example::
 
     python benchmarks/accuracy.py                      # default size on CPU, writes benchmarks/results/
     python benchmarks/accuracy.py --seq 512 --causal --out /tmp/acc.json
+    python benchmarks/accuracy.py --mode attn_qat      # simulated NVFP4 against float64 (and bf16, SageBwd)
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from pathlib import Path
 
 import torch
 from sage_lightning.kernels import PRODUCTS, AttentionPrecision
+from sage_lightning.kernels.qat_reference import attn_qat_intermediates
 from sage_lightning.kernels.reference import exact_attention, sage_attention_intermediates
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,19 +76,36 @@ SIGMAS: tuple[float, ...] = (1.0, 4.0, 10.0)
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = 10.0
 OUTLIER_SCALE = 3.0
+#: What the harness measures: SageBwd's products one at a time, or simulated NVFP4 (Attn-QAT).
+MODES: tuple[str, ...] = ("sagebwd", "attn_qat")
+#: K-smoothing settings measured per mode (attn_qat mode has no smoothing; its baselines keep SageBwd's default).
+SMOOTH_K: dict[str, tuple[bool, ...]] = {"sagebwd": (True, False), "attn_qat": (True,)}
+#: The tensors compared with the FP4 forward's own float64 gradient in attn_qat mode.
+FP4_GRADIENT_TENSORS: tuple[str, ...] = ("O", "dQ", "dK", "dV")
 
 
-def settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
+def settings(smooth_k: bool, mode: str = "sagebwd") -> list[tuple[str, AttentionPrecision]]:
     """The precision settings compared, as ``(label, precision)`` pairs.
 
     Args:
-        smooth_k: K-smoothing on or off for every setting.
+        smooth_k: K-smoothing on or off for every SageBwd setting.
+        mode: ``"sagebwd"`` (the products one at a time) or ``"attn_qat"`` (simulated NVFP4 beside the bf16
+            baseline and the SageBwd default).
 
     Example::
 
         [label for label, _ in settings(True)][:3]   # ["bf16", "sagebwd", "all7"]
+        [label for label, _ in settings(True, "attn_qat")]   # ["bf16", "sagebwd", "attn_qat", "attn_qat dropin"]
     """
     bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
+    if mode == "attn_qat":
+        qat = AttentionPrecision(mode="attn_qat")
+        return [
+            ("bf16", bf16),
+            ("sagebwd", AttentionPrecision(smooth_k=smooth_k)),
+            ("attn_qat", qat),
+            ("attn_qat dropin", qat.replace(qat_backward="dropin")),
+        ]
     pairs = [
         ("bf16", bf16),
         ("sagebwd", AttentionPrecision(smooth_k=smooth_k)),
@@ -147,7 +174,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
         compare(torch.ones(3), torch.ones(3))   # (1.0, 0.0)
     """
-    a, r = x.to(torch.float64).flatten(), ref.to(torch.float64).flatten()
+    a, r = x.detach().to(torch.float64).flatten(), ref.detach().to(torch.float64).flatten()
     r_norm = r.norm()
     cos = float((a @ r) / (a.norm() * r_norm))
     if 1.0 < cos <= 1.0 + 1e-12:  # float64 round-off on identical directions
@@ -187,16 +214,31 @@ def measure(
     """
     if path == "triton":
         from sage_lightning.kernels.ops import sage_attention_triton
+        from sage_lightning.kernels.qat_ops import attn_qat_triton
 
         q, k, v = (inputs[name].detach().requires_grad_() for name in ("q", "k", "v"))
-        out, lse = sage_attention_triton(q, k, v, is_causal=causal, precision=precision)
+        run = attn_qat_triton if precision.mode == "attn_qat" else sage_attention_triton
+        out, lse = run(q, k, v, is_causal=causal, precision=precision)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs["do"])
         got = {"O": out, "lse": lse, "dQ": dq, "dK": dk, "dV": dv}
-        return {name: compare(got[name], ref[name]) for name in OUTPUT_TENSORS}
-    got = sage_attention_intermediates(
-        inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision
-    )
-    return {name: compare(got[name], ref[name]) for name in TENSORS}
+        return {name: compare(got[name], ref[name]) for name in OUTPUT_TENSORS if name in ref}
+    intermediates = attn_qat_intermediates if precision.mode == "attn_qat" else sage_attention_intermediates
+    got = intermediates(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision)
+    return {name: compare(got[name], ref[name]) for name in TENSORS if name in ref}
+
+
+def fp4_gradient(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
+    """The FP4 forward's own straight-through gradient in float64: the Attn-QAT reference on the inputs upcast.
+
+    ``tests/test_attn_qat.py`` holds it to a dense float64 formula (agreement to 1e-10).
+
+    Example::
+
+        own = fp4_gradient(make_inputs("normal sigma=1", parse_args([])), causal=False)
+    """
+    f64 = {name: t.to(torch.float64) for name, t in inputs.items()}
+    got = attn_qat_intermediates(f64["q"], f64["k"], f64["v"], f64["do"], is_causal=causal)
+    return {name: got[name] for name in FP4_GRADIENT_TENSORS}
 
 
 def _finite(x: float) -> float | None:
@@ -217,12 +259,16 @@ def collect_rows(args: argparse.Namespace) -> list[dict]:
     rows = []
     for kind in args.inputs or input_kinds():
         inputs = make_inputs(kind, args)
-        ref = exact(inputs, args.causal)
-        for smooth_k in (True, False):
-            for label, precision in settings(smooth_k):
-                for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal, args.path).items():
-                    rows.append(
-                        {
+        references = [("float64", exact(inputs, args.causal))]
+        if args.mode == "attn_qat":
+            references.append(("fp4_float64", fp4_gradient(inputs, args.causal)))
+        for smooth_k in SMOOTH_K[args.mode]:
+            for label, precision in settings(smooth_k, args.mode):
+                for against, ref in references:
+                    if against == "fp4_float64" and precision.mode != "attn_qat":
+                        continue
+                    for tensor, (cos, rel) in measure(inputs, ref, precision, args.causal, args.path).items():
+                        row = {
                             "path": args.path,
                             "setting": precision.short_name,
                             "label": label,
@@ -238,15 +284,17 @@ def collect_rows(args: argparse.Namespace) -> list[dict]:
                             "cos": _finite(cos),
                             "rel_l2": _finite(rel),
                         }
-                    )
+                        if args.mode == "attn_qat":
+                            row["against"] = against
+                        rows.append(row)
     return rows
 
 
-def _lookup(rows: list[dict], kind: str, smooth_k: bool) -> dict[str, dict[str, dict]]:
-    """Rows of one input kind and smooth_k as ``{label: {tensor: row}}``."""
+def _lookup(rows: list[dict], kind: str, smooth_k: bool, against: str = "float64") -> dict[str, dict[str, dict]]:
+    """Rows of one input kind and smooth_k, against one reference, as ``{label: {tensor: row}}``."""
     table: dict[str, dict[str, dict]] = {}
     for row in rows:
-        if row["inputs"] == kind and row["smooth_k"] == smooth_k:
+        if row["inputs"] == kind and row["smooth_k"] == smooth_k and row.get("against", "float64") == against:
             table.setdefault(row["label"], {})[row["tensor"]] = row
     return table
 
@@ -264,19 +312,21 @@ def format_tables(rows: list[dict]) -> str:
     """
     lines = []
     kinds = list(dict.fromkeys(row["inputs"] for row in rows))
-    present = {row["tensor"] for row in rows}
-    tensors = [t for t in TENSORS if t in present]
     for kind in kinds:
-        for smooth_k in (True, False):
-            table = _lookup(rows, kind, smooth_k)
-            for metric, digits in (("cos", 6), ("rel_l2", 5)):
-                lines += [f"### {metric}: {kind}, smooth_k={smooth_k}", ""]
-                lines.append("| setting | " + " | ".join(tensors) + " |")
-                lines.append("|---|" + "---:|" * len(tensors))
-                for label, by_tensor in table.items():
-                    cells = [_fmt(by_tensor[t][metric], digits) for t in tensors]
-                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
-                lines.append("")
+        for against in dict.fromkeys(row.get("against", "float64") for row in rows):
+            for smooth_k in dict.fromkeys(row["smooth_k"] for row in rows):
+                table = _lookup(rows, kind, smooth_k, against)
+                present = {t for by_tensor in table.values() for t in by_tensor}
+                tensors = [t for t in TENSORS if t in present]
+                title = f"{kind}, smooth_k={smooth_k}" if against == "float64" else f"{kind}, against {against}"
+                for metric, digits in (("cos", 6), ("rel_l2", 5)):
+                    lines += [f"### {metric}: {title}", ""]
+                    lines.append("| setting | " + " | ".join(tensors) + " |")
+                    lines.append("|---|" + "---:|" * len(tensors))
+                    for label, by_tensor in table.items():
+                        cells = [_fmt(by_tensor[t][metric], digits) for t in tensors]
+                        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                    lines.append("")
     return "\n".join(lines)
 
 
@@ -345,6 +395,8 @@ def summarize(rows: list[dict]) -> list[str]:
 
         print("\\n".join(summarize(rows)))
     """
+    if any("against" in row for row in rows):
+        return summarize_attn_qat(rows)
     if {row["path"] for row in rows} == {"triton"}:
         return summarize_outputs(rows)
     lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
@@ -386,6 +438,34 @@ def summarize_outputs(rows: list[dict]) -> list[str]:
     return lines
 
 
+def summarize_attn_qat(rows: list[dict]) -> list[str]:
+    """Summary of an attn_qat run: per input kind, the output cosines of each setting against float64, and of the
+    two QAT backwards against the FP4 forward's own gradient.
+
+    Example::
+
+        print("\n".join(summarize_attn_qat(rows)))
+    """
+    lines = ["## Summary (simulated NVFP4)", ""]
+    names = FP4_GRADIENT_TENSORS
+    for kind in dict.fromkeys(row["inputs"] for row in rows):
+        exact_table = _lookup(rows, kind, True)
+        own_table = _lookup(rows, kind, True, "fp4_float64")
+        lines.append(f"- {kind}, cos against float64 attention:")
+        for label, by_tensor in exact_table.items():
+            lines.append(f"  {label}: " + ", ".join(f"{t} {_fmt(by_tensor[t]['cos'], 5)}" for t in names))
+        lines.append("  against the FP4 forward's own float64 gradient (what QAT should follow):")
+        for label, by_tensor in own_table.items():
+            lines.append(f"  {label}: " + ", ".join(f"{t} {_fmt(by_tensor[t]['cos'], 5)}" for t in names))
+    lines += [
+        "",
+        "The matched backward is the straight-through gradient of the FP4 forward (up to bf16 rounding); the "
+        "drop-in backward is FlashAttention's gradient at the unquantized inputs, fed the FP4 output and "
+        "logsumexp, which follows neither function where FP4 moves the scores.",
+    ]
+    return lines
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line.
 
@@ -414,6 +494,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="reference",
         help="reference: every intermediate; triton: the kernels' outputs and gradients (CUDA, or the CPU "
         "under TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="sagebwd",
+        help="sagebwd: SageBwd's products one at a time; attn_qat: simulated NVFP4 (Attn-QAT, matched and drop-in "
+        "backward) beside the bf16 baseline and the SageBwd default",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     return parser.parse_args(argv)
@@ -492,7 +579,8 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     rows = collect_rows(args)
     name, today = device_name(args.device), datetime.date.today()
-    out = args.out or REPO / "benchmarks" / "results" / f"accuracy-{device_slug(name)}-{today:%Y%m%d}.json"
+    tag = "-attn_qat" if args.mode == "attn_qat" else ""
+    out = args.out or REPO / "benchmarks" / "results" / f"accuracy-{device_slug(name)}-{today:%Y%m%d}{tag}.json"
     result = {
         "kind": "accuracy",
         "device": name,
@@ -506,8 +594,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_json(result))
+    what = "Attn-QAT (simulated NVFP4)" if args.mode == "attn_qat" else "SageBwd"
     heading = (
-        f"# Accuracy: SageBwd ({args.path}) vs float64\n\n{result['device']}, {result['date']}, commit "
+        f"# Accuracy: {what} ({args.path}) vs float64\n\n{result['device']}, {result['date']}, commit "
         f"{result['commit']}\n\n`{result['command']}`\n\n"
     )
     out.with_suffix(".md").write_text(heading + text)

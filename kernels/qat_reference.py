@@ -5,9 +5,9 @@ round to nearest even, saturating, and an FP32 second-level scale):
 
 Forward, over key tiles of ``BLOCK_N`` keys (the online softmax of FlashAttention):
 
-* ``Q, K, V`` fake-quantized along the head dim with one FP32 scale per (batch, head): ``Q ~= U_Q s_Q``;
-  the values ``U`` are exact in bf16 and fp16, so every product below takes them as they are and applies
-  the FP32 scales to its fp32 result;
+* ``Q, K, V`` fake-quantized along the head dim with one FP32 scale per (batch, head), computed in fp32:
+  ``Q ~= U_Q s_Q``; the values ``U`` are exact in bf16 and fp16, so every product below takes them as they
+  are and applies the FP32 scales to its fp32 result;
 * ``S = tau (U_Q U_K^T) s_Q s_K``, products in the input dtype with fp32 accumulation (Hopper has no FP4
   tensor cores: the FP4 values are simulated, the products are bf16);
 * ``P~ = exp(S - m)`` with the running row max ``m``; the row sum ``l`` adds up the unquantized ``P~``;
@@ -56,20 +56,27 @@ __all__ = ["attn_qat_intermediates", "attn_qat_reference", "quantize_p_tile", "q
 def quantize_qkv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4 of Q, K or V ``[B, H, N, D]`` along the head dim, one FP32 scale per (batch, head).
 
+    Computed in fp32 whatever ``x``'s dtype (the second-level scale is an FP32 number, as the kernels compute
+    it): a bf16 tensor and its float64 copy quantize to the same values. That matters more than it seems:
+    16-bit inputs put many values exactly on E2M1 rounding ties, which a division carried out in another
+    precision would break the other way.
+
     Args:
         x: ``[B, H, N, D]``, any float dtype.
 
     Returns:
         ``(values, scale)``: values ``[B, H, N, D]`` (exact in bf16 and fp16) and ``scale`` ``[B, H, 1, 1]``,
-        both in fp32 (fp64 for fp64 ``x``); ``x ~= values * scale``.
+        both in fp32 (fp64 for fp64 ``x``, holding the same numbers); ``x ~= values * scale``.
 
     Example::
 
         u_q, s_q = quantize_qkv(q)
     """
-    scale = nvfp4_tensor_scale(x, dims=(-2, -1))
-    values, _ = nvfp4_quantize(x, scale)
-    return values, scale
+    x32 = x.to(torch.float32)
+    scale = nvfp4_tensor_scale(x32, dims=(-2, -1))
+    values, _ = nvfp4_quantize(x32, scale)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return values.to(dtype), scale.to(dtype)
 
 
 def quantize_p_tile(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,21 +33,40 @@ def e4m3(v: torch.Tensor) -> torch.Tensor:
     return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(v.dtype)
 
 
-def nvfp4(x: torch.Tensor, second_level: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Fake-quantized ``x``: blocks of 16 along the last dim (zero-padded), E4M3 scales of amax / 6."""
+def nvfp4_values(x: torch.Tensor, second_level: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """The NVFP4 values of ``x / second_level``: blocks of 16 along the last dim (zero-padded), E4M3 scales of
+    amax / 6, E2M1 values times their block scale (``x ~= values * second_level``)."""
     length = x.shape[-1]
     y = torch.nn.functional.pad(x / second_level, (0, -length % 16))
     blocks = y.unflatten(-1, (-1, 16))
     scale = e4m3(blocks.abs().amax(dim=-1, keepdim=True) / 6)
     values = torch.where(scale > 0, e2m1(blocks / scale), 0.0) * scale
     values = torch.where(scale.isnan(), scale, values)
-    return values.flatten(-2)[..., :length] * second_level
+    return values.flatten(-2)[..., :length]
+
+
+def nvfp4(x: torch.Tensor, second_level: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Fake-quantized ``x``: :func:`nvfp4_values` times the second-level scale."""
+    return nvfp4_values(x, second_level) * second_level
+
+
+def second_level_scale(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``amax / 2688`` over ``dims`` (1 where 0)."""
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    return torch.where(amax == 0, 1.0, amax / 2688)
 
 
 def nvfp4_two_level(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """:func:`nvfp4` with the FP32 scale ``amax / 2688`` over ``dims`` (1 where 0)."""
-    amax = x.abs().amax(dim=dims, keepdim=True)
-    return nvfp4(x, torch.where(amax == 0, 1.0, amax / 2688))
+    return nvfp4(x, second_level_scale(x, dims))
+
+
+def nvfp4_qkv(x: torch.Tensor) -> torch.Tensor:
+    """Q, K or V ``[B, H, N, D]`` fake-quantized as Attn-QAT does: values and per-(batch, head) scale computed in
+    fp32 whatever ``x``'s dtype, their product taken in ``x``'s dtype."""
+    x32 = x.float()
+    scale = second_level_scale(x32, (-2, -1))
+    return nvfp4_values(x32, scale).to(x.dtype) * scale.to(x.dtype)
 
 
 def straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
@@ -62,7 +81,7 @@ def attn_qat_formula(
     backward. P is quantized normalised, per row of each ``block_n`` keys (its values do not depend on that)."""
     group = q.shape[1] // k.shape[1]
     tau = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    q_fq, k_fq, v_fq = (straight_through(t, nvfp4_two_level(t.detach(), (-2, -1))) for t in (q, k, v))
+    q_fq, k_fq, v_fq = (straight_through(t, nvfp4_qkv(t.detach())) for t in (q, k, v))
     s = q_fq @ k_fq.repeat_interleave(group, dim=1).transpose(-1, -2) * tau
     if is_causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).tril().logical_not(), -math.inf)

@@ -107,3 +107,27 @@ def test_triton_path_rows(tmp_path: Path) -> None:
     default = {row["tensor"]: row for row in rows if row["label"] == "sagebwd" and row["smooth_k"]}
     assert 0.99 < default["dQ"]["cos"] < 1.0  # INT8 error is there, and small
     assert "bar (O, dV >= 0.999" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_attn_qat_mode(tmp_path: Path, path: str) -> None:
+    """``--mode attn_qat``: simulated NVFP4 beside bf16 and SageBwd, against float64 and against its own gradient."""
+    out = tmp_path / "acc-qat.json"
+    argv = ["--seq", "80", "--head-dim", "16", "--mode", "attn_qat", "--inputs", "normal sigma=1", "--path", path]
+    rows = accuracy.main([*argv, "--out", str(out)])["rows"]
+    labels = {row["label"] for row in rows}
+    assert labels == {"bf16", "sagebwd", "attn_qat", "attn_qat dropin"}
+    assert {row["setting"] for row in rows if row["label"].startswith("attn_qat")} == {"attn_qat", "attn_qat:dropin"}
+    assert all(set(row) == ROW_KEYS | {"against"} and row["path"] == path for row in rows)
+    by = {(row["label"], row["against"], row["tensor"]): row for row in rows}
+    assert {against for _, against, _ in by} == {"float64", "fp4_float64"}
+    assert not any(label in ("bf16", "sagebwd") and against == "fp4_float64" for label, against, _ in by)
+    assert 0.95 < by[("attn_qat", "float64", "O")]["cos"] < 0.995  # FP4's error, larger than INT8's
+    assert by[("sagebwd", "float64", "O")]["cos"] > by[("attn_qat", "float64", "O")]["cos"]
+    # The matched backward is the gradient of the FP4 forward; the drop-in one is not.
+    for tensor in ("dQ", "dK", "dV"):
+        assert by[("attn_qat", "fp4_float64", tensor)]["cos"] > 0.999
+        assert by[("attn_qat dropin", "fp4_float64", tensor)]["cos"] < 0.995
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith(f"# Accuracy: Attn-QAT (simulated NVFP4) ({path}) vs float64")
+    assert "### cos: normal sigma=1, against fp4_float64" in text and "## Summary (simulated NVFP4)" in text

@@ -13,7 +13,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from qat_formula import attn_qat_formula, dropin_backward, nvfp4_two_level
+from qat_formula import attn_qat_formula, dropin_backward, nvfp4_qkv
 from sage_lightning.kernels import use_backend
 from sage_lightning.kernels.qat_ops import attn_qat_triton
 from sage_lightning.kernels.qat_quant import quantize_qkv_triton
@@ -80,11 +80,8 @@ def test_matched_reference_is_the_straight_through_gradient_of_the_fp4_forward(
     for g, ref in zip(grads, torch.autograd.grad(formula, (q, k, v), do), strict=True):
         assert rel_l2(g, ref) < 1e-10
     # The logsumexp is of the quantized scores.
-    s = (
-        nvfp4_two_level(q.detach(), (-2, -1))
-        @ nvfp4_two_level(k.detach(), (-2, -1)).repeat_interleave(hq // hkv, dim=1).transpose(-1, -2)
-        / math.sqrt(d)
-    )
+    q_fq, k_fq = nvfp4_qkv(q.detach()), nvfp4_qkv(k.detach())
+    s = q_fq @ k_fq.repeat_interleave(hq // hkv, dim=1).transpose(-1, -2) / math.sqrt(d)
     if causal:
         s = s.masked_fill(torch.ones(n, nk, dtype=torch.bool).tril().logical_not(), -math.inf)
     assert rel_l2(lse, torch.logsumexp(s, dim=-1)) < 1e-12
@@ -100,6 +97,16 @@ def test_dropin_reference_is_flash_attention_backward_fed_the_fp4_forward(batch,
     for g, ref, matched in zip(grads, expected, matched_grads, strict=True):
         assert rel_l2(g, ref) < 1e-10
         assert rel_l2(g, matched) > 1e-2  # not the gradient of what ran
+
+
+def test_qkv_quantize_alike_in_every_precision() -> None:
+    """Q, K, V are quantized in fp32: a bf16 tensor and its float64 copy give the same values (16-bit inputs put
+    many values on E2M1 ties, which a division in another precision would break differently)."""
+    x = (torch.randn(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)) * 5).to(torch.bfloat16)
+    values, scale = quantize_qkv(x)
+    values64, scale64 = quantize_qkv(x.double())
+    assert values64.dtype == torch.float64 and torch.equal(values.double(), values64)
+    assert torch.equal(scale.double(), scale64)
 
 
 def test_intermediates_are_the_reference_run() -> None:
