@@ -17,7 +17,12 @@ from .precision import AttentionPrecision
 from .qat_backward import qat_backward
 from .qat_forward import qat_forward
 from .qat_quant import quantize_qkv_triton
-from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N
+from .reference import DEFAULT_BLOCK_N
+
+#: Query tile of the Attn-QAT kernels. It changes no result (P's quantization rows are per query, the key tile
+#: sets them); 64 rather than SageBwd's 128 because the forward carries two fp32 output accumulators (O and O_hp)
+#: and quantizes P in registers.
+QAT_BLOCK_M = 64
 
 
 @torch.library.custom_op("sage_lightning::attn_qat_forward", mutates_args=())
@@ -160,7 +165,7 @@ def attn_qat_triton(
     is_causal: bool = False,
     scale: float | None = None,
     precision: AttentionPrecision | None = None,
-    block_m: int = DEFAULT_BLOCK_M,
+    block_m: int = QAT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
     with_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -174,7 +179,8 @@ def attn_qat_triton(
     Args:
         q, k, v, is_causal, scale: as :func:`sage_lightning.kernels.sage_attention`.
         precision: ``qat_backward`` picks the backward (``"matched"`` when ``None``); its other fields are not read.
-        block_m, block_n: the tiles (powers of two, at least 16); ``block_n`` sets P's quantization rows.
+        block_m, block_n: the tiles (powers of two, at least 16); ``block_n`` sets P's quantization rows (the
+            reference's default), ``block_m`` changes no result.
         with_lse: also return the logsumexp; ``False`` returns ``None`` for it.
 
     Returns:

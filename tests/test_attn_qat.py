@@ -13,10 +13,15 @@ import os
 import lightning as L
 import pytest
 import torch
+import triton
+import triton.language as tl
 from qat_formula import attn_qat_formula, dropin_backward, nvfp4_qkv
 from sage_lightning.kernels import use_backend
+from sage_lightning.kernels.nvfp4 import round_e2m1, round_e4m3
 from sage_lightning.kernels.qat_ops import attn_qat_triton
 from sage_lightning.kernels.qat_quant import quantize_qkv_triton
+from sage_lightning.kernels.qat_quant import round_e2m1 as triton_round_e2m1
+from sage_lightning.kernels.qat_quant import round_e4m3 as triton_round_e4m3
 from sage_lightning.kernels.qat_reference import attn_qat_intermediates, attn_qat_reference, quantize_qkv
 from sage_lightning.kernels.reference import exact_attention
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
@@ -218,6 +223,34 @@ def test_triton_matches_reference(batch, hq, hkv, n, nk, d, causal, precision, d
         assert g.shape == ref.shape, name
         assert rel_l2(g, ref) < GRAD_BOUND, name
         assert rel_l2(g, exact[name]) < 1.05 * rel_l2(ref, exact[name]) + 1e-3, name  # as accurate as the reference
+
+
+@triton.jit
+def _rounding_kernel(X, E4M3, E2M1, SIZE: tl.constexpr):
+    offsets = tl.arange(0, SIZE)
+    x = tl.load(X + offsets)
+    tl.store(E4M3 + offsets, triton_round_e4m3(tl.abs(x)))
+    tl.store(E2M1 + offsets, triton_round_e2m1(x))
+
+
+@needs_triton
+def test_triton_rounding_helpers_match_the_reference_including_ties() -> None:
+    e4m3_values = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    g = torch.Generator().manual_seed(10)
+    x = torch.cat(
+        [
+            e4m3_values,
+            (e4m3_values[1:] + e4m3_values[:-1]) / 2,  # every E4M3 tie
+            torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e30, float("inf"), float("nan"), 2.0**-130]),
+        ]
+    )
+    random = torch.exp(torch.empty(1024 - x.numel(), dtype=torch.float32).uniform_(-14, 7, generator=g))
+    x = torch.cat([x, random])  # 1024 values: a power of two for tl.arange
+    x = torch.cat([x, -x]).to(DEVICE)
+    e4m3_out, e2m1_out = torch.empty_like(x), torch.empty_like(x)
+    _rounding_kernel[(1,)](x, e4m3_out, e2m1_out, SIZE=x.numel())
+    assert torch.allclose(e4m3_out, round_e4m3(x.abs()), rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(e2m1_out, round_e2m1(x), rtol=0, atol=0, equal_nan=True)
 
 
 @needs_triton
