@@ -190,6 +190,7 @@ def test_state_dict_round_trip_keeps_precision_and_counters_not_stats() -> None:
             "ds": "bf16",
             "smooth_k": True,
             "smooth_q": True,
+            "qat_backward": "matched",
         },
         "calls": 1,
         "fallback_calls": 0,
@@ -198,6 +199,10 @@ def test_state_dict_round_trip_keeps_precision_and_counters_not_stats() -> None:
     fresh = AttentionLayerState("transformer.h.0.attn")
     fresh.load_state_dict(saved)
     assert fresh.state_dict() == saved and fresh.precision == layer.precision and fresh.stats is None
+    # A checkpoint from before the attn_qat mode (no qat_backward field) loads with the default.
+    older = {**saved, "precision": {k: v for k, v in saved["precision"].items() if k != "qat_backward"}}
+    fresh.load_state_dict(older)
+    assert fresh.precision == layer.precision
 
 
 def test_bad_values_are_refused_where_they_are_set() -> None:
