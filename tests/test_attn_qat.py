@@ -193,6 +193,7 @@ def test_block_n_must_hold_whole_quantization_blocks() -> None:
 # boundary to the neighbouring value; the interpreter divides exactly (agreement to fp32 rounding there).
 OUT_BOUND = 1e-4 if INTERPRETED else 1e-2
 GRAD_BOUND = 1e-3 if INTERPRETED else 2e-2
+LSE_BOUND = 1e-5 if INTERPRETED else 2e-4
 
 TRITON_CASES = [
     pytest.param(1, 2, 2, 100, 100, 32, False, QAT, torch.bfloat16, id="mha-ragged"),
@@ -217,7 +218,7 @@ def test_triton_matches_reference(batch, hq, hkv, n, nk, d, causal, precision, d
     ref_out, ref_lse, ref_grads = run(attn_qat_reference, q, k, v, do, **kw)
     assert out.dtype == dtype and out.shape == q.shape and all(g.dtype == dtype for g in grads)
     assert rel_l2(out, ref_out) < OUT_BOUND
-    assert rel_l2(lse, ref_lse) < 1e-5
+    assert rel_l2(lse, ref_lse) < LSE_BOUND
     exact = exact_attention(q, k, v, do, is_causal=causal)
     for name, g, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
         assert g.shape == ref.shape, name
@@ -260,7 +261,8 @@ def test_triton_quantizer_equals_the_reference_bit_for_bit(dtype: torch.dtype) -
     x = (torch.randn(2, 3, 100, 40, generator=g) * 3).to(DEVICE, dtype)
     x[0, 0, 3] = 0  # an all-zero row: zero blocks
     x[1, 2] *= 1e-3  # another (batch, head): its own second-level scale
-    x[0, 1, 5, :4] = torch.tensor([0.75, 1.25, -2.5, 5.0]) * x[0, 1].abs().amax() / 6  # ties (if the scale allows)
+    # E2M1 ties, where the scales allow it.
+    x[0, 1, 5, :4] = torch.tensor([0.75, 1.25, -2.5, 5.0], device=DEVICE) * x[0, 1].abs().amax() / 6
     values, scale = quantize_qkv_triton(x.transpose(1, 2).contiguous().transpose(1, 2))  # any strides
     ref_values, ref_scale = quantize_qkv(x)
     assert values.dtype == dtype and values.is_contiguous()
