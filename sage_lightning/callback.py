@@ -566,8 +566,10 @@ class AdaptivePrecision(Callback):
                 layer.precision = wanted
 
     def _on_fast_path(self, name: str) -> bool:
-        base = set(self._bases[name].int8_products)
-        return base <= set(self._layers[name].precision.int8_products)
+        """Whether the layer runs its base precision's mode with every base INT8 product still in INT8 (an
+        attn_qat layer has no INT8 products: it is on its fast path while still in attn_qat mode)."""
+        base, now = self._bases[name], self._layers[name].precision
+        return now.mode == base.mode and set(base.int8_products) <= set(now.int8_products)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, candidate: bool = False) -> None:
         """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.

@@ -390,3 +390,5 @@ def test_trainer_fits_with_attn_qat_and_the_controller_falls_a_layer_back_to_ful
     assert (rollback.step, rollback.lever) == (2, "rollback")
     assert (escalation.layer, escalation.old, escalation.new) == ("blocks.1.attn", precision.short_name, "full")
     assert layers["blocks.1.attn"].precision.mode == "full" and layers["blocks.0.attn"].precision == precision
+    # Steps 0-2 ran both layers in attn_qat, step 3 one of them (the other now at full): 7 of 8 layer-steps.
+    assert controller.int8_fraction == pytest.approx(7 / 8)
