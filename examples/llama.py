@@ -154,14 +154,15 @@ class LlamaConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-#: The example's model sizes (byte-level vocabulary unless a tokenizer is given). ``llama-325m`` is the
-#: SageBwd study's model: 24 layers, width 1024, 16 heads of 64, SwiGLU 4096 (about 325M parameters with its
-#: 32K vocabulary).
+#: The example's model sizes, as in ``examples/configs/``: ``tiny`` (0.85M parameters with byte tokens),
+#: ``small`` (37M) and ``llama-325m``, a LLaMA of the SageBwd study's size (325M parameters, sequence 4096): 20
+#: layers of width 1024, 16 heads of 64, SwiGLU 2816, a 32K vocabulary, 322M parameters in all. The study reports
+#: the size, not the widths; these are LLaMA's proportions at that size.
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, max_seq_len=256),
     "small": LlamaConfig(n_layers=8, d_model=640, n_heads=10, n_kv_heads=5, qk_norm=True, max_seq_len=2048),
     "llama-325m": LlamaConfig(
-        vocab_size=32000, n_layers=24, d_model=1024, n_heads=16, ffn_dim=4096, qk_norm=True, max_seq_len=4096
+        vocab_size=32000, n_layers=20, d_model=1024, n_heads=16, ffn_dim=2816, qk_norm=True, max_seq_len=4096
     ),
 }
 

@@ -1,0 +1,268 @@
+"""The pretraining example: the LLaMA-style model, the full-precision switch, and the command line end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from sage_lightning import AdaptivePrecision, PolicyConfig, attention_layers
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "examples"))
+from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts)
+from llama import PRESETS, Llama, LlamaConfig  # noqa: E402
+from pretrain import LlamaPretraining, TokensPerSecond, warmup_cosine  # noqa: E402
+
+TINY = LlamaConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, qk_norm=True, max_seq_len=32)
+
+
+def events(root: Path) -> EventAccumulator:
+    (path,) = glob.glob(f"{root}/**/events.out.tfevents.*", recursive=True)
+    accumulator = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def decision_texts(accumulator: EventAccumulator) -> list[str]:
+    if "sage/decisions/text_summary" not in accumulator.Tags()["tensors"]:
+        return []
+    return [event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors("sage/decisions/text_summary")]
+
+
+# ------------------------------------------------------------------------------------------------------ the model
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"n_kv_heads": 3}, r"n_kv_heads must divide n_heads \(4\).*received 3"),
+        ({"d_model": 30}, r"d_model must be a multiple of n_heads \(4\); received d_model=30"),
+        ({"n_layers": 0}, "n_layers must be a positive integer; received 0"),
+        ({"d_model": 36, "n_heads": 4}, "head dim .* must be even"),
+    ],
+)
+def test_config_errors_name_the_argument(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(TINY, **changes)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [TINY, dataclasses.replace(TINY, qk_norm=False, n_kv_heads=None, tie_embeddings=True, vocab_size=300)],
+)
+def test_parameter_count_matches_the_model(config: LlamaConfig) -> None:
+    model = Llama(config)
+    assert config.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert model.embed.num_embeddings == config.padded_vocab_size and config.padded_vocab_size % 64 == 0
+
+
+def test_preset_sizes() -> None:
+    assert 0.5e6 < PRESETS["tiny"].num_parameters() < 1.5e6
+    assert 30e6 <= PRESETS["small"].num_parameters() <= 50e6
+    assert abs(PRESETS["llama-325m"].num_parameters() - 325e6) < 5e6
+    assert LlamaConfig.from_name("small", qk_norm=False).qk_norm is False
+    with pytest.raises(ValueError, match="name must be one of"):
+        LlamaConfig.from_name("huge")
+
+
+def test_the_model_is_causal() -> None:
+    torch.manual_seed(0)
+    model = Llama(TINY)
+    ids = torch.randint(0, 256, (2, 20))
+    changed = ids.clone()
+    changed[:, 12] = (ids[:, 12] + 1) % 256
+    logits, logits_changed = model(ids), model(changed)
+    assert logits.shape == (2, 20, TINY.padded_vocab_size)
+    assert torch.allclose(logits[:, :12], logits_changed[:, :12], atol=1e-6)
+    assert not torch.allclose(logits[:, 12:], logits_changed[:, 12:])
+    with pytest.raises(ValueError, match=r"at most max_seq_len \(32\); received 40"):
+        model(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_every_attention_call_runs_on_the_kernel() -> None:
+    """GQA and QK-norm included: the swap serves the model's SDPA calls without falling back."""
+    torch.manual_seed(0)
+    module = LlamaPretraining(TINY)
+    module.configure_model()
+    layers = attention_layers(module)
+    assert sorted(layers) == ["model.blocks.0.attn", "model.blocks.1.attn"]
+    batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.randint(0, 256, (2, 16))}
+    module.loss(batch).backward()
+    assert all(layer.calls == 1 and layer.fallback_calls == 0 for layer in layers.values())
+
+
+def test_full_precision_switch_changes_the_attention_and_nothing_else() -> None:
+    torch.manual_seed(0)
+    sage = LlamaPretraining(TINY, attention="sage")
+    torch.manual_seed(0)
+    full = LlamaPretraining(TINY, attention="full")
+    torch.manual_seed(0)
+    plain = Llama(TINY)  # no swap at all
+    for module in (sage, full):
+        module.configure_model()
+    assert {k: v for k, v in sage.hparams.items() if k != "attention"} == {
+        k: v for k, v in full.hparams.items() if k != "attention"
+    }
+    for name, tensor in sage.model.state_dict().items():
+        assert torch.equal(tensor, full.model.state_dict()[name]) and torch.equal(tensor, plain.state_dict()[name])
+    assert [layer.precision.mode for layer in attention_layers(full).values()] == ["full", "full"]
+    assert [layer.precision.mode for layer in attention_layers(sage).values()] == ["sagebwd", "sagebwd"]
+    ids = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        reference = plain(ids)
+        assert torch.equal(full(ids), reference)  # the full layers call PyTorch's SDPA as the plain model does
+        difference = (sage(ids) - reference).abs().max().item()
+    assert 0 < difference < 0.05  # INT8 attention: close, not equal
+    with pytest.raises(ValueError, match="attention must be one of 'sage', 'attn_qat', 'full'; received 'fp32'"):
+        LlamaPretraining(TINY, attention="fp32")
+
+
+def test_learning_rate_schedule() -> None:
+    factor = warmup_cosine(10, 110, 0.1)
+    assert factor(0) == pytest.approx(0.1) and factor(9) == pytest.approx(1.0)
+    assert factor(60) == pytest.approx(0.55) and factor(110) == pytest.approx(0.1) and factor(500) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------------------------- training, in the process
+
+
+@pytest.fixture(scope="module")
+def corpus_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("corpus")
+    (folder / "text.txt").write_text(
+        "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400))
+    )
+    return folder
+
+
+@pytest.mark.parametrize("attention", ["sage", "full"])
+def test_training_with_the_controller_and_the_throughput_log(
+    attention: str, corpus_folder: Path, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = LlamaPretraining(TINY, attention=attention, warmup_steps=2)
+    data = TextDataModule(paths=[str(corpus_folder)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    controller = AdaptivePrecision(
+        PolicyConfig(ds_stats_every_n_steps=1, ds_rel_err_high=1e-4, ds_rel_err_low=5e-5), verbose=False
+    )
+    throughput = TokensPerSecond(log_every_n_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        callbacks=[controller, throughput],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=3,
+        limit_val_batches=2,
+        check_val_every_n_epoch=None,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(model, datamodule=data)
+    assert [window["step"] for window in throughput.windows] == [2, 4, 6]
+    assert throughput.tokens_seen == 6 * 4 * 32 == controller.tokens_seen
+    assert all(window["tokens_per_s"] > 0 for window in throughput.windows)
+    assert torch.isfinite(trainer.callback_metrics["val/loss"])
+    if attention == "full":
+        # Nothing to raise: the layers start on the ladder's last rung.
+        assert controller.history == []
+        assert {p.mode for p in controller.precisions().values()} == {"full"}
+    else:
+        assert any(d.lever == "precision" for d in controller.history)
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+
+
+def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> None:
+    """``python examples/pretrain.py fit --config examples/configs/tiny.yaml`` for a few steps, as a user runs it."""
+    pytest.importorskip("jsonargparse")
+    command = [
+        sys.executable,
+        "examples/pretrain.py",
+        "fit",
+        "--config",
+        "examples/configs/tiny.yaml",
+        "--trainer.max_steps=6",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=2",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        "--data.max_bytes=300000",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        "--model.config.n_layers=2",
+        "--adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
+        "--adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
+        "--adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "open them: tensorboard --logdir" in done.stdout
+
+    run = tmp_path / "runs" / "tiny" / "version_0"
+    accumulator = events(run)
+    scalars = set(accumulator.Tags()["scalars"])
+    for tag in (
+        "sage/ds_rel_err/model.blocks.0.attn",
+        "sage/level/model.blocks.1.attn",
+        "sage/int8_fraction",
+        "sage/tokens_per_step",
+        "sage/loss",
+        "throughput/tokens_per_s",
+        "train/loss",
+        "val/loss",
+    ):
+        assert tag in scalars, tag
+    decisions = decision_texts(accumulator)
+    assert decisions and "ds_rel_err" in decisions[0]
+    assert [e.value for e in accumulator.Scalars("sage/tokens_per_step")][-1] == 16 * 128
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+
+    # The checkpoint loads back (its hyperparameters hold the model's config as plain values).
+    restored = LlamaPretraining.load_from_checkpoint(run / "checkpoints" / "last.ckpt", map_location="cpu")
+    assert restored.config.n_layers == 2 and restored.config.vocab_size == 256 and restored.attention == "sage"
+
+
+def test_command_line_switches(tmp_path: Path, corpus_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model.attention full`` and ``--adaptive_precision null``: the two switches, in the process."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])  # pytest's own arguments are not the CLI's
+
+    common = [
+        "--config",
+        str(REPO / "examples/configs/tiny.yaml"),
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.callbacks=[]",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--data.paths=[{corpus_folder}]",
+        "--data.seq_len=32",
+        f"--data.cache_dir={tmp_path / 'cache'}",
+        "--model.config.n_layers=1",
+    ]
+    cli = main(["fit", *common, "--model.attention=full"])
+    assert cli.model.attention == "full"
+    assert [layer.precision.mode for layer in attention_layers(cli.model).values()] == ["full"]
+    assert any(isinstance(cb, AdaptivePrecision) for cb in cli.trainer.callbacks)
+    assert cli.model.config.max_seq_len == 32  # linked to the data's seq_len
+
+    cli = main(["fit", *common, "--adaptive_precision=null"])
+    assert not any(isinstance(cb, AdaptivePrecision) for cb in cli.trainer.callbacks)
+    assert any(isinstance(cb, TokensPerSecond) for cb in cli.trainer.callbacks)
+    assert cli.trainer.global_step == 2
