@@ -194,6 +194,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x32 * cos + rotated * sin
 
 
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with its weight cast to the input's dtype.
+
+    Under bf16 autocast the attention's projections hand QK-norm bf16 tensors, and PyTorch's fused RMSNorm
+    kernel refuses a float32 weight with a bf16 input (it warns and runs a slower composite); the fused kernel
+    accumulates in float32 either way.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class Attention(nn.Module):
     """Causal self-attention with rotary embeddings, optional QK-norm and grouped-query attention.
 
@@ -211,8 +224,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.d_model, config.kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.d_model, config.kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.d_model, bias=False)
-        self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
-        self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -251,9 +264,9 @@ class Block(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -281,7 +294,7 @@ class Llama(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
