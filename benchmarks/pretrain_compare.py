@@ -118,14 +118,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="change one config entry for every run, e.g. data.seq_len=1024 or model.config.n_layers=4",
     )
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=2,
+        help="untimed steps per attention setting first, on a throwaway model (compilation, autotuning); 0: none",
+    )
     parser.add_argument("--tag", default=None, help="file-name tag (default: the config's name)")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
     parser.add_argument("--plot-only", type=Path, default=None, help="draw the PNG of an existing result JSON")
     args = parser.parse_args(argv)
-    for name in ("max_steps",):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be a positive integer; received {value}.")
+    if args.max_steps is not None and args.max_steps < 1:
+        parser.error(f"--max-steps must be a positive integer; received {args.max_steps}.")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be 0 or more; received {args.warmup_steps}.")
     if args.max_minutes is not None and not args.max_minutes > 0:
         parser.error(f"--max-minutes must be positive; received {args.max_minutes}.")
     return args
@@ -173,6 +179,30 @@ def build_controller(spec: dict[str, Any] | None) -> AdaptivePrecision | None:
         policy["ladder"] = tuple(Rung(**rung) for rung in policy["ladder"])
     kwargs.setdefault("progress_bar", False)
     return AdaptivePrecision(PolicyConfig(**policy), **kwargs)
+
+
+def warm_up(config: dict[str, Any], attention: str, steps: int, data: TextDataModule) -> None:
+    """Train ``steps`` steps with ``attention`` and throw the model away: the Triton kernels compile and autotune
+    (once per process; minutes on a fresh machine) and CUDA initialises before any run is timed, so no run's
+    time budget pays for them."""
+    model_args = dict(config.get("model") or {})
+    model_args["config"] = LlamaConfig(
+        **{**(model_args.get("config") or {}), "vocab_size": data.vocab_size, "max_seq_len": data.seq_len}
+    )
+    model = LlamaPretraining(**{**model_args, "attention": attention})
+    trainer_args = {k: v for k, v in (config.get("trainer") or {}).items() if k not in _TRAINER_OWN}
+    trainer_args.update(max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, enable_model_summary=False)
+    controller = build_controller(config.get("adaptive_precision"))
+    if controller is not None:
+        controller.verbose = False
+    trainer = L.Trainer(
+        **trainer_args,
+        callbacks=[controller] if controller is not None else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, datamodule=data)
 
 
 def run_one(
@@ -381,10 +411,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "versions": accuracy._versions(),
         "config": str(args.config.resolve().relative_to(REPO)) if args.config.resolve().is_relative_to(REPO) else "",
         "corpus": {key: data.meta.get(key) for key in ("tokens", "documents", "text_bytes", "tokenizer")},
+        "warmup_s": {},
         "summary": [],
         "decisions": {},
         "rows": [],
     }
+    if args.warmup_steps:
+        for attention in dict.fromkeys(args.attention):
+            print(f"--- {tag}: warm-up, attention={attention}, {args.warmup_steps} steps", flush=True)
+            start = time.perf_counter()
+            warm_up(config, attention, args.warmup_steps, data)
+            result["warmup_s"][attention] = round(time.perf_counter() - start, 1)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     for attention in args.attention:
         print(f"--- {tag}: attention={attention}", flush=True)
         outcome = run_one(config, attention, args, data, out_dir / "tensorboard", tag)
@@ -400,7 +440,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"# Pretraining: SageBwd against full-precision attention ({tag})\n\n{name}, {result['date']}, commit "
         f"{result['commit']}\n\n`{result['command']}`\n\nConfig `{result['config']}`; corpus "
         f"{result['corpus']['tokens']:,} tokens ({result['corpus']['tokenizer']}). Same seed, data order and callbacks "
-        "in every run; only the attention layers' starting precision differs.\n\n"
+        "in every run; only the attention layers' starting precision differs. Untimed warm-up first (kernel "
+        f"compilation and autotuning), seconds: {result['warmup_s'] or 'none'}.\n\n"
     )
     text = "\n".join(lines) + "\n\nDecisions of AdaptivePrecision:\n\n" + ("\n".join(decisions) or "none") + "\n"
     drawn = plot(result, out.with_suffix(".png"))
