@@ -1,4 +1,4 @@
-"""`make demo` until the pretraining example lands: SageBwd attention end to end on the built-in path.
+"""SageBwd attention end to end on the built-in path, in a few seconds (`make demo` runs the pretraining example).
 
 1. A causal GQA attention layer's forward and backward through ``sage_attention`` (bf16, the reference path
    on CPU), compared with PyTorch's own attention in float32, with the layer's dS quantization error.
