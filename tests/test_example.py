@@ -266,3 +266,19 @@ def test_command_line_switches(tmp_path: Path, corpus_folder: Path, monkeypatch:
     assert not any(isinstance(cb, AdaptivePrecision) for cb in cli.trainer.callbacks)
     assert any(isinstance(cb, TokensPerSecond) for cb in cli.trainer.callbacks)
     assert cli.trainer.global_step == 2
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "llama-325m"])
+def test_every_config_parses(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / f"examples/configs/{name}.yaml"), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "adaptive_precision:" in printed and "class_path: sage_lightning.AdaptivePrecision" in printed
+    preset = PRESETS[name]
+    for field in ("n_layers", "d_model", "n_heads", "qk_norm"):
+        assert f"    {field}: {str(getattr(preset, field)).lower()}" in printed  # the configs match the presets
