@@ -134,6 +134,23 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:  # fmt: skip
+        """Clip by norm on the device, also for the fused AdamW.
+
+        Lightning's mixed-precision plugin refuses to clip for an optimizer that unscales gradients itself (the
+        fused ones), because under fp16 a GradScaler's gradients are still scaled then. Under bf16 nothing is
+        scaled, so the norm is clipped here directly; with a GradScaler, Lightning's own rules apply.
+        """
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if not gradient_clip_val or scaler is not None or gradient_clip_algorithm not in (None, "norm"):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
     def configure_optimizers(self) -> dict[str, Any]:
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
