@@ -387,8 +387,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.plot_only is not None:
         result = json.loads(args.plot_only.read_text())
-        png = args.plot_only.with_suffix(".png")
-        print(f"wrote {png}" if plot(result, png) else "matplotlib is not installed: no plot")
+        png, markdown = args.plot_only.with_suffix(".png"), args.plot_only.with_suffix(".md")
+        if not plot(result, png):
+            print("matplotlib is not installed: no plot")
+            return result
+        link = f"\n![loss and throughput]({png.name})\n"
+        if markdown.is_file() and link not in markdown.read_text():
+            markdown.write_text(markdown.read_text() + link)  # the summary written where matplotlib was missing
+        print(f"wrote {png}")
         return result
     config = load_config(args.config, args.set)
     tag = args.tag or args.config.stem
