@@ -2,7 +2,7 @@
 
 Run it from the repository root::
 
-    python examples/pretrain.py fit --config examples/configs/tiny.yaml      # CPU, about 2 minutes
+    python examples/pretrain.py fit --config examples/configs/tiny.yaml      # CPU, about 75 s
     tensorboard --logdir runs                                                # the sage/ charts
 
 The same run with full-precision attention, everything else equal::
