@@ -48,6 +48,9 @@ from llama import Llama, LlamaConfig  # noqa: E402
 ATTENTION_MODES: dict[str, AttentionPrecision] = {
     "sage": AttentionPrecision(),
     "attn_qat": AttentionPrecision(mode="attn_qat"),
+    # Attn-QAT's "drop-in" variant: the FP4 forward with a plain backward (no matching recomputation), which the
+    # Attn-QAT paper reports as unstable; here for the comparison.
+    "attn_qat_dropin": AttentionPrecision(mode="attn_qat", qat_backward="dropin"),
     "full": AttentionPrecision(mode="full"),
 }
 
@@ -68,7 +71,8 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
     Args:
         config: the model's shape (:class:`llama.LlamaConfig`). The command line links
             ``vocab_size`` to the data's tokenizer and ``max_seq_len`` to the data's ``seq_len``.
-        attention: ``"sage"`` (SageBwd, INT8), ``"attn_qat"`` (simulated NVFP4) or ``"full"`` (full precision).
+        attention: ``"sage"`` (SageBwd, INT8), ``"attn_qat"`` (simulated NVFP4), ``"attn_qat_dropin"`` (its FP4
+            forward with a plain backward) or ``"full"`` (full precision).
         lr: peak learning rate.
         min_lr_ratio: the learning rate at the last step, as a share of ``lr``.
         warmup_steps: optimizer steps of linear warmup from zero.
