@@ -100,12 +100,7 @@ def timings(impl: str, causal: bool, block_m: int = 128, block_n: int = 64, seq:
     shape = (batch, heads, seq, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    if impl == "sage":
-
-        def attention(q, k, v, causal):  # noqa: ANN001, ANN202
-            return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, block_m=block_m, block_n=block_n)[0]
-    else:
-        attention = _attention(impl)
+    attention = _attention(impl, block_m=block_m, block_n=block_n)  # the tiles matter to sage only
     fwd_ms = do_bench(lambda: attention(q, k, v, causal), return_mode="median")
     both_ms = do_bench(lambda: torch.autograd.grad(attention(q, k, v, causal), (q, k, v), do), return_mode="median")
     return {

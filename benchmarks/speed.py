@@ -85,9 +85,11 @@ def check(device: str) -> list[dict]:
     return rows
 
 
-def _attention(impl: str) -> Callable[..., torch.Tensor]:
+def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
+    """``attention(q, k, v, causal)`` of one implementation; ``tiles`` (``block_m``, ``block_n``) are sage's, unused
+    by SDPA."""
     if impl == "sage":
-        return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False)[0]
+        return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         with sdpa_kernel(BACKENDS[impl]):

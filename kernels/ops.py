@@ -11,8 +11,6 @@ which costs one recompile per distinct setting (each layer's setting is a guard)
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
@@ -20,7 +18,7 @@ from .backward import backward
 from .forward import LOG2E, forward
 from .precision import AttentionPrecision
 from .quant import backward_preprocess, quantize_rows, transpose_rows
-from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, undo_k_smoothing_shift
+from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
 #: other head dims are padded to the next power of two inside the kernel.
@@ -218,7 +216,7 @@ def sage_attention_triton(
         out, lse = sage_attention_triton(q, k, v, is_causal=True)
     """
     precision = AttentionPrecision() if precision is None else precision
-    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tau = softmax_scale(q.shape[-1], scale)
     int8 = precision.int8_products
     out, lse2, *_ = sagebwd_forward(
         q, k, v, stats, is_causal, tau,

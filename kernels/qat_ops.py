@@ -8,8 +8,6 @@ O_hp and the logsumexp (Attn-QAT); or q, k, v, O and the logsumexp (the drop-in 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .forward import LOG2E
@@ -17,7 +15,7 @@ from .precision import AttentionPrecision
 from .qat_backward import qat_backward
 from .qat_forward import qat_forward
 from .qat_quant import quantize_qkv_triton
-from .reference import DEFAULT_BLOCK_N
+from .reference import DEFAULT_BLOCK_N, softmax_scale
 
 #: Query tile of the Attn-QAT kernels. It changes no result (P's quantization rows are per query, the key tile
 #: sets them); 64 rather than SageBwd's 128 because the forward carries two fp32 output accumulators (O and O_hp)
@@ -192,6 +190,6 @@ def attn_qat_triton(
         out, lse = attn_qat_triton(q, k, v, is_causal=True, precision=AttentionPrecision(mode="attn_qat"))
     """
     matched = precision is None or precision.qat_backward == "matched"
-    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tau = softmax_scale(q.shape[-1], scale)
     out, lse2, *_ = attn_qat_forward(q, k, v, is_causal, tau, matched, block_m, block_n)
     return out, (lse2.detach() / LOG2E if with_lse else None)

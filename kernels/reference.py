@@ -389,7 +389,7 @@ def _geometry(
         block_m=block_m,
         block_n=block_n,
         causal=is_causal,
-        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        scale=softmax_scale(head_dim, scale),
         io_dtype=q.dtype,
         compute_dtype=torch.float64 if q.dtype == torch.float64 else torch.float32,
     )
@@ -405,6 +405,16 @@ def _public_lse(q: torch.Tensor, lse_rows: torch.Tensor, saved: _Saved, geo: _Ge
     if saved.k_mean is None:
         return lse
     return undo_k_smoothing_shift(lse, q, saved.k_mean, geo.scale)
+
+
+def softmax_scale(head_dim: int, scale: float | None) -> float:
+    """The softmax scale ``tau``: ``scale`` as a float, or SDPA's default ``1 / sqrt(head_dim)`` when ``None``.
+
+    Example::
+
+        softmax_scale(64, None)   # 0.125
+    """
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
 def undo_k_smoothing_shift(lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor, scale: float) -> torch.Tensor:
@@ -602,7 +612,7 @@ def exact_attention(
     q64, do64 = q.to(f64), grad_out.to(f64)
     k64 = k.to(f64).repeat_interleave(group, dim=1)
     v64 = v.to(f64).repeat_interleave(group, dim=1)
-    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    tau = softmax_scale(q.shape[-1], scale)
     s = (q64 @ k64.transpose(-1, -2)) * tau
     if is_causal:
         n, nk = q.shape[2], k.shape[2]

@@ -116,6 +116,15 @@ def test_a_nan_from_one_attention_layer_is_survived_and_reported(tmp_path) -> No
     assert "rollback" in text and "blocks.1.attn" in text and "-> `full`" in text
 
 
+def poison_gradients(model: TinyLM, steps: tuple[int, ...]) -> None:
+    """Make the head bias's gradient infinite at these optimizer steps (the loss stays finite; one gradient not)."""
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf if model.trainer.global_step in steps else grad
+
+    model.head.bias.register_hook(poison)
+
+
 class ParameterTrace(Callback):
     """Parameters and momentum buffers after every optimizer step (placed after AdaptivePrecision)."""
 
@@ -135,10 +144,7 @@ def test_non_finite_gradients_skip_the_step_and_leave_optimizer_state_alone(tmp_
     model = TinyLM()
     bad_step = 2
 
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf if model.trainer.global_step == bad_step else grad
-
-    model.head.bias.register_hook(poison)  # the loss stays finite; one gradient does not
+    poison_gradients(model, (bad_step,))
     controller = AdaptivePrecision(verbose=False)
     trace = ParameterTrace()
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=5), callbacks=[controller, trace])
@@ -296,10 +302,7 @@ def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(
     model = TinyLM(fused=fused, optimizer=optimizer)
     bad_step = 2
 
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf if model.trainer.global_step == bad_step else grad
-
-    model.head.bias.register_hook(poison)
+    poison_gradients(model, (bad_step,))
     initial = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
     controller = AdaptivePrecision(check_before_step=False, verbose=False)
     trace = ParameterTrace()
@@ -329,10 +332,7 @@ def test_without_the_per_step_sync_a_snapshot_taken_after_a_bad_step_is_not_rest
     model = TinyLM()
     bad_steps = (5, 7)
 
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf if model.trainer.global_step in bad_steps else grad
-
-    model.head.bias.register_hook(poison)
+    poison_gradients(model, bad_steps)
     controller = AdaptivePrecision(snapshot_every_n_steps=2, check_before_step=False, verbose=False)
     trace = ParameterTrace()
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=10), callbacks=[controller, trace])
@@ -357,10 +357,7 @@ def test_by_default_the_check_waits_only_for_optimizers_that_cannot_skip_on_the_
     model = TinyLM(fused=fused, optimizer=optimizer)
     bad_step = 2
 
-    def poison(grad: torch.Tensor) -> torch.Tensor:
-        return grad * math.inf if model.trainer.global_step == bad_step else grad
-
-    model.head.bias.register_hook(poison)
+    poison_gradients(model, (bad_step,))
     controller = AdaptivePrecision(verbose=False)
     seen: list[int] = []
 
