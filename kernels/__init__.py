@@ -3,17 +3,33 @@
 Nothing in here knows about Lightning.
 """
 
-from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention, use_backend
-from .precision import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
+if __name__ != "sage_lightning.kernels":
+    # This directory is installed as ``sage_lightning.kernels`` (pyproject.toml maps it). With the repository root on
+    # ``sys.path`` (``python -m pytest``, a REPL started there) it is also visible as a top-level ``kernels``, the
+    # import name of Hugging Face's kernel hub, which transformers imports to probe for it. Running these modules a
+    # second time would register the custom ops again, and torch.library replaces a custom op by destroying the
+    # first registration: every later call through sage_lightning.kernels would reach a freed operator. So the
+    # top-level name is only an alias of the installed package and registers nothing.
+    import importlib
+    import sys
 
-__all__ = [
-    "FORMATS",
-    "MODES",
-    "PRODUCTS",
-    "QAT_BACKWARDS",
-    "SUPPORTED_DTYPES",
-    "AttentionPrecision",
-    "check_inputs",
-    "sage_attention",
-    "use_backend",
-]
+    _package = importlib.import_module("sage_lightning.kernels")
+    for _name, _module in list(sys.modules.items()):
+        if _name.startswith("sage_lightning.kernels."):
+            sys.modules["kernels." + _name.removeprefix("sage_lightning.kernels.")] = _module
+    sys.modules[__name__] = _package
+else:
+    from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention, use_backend
+    from .precision import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
+
+    __all__ = [
+        "FORMATS",
+        "MODES",
+        "PRODUCTS",
+        "QAT_BACKWARDS",
+        "SUPPORTED_DTYPES",
+        "AttentionPrecision",
+        "check_inputs",
+        "sage_attention",
+        "use_backend",
+    ]
