@@ -8,7 +8,8 @@ candidate of each is compiled exactly as on the GPU) on CPU tensors that only gi
 hold garbage: nothing is numerically checked here (the tests and ``benchmarks/gpu_check.sh`` do that).
 
 For each compiled kernel it reports: the launch config (warps, stages) and tile constexprs, shared memory and
-whether it fits, registers and spill bytes (``ptxas -v``, Triton's own ptxas), and the tensor-core
+whether it fits, registers and spill bytes (``ptxas -v``, Triton's own ptxas), the blocks one SM holds at once
+(occupancy, from registers and shared memory), and the tensor-core
 instructions in the PTX (Hopper ``wgmma`` by shape and operand type, the older ``mma.sync``), with
 ``ld.local``/``st.local`` counts in the SASS.
 
@@ -57,8 +58,34 @@ from triton.runtime import driver as triton_driver  # noqa: E402
 
 #: Shared memory one block may use on an H100/H200 (``cudaDevAttrMaxSharedMemoryPerBlockOptin``: 227 KiB).
 SM90_MAX_SHARED = 232448
-#: Registers a thread may use (``--maxrregcount`` default on sm_90).
-SM90_MAX_REGS = 255
+#: Per streaming multiprocessor on sm_90: registers, shared memory (228 KiB, of which 1 KiB per block is
+#: reserved by the driver), resident warps and blocks.
+SM90_REGS_PER_SM = 65536
+SM90_SHARED_PER_SM = 233472
+SM90_WARPS_PER_SM = 64
+SM90_BLOCKS_PER_SM = 32
+
+
+def blocks_per_sm(registers: int, num_warps: int, shared: int) -> int:
+    """Thread blocks of a kernel resident on one SM at once (the occupancy calculator's rule for sm_90).
+
+    Registers are allocated per warp in units of 256 (8 per thread); each block also has 1 KiB of shared
+    memory reserved.
+
+    Args:
+        registers: per thread (``ptxas -v``).
+        num_warps: per block.
+        shared: bytes of shared memory per block.
+
+    Example::
+
+        blocks_per_sm(222, 8, 48 * 1024)  # 1: the register file holds one block of 8 warps at 224 registers
+    """
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = SM90_REGS_PER_SM // (per_warp * num_warps) if per_warp else SM90_BLOCKS_PER_SM
+    by_shared = SM90_SHARED_PER_SM // (shared + 1024)
+    return min(by_registers, by_shared, SM90_WARPS_PER_SM // num_warps, SM90_BLOCKS_PER_SM)
+
 
 _WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.(\w+)\.(\w+)\.(\w+)")
 _MMA_SYNC = re.compile(r"\bmma\.sync\.aligned")
@@ -83,6 +110,7 @@ class Compiled:
     wgmma: dict = field(default_factory=dict)
     mma_sync: int = 0
     local_memory_ops: int | None = None
+    blocks_per_sm: int | None = None
     error: str | None = None
 
 
@@ -172,8 +200,28 @@ def _local_memory_ops(cubin: bytes) -> int | None:
     return len(re.findall(r"\b(?:LDL|STL)\b", done.stdout))
 
 
+_DUMP = {"dir": None}
+
+
+def _dump(kernel: object) -> None:
+    """Write the kernel's PTX and SASS (``cuobjdump -sass``) into ``--dump`` for reading."""
+    folder = Path(_DUMP["dir"])
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = kernel.metadata
+    stem = f"{len(_RECORDS):03d}-{kernel.name}-w{meta.num_warps}s{meta.num_stages}"
+    (folder / f"{stem}.ptx").write_text(kernel.asm.get("ptx", ""))
+    if "cubin" in kernel.asm:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "k.cubin"
+            path.write_bytes(kernel.asm["cubin"])
+            done = subprocess.run([_bin("cuobjdump"), "-sass", str(path)], capture_output=True, text=True)
+        (folder / f"{stem}.sass").write_text(done.stdout)
+
+
 def _describe(kernel: object) -> Compiled:
     """Read a compiled kernel's metadata, PTX and cubin into a :class:`Compiled` row."""
+    if _DUMP["dir"] is not None:
+        _dump(kernel)
     meta = kernel.metadata
     constants = {}
     for key, value in getattr(kernel.src, "constants", {}).items():
@@ -198,6 +246,7 @@ def _describe(kernel: object) -> Compiled:
         wgmma=dict(wgmma),
         mma_sync=len(_MMA_SYNC.findall(ptx)),
         local_memory_ops=_local_memory_ops(kernel.asm["cubin"]) if "cubin" in kernel.asm else None,
+        blocks_per_sm=blocks_per_sm(regs, meta.num_warps, meta.shared) if regs is not None else None,
     )
 
 
@@ -281,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096, help="sequence length of the calls (default: 4096)")
     parser.add_argument("--attn-qat", action="store_true", help="also compile the Attn-QAT kernels")
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
     args = parser.parse_args(argv)
+    _DUMP["dir"] = args.dump
     for tile in args.tiles:
         if not re.fullmatch(r"\d+x\d+", tile):
             parser.error(f"--tiles takes BLOCK_MxBLOCK_N such as 128x64; received {tile!r}")
@@ -303,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sum(1 for row in _RECORDS if row.kernel != "(entry point)" and (row.error or not row.fits))
 
     print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
-    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7}"
+    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6}"
     print(f"{'case':<38} {'kernel':<28} {columns}  wgmma")
     for row in _RECORDS:
         if row.error:
@@ -316,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row.case:<38} {(row.kernel + ' ' + tiles)[:28]:<28} {row.num_warps:>2} {row.num_stages:>2} "
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} "
-            f"{row.spill_stores or 0:>5} {row.local_memory_ops if row.local_memory_ops is not None else '?':>7}  {mma}"
+            f"{row.spill_stores or 0:>5} {row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
+            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6}  {mma}"
         )
     if args.out:
         args.out.write_text(
