@@ -35,6 +35,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -179,6 +180,9 @@ def table(result: dict) -> str:
             f"| {p['kernel']} | {p['num_warps']} | {p['num_stages']} | {wgmma} | {p['mma_sync']} "
             f"| {p['local_memory']} |"
         )
+    for failure in result.get("failures", []):
+        lines += ["", f"## Variant {failure['block_m']} x {failure['block_n']} failed", "", "```"]
+        lines += [failure["error"].rstrip(), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
         "versions": _versions(),
         "ceilings": ceilings(),
         "rows": [],
+        "failures": [],
     }
     print("ceilings:", result["ceilings"], flush=True)
     for causal in (False, True):
@@ -219,7 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
                 result["rows"].append({**row, **cos})
                 print(result["rows"][-1], flush=True)
         except Exception as err:  # a variant that does not compile is a finding, not the end of the run
-            print(f"variant {block_m}x{block_n} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            # Kept whole (its last lines name the kernel and the resource), in the JSON and at the table's end.
+            text = "".join(traceback.format_exception(err))[-3000:]
+            result["failures"].append({"block_m": block_m, "block_n": block_n, "error": text})
+            print(f"variant {block_m}x{block_n} failed:\n{text}", flush=True)
         torch.cuda.empty_cache()
     result["ptx"] = ptx_report()
     args.out_dir.mkdir(parents=True, exist_ok=True)
