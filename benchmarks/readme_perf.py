@@ -92,8 +92,8 @@ def speed_table(path: Path, data: dict) -> list[str]:
         f"(bars: forward {FWD_BAR}x cuDNN, forward+backward {FWD_BWD_BAR}x).",
         "",
         "| D | N | causal | SageBwd fwd TFLOPS | fwd / cuDNN | fwd / flash | SageBwd fwd+bwd TFLOPS "
-        "| fwd+bwd / cuDNN | fwd+bwd / flash |",
-        "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|",
+        "| fwd+bwd / cuDNN | fwd+bwd / flash | peak MiB SageBwd / cuDNN |",
+        "|---:|---:|:---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for head_dim, seq, causal in shapes:
         cells = []
@@ -104,6 +104,9 @@ def speed_table(path: Path, data: dict) -> list[str]:
             cells.append(f"{sage['tflops']:.0f}" if sage else "")
             cells.append(f"{cudnn['ms'] / sage['ms']:.2f}" if sage and cudnn else "")
             cells.append(f"{flash['ms'] / sage['ms']:.2f}" if sage and flash else "")
+        both = [rows.get((impl, "fwd+bwd", head_dim, seq, causal)) for impl in ("sage", "sdpa_cudnn")]
+        peaks = [r.get("peak_mem_mb") if r else None for r in both]
+        cells.append(" / ".join(f"{p:.0f}" for p in peaks) if None not in peaks else "")
         lines.append(f"| {head_dim} | {seq} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
     return lines
 

@@ -40,7 +40,7 @@ def test_latest_result_by_date_and_ratios(tmp_path: Path) -> None:
     text = readme_perf.generate(tmp_path)
     assert "speed-h200-20261122.json" in text and "probe" not in text
     # cuDNN 2 ms, flash 3 ms, SageBwd 1 ms: 2.00x and 3.00x, forward and forward+backward.
-    assert "| 128 | 4096 | no | 100 | 2.00 | 3.00 | 100 | 2.00 | 3.00 |" in text
+    assert "| 128 | 4096 | no | 100 | 2.00 | 3.00 | 100 | 2.00 | 3.00 | |" in text
     assert "not measured yet" in text
 
 
