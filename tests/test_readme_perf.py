@@ -20,7 +20,8 @@ def _speed_file(folder: Path, name: str, date: str, sage_ms: float) -> None:
     for impl, ms in (("sage", sage_ms), ("sdpa_cudnn", 2.0), ("sdpa_flash", 3.0)):
         for pass_ in ("fwd", "fwd+bwd"):
             rows.append(dict(impl=impl, **{"pass": pass_}, batch=4, heads=16, kv_heads=16, seq=4096, head_dim=128,
-                             causal=False, ms=ms, tflops=100.0 / ms))  # fmt: skip
+                             causal=False, ms=ms, tflops=100.0 / ms,
+                             peak_mem_mb=400.0 + 10 * ms if pass_ == "fwd+bwd" else None))  # fmt: skip
     header = dict(kind="speed", device="NVIDIA H200", date=date, commit="0" * 40, command="python x", versions={})
     (folder / name).write_text(json.dumps({**header, "rows": rows}))
 
@@ -39,8 +40,8 @@ def test_latest_result_by_date_and_ratios(tmp_path: Path) -> None:
                                                                           "rows": [{"impl": "sage"}]}))  # fmt: skip
     text = readme_perf.generate(tmp_path)
     assert "speed-h200-20261122.json" in text and "probe" not in text
-    # cuDNN 2 ms, flash 3 ms, SageBwd 1 ms: 2.00x and 3.00x, forward and forward+backward.
-    assert "| 128 | 4096 | no | 100 | 2.00 | 3.00 | 100 | 2.00 | 3.00 | |" in text
+    # cuDNN 2 ms, flash 3 ms, SageBwd 1 ms: 2.00x and 3.00x, forward and forward+backward; peak memory 410 / 420.
+    assert "| 128 | 4096 | no | 100 | 2.00 | 3.00 | 100 | 2.00 | 3.00 | 410 / 420 |" in text
     assert "not measured yet" in text
 
 
