@@ -367,12 +367,7 @@ def _kind_summary(table: dict[str, dict[str, dict]], kind: str) -> tuple[list[st
     worst = _worst(sage, ("O", "dQ", "dK", "dV"), 2)
     ordering = low == "dS" and set(worst) == {"dQ", "dK"}
     ds = {t: _share(table, "only ds", t) for t in ("dQ", "dK")}
-
-    def rank(label: str, tensor: str) -> float:
-        share = _share(table, label, tensor)
-        return -math.inf if math.isnan(share) else share
-
-    top = {t: max(PRODUCT_LABELS, key=lambda label: rank(label, t)) for t in ("dQ", "dK")}
+    top = {t: largest_product(table, t) for t in ("dQ", "dK")}
     lines += [
         f"  lowest of P/dP/dS: {low} (study: dS); worst of O/dQ/dK/dV: {', '.join(worst)} (study: dQ, dK) "
         f"-> {'agrees' if ordering else 'DIFFERS'}.",
@@ -380,7 +375,45 @@ def _kind_summary(table: dict[str, dict[str, dict]], kind: str) -> tuple[list[st
         f"largest single INT8 product of sagebwd: dQ {top['dQ'].split()[1]} ({_share(table, top['dQ'], 'dQ'):.0%}), "
         f"dK {top['dK'].split()[1]} ({_share(table, top['dK'], 'dK'):.0%}).",
     ]
-    return lines, ordering, min(ds.values()) > 0.5
+    return lines, ordering, ds_dominates(table)
+
+
+def largest_product(table: dict[str, dict[str, dict]], tensor: str) -> str:
+    """The label among :data:`PRODUCT_LABELS` that alone reproduces the largest share of sagebwd's error in ``tensor``.
+
+    Args:
+        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``_lookup``).
+        tensor: e.g. ``"dQ"``.
+
+    Example::
+
+        largest_product(_lookup(rows, "normal sigma=1", True), "dQ")   # e.g. "only ds"
+    """
+
+    def rank(label: str) -> float:
+        share = _share(table, label, tensor)
+        return -math.inf if math.isnan(share) else share
+
+    return max(PRODUCT_LABELS, key=rank)
+
+
+#: INT8 dS "dominates" when it alone reproduces more than this share of sagebwd's squared rel_l2 of dQ and of dK.
+DOMINANT_SHARE = 0.5
+
+
+def ds_dominates(table: dict[str, dict[str, dict]]) -> bool:
+    """Whether ``only ds`` reproduces more than :data:`DOMINANT_SHARE` of sagebwd's squared dQ and dK error.
+
+    Squared rel_l2, because errors of independent sources add in squares.
+
+    Args:
+        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``_lookup``).
+
+    Example::
+
+        ds_dominates(_lookup(rows, "normal sigma=1", True))   # True on N(0,1) inputs
+    """
+    return min(_share(table, "only ds", t) for t in ("dQ", "dK")) > DOMINANT_SHARE
 
 
 def summarize(rows: list[dict]) -> list[str]:
