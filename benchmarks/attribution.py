@@ -556,26 +556,40 @@ def attribution_table(rows: list[dict], found: list[dict[str, Any]]) -> list[str
     return lines
 
 
+def _layers_text(layers: list[int], of: int) -> str:
+    """``"every layer measured (4)"``, ``"none of the 4 layers"`` or ``"3 of 4 layers (0, 2, 3)"``."""
+    if of and len(layers) == of:
+        return f"every layer measured ({of})"
+    if not layers:
+        return f"none of the {of} layers"
+    return f"{len(layers)} of {of} layers ({', '.join(map(str, layers))})"
+
+
 def summary_lines(found: list[dict[str, Any]]) -> list[str]:
-    """The answer to "does dS dominate?", per layer and overall, for K-smoothing on and off, from the verdicts.
+    """The answer to "does dS dominate?", overall and per layer, for K-smoothing on and off, from the verdicts.
+
+    Overall, per K-smoothing setting: "yes" when dS dominates (:func:`accuracy.ds_dominates`) in every layer whose
+    gradients are finite, "no" in none, "partly" in between; beside it, in how many layers ds is the costliest
+    single INT8 product of both dQ and dK.
 
     Example::
 
-        print("\\n".join(summary_lines(verdicts(rows))))
+        print("\n".join(summary_lines(verdicts(rows))))
     """
     lines = []
     for smooth_k in accuracy.SMOOTH_K["sagebwd"]:
         chosen = [v for v in found if v["smooth_k"] == smooth_k]
-        yes = [v["layer"] for v in chosen if v["ds_dominates"] is True]
         ranked = [v for v in chosen if v["ds_dominates"] is not None]
+        dominated = [v["layer"] for v in ranked if v["ds_dominates"]]
+        costliest = [v["layer"] for v in ranked if {v["costliest"][t]["product"] for t in ("dQ", "dK")} == {"ds"}]
         if not ranked:
             answer = "not ranked (non-finite gradients)"
-        elif len(yes) == len(ranked):
-            answer = f"yes, in every layer measured ({len(ranked)})"
-        elif not yes:
-            answer = f"no, in none of the {len(ranked)} layers measured"
         else:
-            answer = f"in {len(yes)} of {len(ranked)} layers ({', '.join(map(str, yes))})"
+            answer = "yes" if len(dominated) == len(ranked) else "no" if not dominated else "partly"
+            answer += (
+                f": over half of the dQ and dK error in {_layers_text(dominated, len(ranked))}; the costliest single "
+                f"INT8 product of both dQ and dK in {_layers_text(costliest, len(ranked))}"
+            )
         lines.append(f"- smooth_k={smooth_k}: does dS dominate the dQ/dK error? {answer}.")
         for verdict in chosen:
             top = verdict["costliest"]
@@ -795,7 +809,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "name": ckpt_name,
             "step": step,
             "trained_with": module.attention,
-            "source": "checkpoint" if args.checkpoint is not None else f"--train-steps {args.train_steps}",
+            "source": "--checkpoint" if args.checkpoint is not None else f"--train-steps {args.train_steps}",
         },
         "capture": {
             "split": "validation (held out)",
@@ -818,7 +832,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     heading = (
         f"# Accuracy on real activations: SageBwd ({args.path}) vs float64\n\n{device}, {result['date']}, commit "
         f"{result['commit']}\n\n`{result['command']}`\n\n{note}Checkpoint `{source['name']}` (step {step}, trained "
-        f"with attention={source['trained_with']}, {source['source']}), config `{result['config']}`, model "
+        f"with attention={source['trained_with']}; from {source['source']}), config `{result['config']}`, model "
         f"{n_layers} layers, {module.config.n_heads} query heads, {module.config.kv_heads} key/value heads, head dim "
         f"{module.config.head_dim}. Inputs: {args.batches} held-out batch(es) of {args.batch_size} x {seq} tokens, "
         f"captured in {result['capture']['dtype']}, measured in bf16; dO is the gradient of the LM loss.\n\n"

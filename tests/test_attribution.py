@@ -138,7 +138,7 @@ def test_header_and_files(result: tuple[dict, Path]) -> None:
     assert [(v["layer"], v["smooth_k"]) for v in data["verdicts"]] == [(i, s) for i in layers for s in (True, False)]
     markdown = out.with_suffix(".md").read_text()
     assert "## Does dS dominate?" in markdown and "## Attribution per layer" in markdown
-    assert len(re.findall(r"does dS dominate the dQ/dK error\? (yes|no|in \d+ of \d+)", markdown)) == 2
+    assert len(re.findall(r"does dS dominate the dQ/dK error\? (yes|no|partly): over half", markdown)) == 2
 
 
 def test_rows_name_the_source_and_the_shapes(
@@ -228,11 +228,11 @@ def test_verdicts_follow_from_the_rows(from_checkpoint: tuple[dict, Path]) -> No
     dominated = [v["layer"] for v in result["verdicts"] if v["smooth_k"] and v["ds_dominates"]]
     line = next(line for line in out.with_suffix(".md").read_text().splitlines() if "smooth_k=True: does" in line)
     if len(dominated) == LAYERS:
-        assert line.endswith(f"yes, in every layer measured ({LAYERS}).")
+        assert f"? yes: over half of the dQ and dK error in every layer measured ({LAYERS});" in line
     elif not dominated:
-        assert line.endswith(f"no, in none of the {LAYERS} layers measured.")
+        assert f"? no: over half of the dQ and dK error in none of the {LAYERS} layers;" in line
     else:
-        assert f"in {len(dominated)} of {LAYERS} layers" in line
+        assert f"? partly: over half of the dQ and dK error in {len(dominated)} of {LAYERS} layers (" in line
 
 
 @pytest.mark.parametrize(
