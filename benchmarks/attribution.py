@@ -408,20 +408,23 @@ def input_statistics(inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
     return stats
 
 
-def layer_rows(inputs: dict[str, torch.Tensor], causal: bool, path: str, common: dict[str, Any]) -> list[dict]:
+def layer_rows(
+    inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], causal: bool, path: str, common: dict[str, Any]
+) -> list[dict]:
     """accuracy.py's rows for one layer: every setting, K-smoothing on and off, every tensor.
 
     Args:
         inputs: ``q``, ``k``, ``v``, ``do`` in bf16.
+        ref: :func:`accuracy.exact` of them.
         causal: the attention call's ``is_causal``.
         path: ``"reference"`` or ``"triton"`` (``accuracy.measure``).
         common: the fields every row of the layer shares (``inputs``, ``layer``, shapes, ...).
 
     Example::
 
-        rows = layer_rows(inputs, True, "reference", {"inputs": "activations layer=0 ...", "layer": 0})
+        ref = accuracy.exact(inputs, causal=True)
+        rows = layer_rows(inputs, ref, True, "reference", {"inputs": "activations layer=0 ...", "layer": 0})
     """
-    ref = accuracy.exact(inputs, causal)
     rows = []
     for smooth_k in accuracy.SMOOTH_K["sagebwd"]:
         for label, precision in accuracy.settings(smooth_k):
@@ -469,8 +472,9 @@ def measure_layers(
             "causal": layer["is_causal"],
         }
         print(f"--- {kind} ({layer['name']}): q {list(inputs['q'].shape)}, k {list(inputs['k'].shape)}", flush=True)
-        rows += layer_rows(inputs, layer["is_causal"], path, common)
-        stats = input_statistics(inputs, accuracy.exact(inputs, layer["is_causal"]))
+        ref = accuracy.exact(inputs, layer["is_causal"])
+        rows += layer_rows(inputs, ref, layer["is_causal"], path, common)
+        stats = input_statistics(inputs, ref)
         activations.append({"layer": index, "layer_name": layer["name"], "inputs": kind, "stats": stats})
     return rows, activations
 
