@@ -9,7 +9,9 @@ hold garbage: nothing is numerically checked here (the tests and ``benchmarks/gp
 
 For each compiled kernel it reports: the launch config (warps, stages) and tile constexprs, shared memory and
 whether it fits, registers and spill bytes (``ptxas -v``, Triton's own ptxas), the blocks one SM holds at once
-(occupancy, from registers and shared memory), and the tensor-core
+(occupancy, from registers and shared memory), the size of the hot loop in SASS instructions and how many of
+them are quarter-rate (``loop`` column: ``instructions/quarter-rate``; the conversions and ``MUFU`` that
+Hopper issues at 16 per clock per SM, see :data:`QUARTER_RATE`), and the tensor-core
 instructions in the PTX (Hopper ``wgmma`` by shape and operand type, the older ``mma.sync``), with
 ``ld.local``/``st.local`` counts in the SASS.
 
@@ -111,6 +113,9 @@ class Compiled:
     mma_sync: int = 0
     local_memory_ops: int | None = None
     blocks_per_sm: int | None = None
+    loop_instructions: int | None = None
+    loop_quarter_rate: int | None = None
+    loop_opcodes: dict = field(default_factory=dict)
     error: str | None = None
 
 
@@ -189,15 +194,49 @@ def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | Non
     )
 
 
-def _local_memory_ops(cubin: bytes) -> int | None:
-    """``LDL``/``STL`` instructions (thread-local memory: spills, or arrays indexed at run time) in the SASS."""
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][A-Z0-9_]*)([^;]*);", re.M)
+_BRANCH_TARGET = re.compile(r"BRA\s+(?:`\()?(?:\.L_x_\d+\))?\s*(0x[0-9a-f]+)")
+#: Opcodes issued at 16 per clock per SM on sm_90 (the multi-function unit and type conversions), against
+#: 128 for float adds and multiplies: each costs the issue slots of about eight full-rate instructions.
+QUARTER_RATE = ("MUFU", "I2F", "I2FP", "F2I", "F2F", "I2I")
+
+
+def _sass(cubin: bytes) -> str | None:
+    """``cuobjdump -sass`` of a cubin, or ``None`` when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
         done = subprocess.run([_bin("cuobjdump"), "-sass", str(path)], capture_output=True, text=True)
-    if done.returncode:
+    return None if done.returncode else done.stdout
+
+
+def hot_loop(sass: str) -> dict | None:
+    """The innermost loop that issues tensor-core instructions (``*GMMA``): its instruction count, how many of
+    those are quarter-rate (:data:`QUARTER_RATE`) and the opcode counts; ``None`` when there is no such loop.
+
+    A loop is a branch back to a lower address; the innermost is the shortest span holding a GMMA.
+
+    Example::
+
+        hot_loop(sass)  # {"instructions": 870, "quarter_rate": 36, "opcodes": {"FMUL": 170, ...}}
+    """
+    lines = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, op, rest in lines:
+        target = _BRANCH_TARGET.search(op + rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in lines if int(target.group(1), 16) <= a <= addr]
+            if any(o.endswith("GMMA") for o in body):
+                loops.append(body)
+    if not loops:
         return None
-    return len(re.findall(r"\b(?:LDL|STL)\b", done.stdout))
+    body = min(loops, key=len)
+    opcodes = collections.Counter(body)
+    return {
+        "instructions": len(body),
+        "quarter_rate": sum(n for o, n in opcodes.items() if o in QUARTER_RATE),
+        "opcodes": dict(opcodes.most_common()),
+    }
 
 
 _DUMP = {"dir": None}
@@ -232,6 +271,8 @@ def _describe(kernel: object) -> Compiled:
     ptx = kernel.asm.get("ptx", "")
     wgmma = collections.Counter(".".join(m) for m in _WGMMA.findall(ptx))
     regs, stores, loads = _ptxas_usage(ptx, f"sm_{meta.target.arch}a" if meta.target.arch == 90 else "sm_90")
+    sass = _sass(kernel.asm["cubin"]) if "cubin" in kernel.asm else None
+    loop = hot_loop(sass) if sass else None
     return Compiled(
         kernel=kernel.name,
         case=_CASE["name"],
@@ -245,7 +286,10 @@ def _describe(kernel: object) -> Compiled:
         spill_loads=loads,
         wgmma=dict(wgmma),
         mma_sync=len(_MMA_SYNC.findall(ptx)),
-        local_memory_ops=_local_memory_ops(kernel.asm["cubin"]) if "cubin" in kernel.asm else None,
+        local_memory_ops=len(re.findall(r"\b(?:LDL|STL)\b", sass)) if sass else None,
+        loop_instructions=loop["instructions"] if loop else None,
+        loop_quarter_rate=loop["quarter_rate"] if loop else None,
+        loop_opcodes=loop["opcodes"] if loop else {},
         blocks_per_sm=blocks_per_sm(regs, meta.num_warps, meta.shared) if regs is not None else None,
     )
 
@@ -354,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sum(1 for row in _RECORDS if row.kernel != "(entry point)" and (row.error or not row.fits))
 
     print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
-    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6}"
+    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6} {'loop':>9}"
     print(f"{'case':<38} {'kernel':<28} {columns}  wgmma")
     for row in _RECORDS:
         if row.error:
@@ -368,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.case:<38} {(row.kernel + ' ' + tiles)[:28]:<28} {row.num_warps:>2} {row.num_stages:>2} "
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} "
             f"{row.spill_stores or 0:>5} {row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
-            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6}  {mma}"
+            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} "
+            f"{f'{row.loop_instructions}/{row.loop_quarter_rate}' if row.loop_instructions else '-':>9}  {mma}"
         )
     if args.out:
         args.out.write_text(

@@ -26,8 +26,10 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
+    int32_to_f32,
     nan_max,
     padded_head_dim,
+    round_half_even,
     seq_bucket,
     to_dtype,
     tuning_configs,
@@ -68,7 +70,7 @@ def _tile_gradients(
     )
     p = tl.where(invalid, 0.0, tl.math.exp2(s - lse[:, None]))
     if DP_INT8:
-        dp = tl.dot(do_dp, tl.trans(v)).to(tl.float32) * (do_scale * v_scale)
+        dp = int32_to_f32(tl.dot(do_dp, tl.trans(v))) * (do_scale * v_scale)
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
@@ -186,13 +188,13 @@ def _dkdv_kernel(
                 p_codes = int8_codes(p, p_scale[None, :])
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                dv += tl.dot(tl.trans(p_codes), tl.trans(do_t)).to(tl.float32) * (p_scale[:, None] * do_scale)
+                dv += int32_to_f32(tl.dot(tl.trans(p_codes), tl.trans(do_t))) * (p_scale[:, None] * do_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
                 # The INT8 error of dS whatever ds runs in, so the controller sees what it would return to.
                 stat_scale = int8_scale(nan_max(tl.abs(ds)))
-                err = ds - int8_codes(ds, stat_scale).to(tl.float32) * stat_scale
+                err = ds - round_half_even(ds / stat_scale) * stat_scale
                 err2 += tl.sum(err * err, axis=0)
                 norm2 += tl.sum(ds * ds, axis=0)
             # dS as the dK product takes it: INT8 codes with one scale for the tile, or rounded to the input dtype.
@@ -203,7 +205,7 @@ def _dkdv_kernel(
                 ds_codes = int8_codes(ds, ds_scale)
                 if QK_INT8:
                     q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                    dk += tl.dot(tl.trans(ds_codes), tl.trans(q_t)).to(tl.float32) * (ds_scale * q_scale)
+                    dk += int32_to_f32(tl.dot(tl.trans(ds_codes), tl.trans(q_t))) * (ds_scale * q_scale)
                 else:
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
                     dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
@@ -308,7 +310,7 @@ def _dq_kernel(
             ds_codes = int8_codes(ds, ds_scale)
             if QK_INT8:
                 k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
-                dq += tl.dot(ds_codes, tl.trans(k_t)).to(tl.float32) * (ds_scale * k_scale)
+                dq += int32_to_f32(tl.dot(ds_codes, tl.trans(k_t))) * (ds_scale * k_scale)
             else:
                 dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
         else:

@@ -19,6 +19,7 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
+    int32_to_f32,
     nan_max,
     padded_head_dim,
     seq_bucket,
@@ -71,7 +72,7 @@ def scores_tile(
     the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query.
     """
     if QK_INT8:
-        s = tl.dot(q, tl.trans(k)).to(tl.float32)
+        s = int32_to_f32(tl.dot(q, tl.trans(k)))
     else:
         s = hp_dot(q, tl.trans(k), DOT_PRECISION)
     s = s * (q_scale * k_scale * qk_scale)
@@ -178,7 +179,7 @@ def _forward_kernel(
             p_scale = int8_scale(nan_max(p, axis=1))
             p_codes = int8_codes(p, p_scale[:, None])
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-            pv = tl.dot(p_codes, tl.trans(v_t)).to(tl.float32) * (p_scale[:, None] * v_scale)
+            pv = int32_to_f32(tl.dot(p_codes, tl.trans(v_t))) * (p_scale[:, None] * v_scale)
         else:
             v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
             pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)

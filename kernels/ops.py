@@ -17,7 +17,7 @@ import triton
 from .backward import backward
 from .forward import LOG2E, forward
 from .precision import AttentionPrecision
-from .quant import backward_preprocess, quantize_rows, transpose_rows
+from .quant import MAX_PRODUCT_TERMS, backward_preprocess, quantize_rows, transpose_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
@@ -205,7 +205,7 @@ def sage_attention_triton(
 
     Args:
         q, k, v, is_causal, scale, precision, stats: as :func:`sage_lightning.kernels.sage_attention`.
-        block_m, block_n: the tiles, which are also the quantization blocks (powers of two, at least 16).
+        block_m, block_n: the tiles, which are also the quantization blocks (powers of two, 16 to 256).
         with_lse: also compute SDPA's logsumexp (one more pass over q); ``False`` returns ``None`` for it.
 
     Returns:
@@ -215,6 +215,12 @@ def sage_attention_triton(
 
         out, lse = sage_attention_triton(q, k, v, is_causal=True)
     """
+    for name, tile in (("block_m", block_m), ("block_n", block_n)):
+        if not (isinstance(tile, int) and 16 <= tile <= MAX_PRODUCT_TERMS and tile & (tile - 1) == 0):
+            raise ValueError(
+                f"{name} must be a power of two from 16 to {MAX_PRODUCT_TERMS} (an INT8 product sums over a tile, "
+                f"exact in fp32 up to that); received {tile!r}"
+            )
     precision = AttentionPrecision() if precision is None else precision
     tau = softmax_scale(q.shape[-1], scale)
     int8 = precision.int8_products

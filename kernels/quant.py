@@ -19,6 +19,15 @@ import triton.language as tl
 #: to even (IEEE round-to-nearest-even on the add), the same as ``torch.round``; it runs identically on the
 #: GPU and in the interpreter, where ``libdevice.rint`` is not available.
 _ROUNDER = tl.constexpr(12582912.0)
+#: The bits of ``_ROUNDER``. The sum ``y + 1.5 * 2**23`` of an integer-valued y (|y| < 2**22) holds y in its low
+#: mantissa bits: its bits are these plus y. That gives both conversions between int32 and fp32 as one add each way
+#: plus one float add or a byte select, instead of the conversion instructions, which Hopper issues at 16 per
+#: clock per SM against 128 float adds: the hot loops convert every element of every tile (each INT8 product's
+#: int32 result, and each code written), and those conversions outweighed the tensor-core work (NOTES.md).
+_ROUNDER_BITS = tl.constexpr(0x4B400000)
+#: The largest key or query tile the exact int32 -> fp32 conversion allows: every INT8 product sums at most
+#: this many (or the head dim's, at most 128) products of two codes, |code| <= 127, and 256 * 127 * 127 < 2**22.
+MAX_PRODUCT_TERMS = 256
 
 #: Triton reads ``TRITON_INTERPRET`` once, when it is imported; so do we (not on every launch).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -101,6 +110,13 @@ def round_half_even(x):
 
 
 @triton.jit
+def int32_to_f32(x):
+    """``x.to(tl.float32)`` (exact) for int32 ``|x| < 2**22``, the result of an INT8 product of at most
+    :data:`MAX_PRODUCT_TERMS` terms: an integer add and a float add (see ``_ROUNDER_BITS``)."""
+    return (x + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
+
+
+@triton.jit
 def int8_scale(amax):
     """``amax / 127``, or 1 where that is 0 (an all-zero block, or a max so small the division underflows)."""
     scale = amax / 127.0
@@ -114,15 +130,21 @@ def int8_codes(x, scale, EXACT: tl.constexpr = False):
 
     ``EXACT`` divides with IEEE rounding, so the codes equal the reference's bit for bit (the quantization
     kernels, which are memory-bound); the hot loops use the GPU's faster division, which is off by at most
-    2 ulp and so flips a code only for a value within that of a rounding boundary.
+    2 ulp and so flips a code only for a value within that of a rounding boundary, and take the code from the
+    rounded float's bits. Both need ``scale`` to be ``max|x| / 127`` over the values coded (as every caller's
+    is), so that no code needs clamping.
     """
     if EXACT:
         ratio = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        codes = round_half_even(ratio)
+        codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+        return codes.to(tl.int8)
     else:
+        # |ratio| <= 127 up to the division's 2 ulp (scale = max|x| / 127 over the values coded), so adding
+        # 1.5 * 2**23 rounds it half to even into the low bits, whose low byte is the code: no clamp and no
+        # conversion instruction (see _ROUNDER_BITS).
         ratio = x / scale
-    codes = round_half_even(ratio)
-    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
-    return codes.to(tl.int8)
+        return (ratio + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit

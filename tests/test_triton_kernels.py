@@ -14,9 +14,18 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
 from sage_lightning.kernels.ops import sage_attention_triton
-from sage_lightning.kernels.quant import backward_preprocess, quantize_rows, transpose_rows
+from sage_lightning.kernels.quant import (
+    MAX_PRODUCT_TERMS,
+    backward_preprocess,
+    int8_codes,
+    int32_to_f32,
+    quantize_rows,
+    transpose_rows,
+)
 from sage_lightning.kernels.reference import exact_attention, quantize_int8, sage_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,3 +228,43 @@ def test_torch_compile_has_no_graph_break():
     assert torch.equal(out, eager)
     for g, e in zip(grads, eager_grads, strict=True):
         assert torch.equal(g, e)
+
+
+@triton.jit
+def _conversions_kernel(INTS, FLOATS, SCALES, AS_FLOAT, CODES, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(AS_FLOAT + offs, int32_to_f32(tl.load(INTS + offs)))
+    tl.store(CODES + offs, int8_codes(tl.load(FLOATS + offs), tl.load(SCALES + offs)))
+
+
+def test_hot_loop_conversions_are_exact():
+    """The kernels' int32 -> fp32 conversion (an add on the bits) and INT8 coding (a code read from the rounded
+    float's bits) give exactly ``float(x)`` and round-half-even codes over their whole range, ties included."""
+    n = 4096
+    gen = torch.Generator().manual_seed(0)
+    largest = MAX_PRODUCT_TERMS * 127 * 127
+    ints = torch.randint(-largest, largest + 1, (n,), generator=gen, dtype=torch.int32)
+    ints[:8] = torch.tensor([0, 1, -1, largest, -largest, 2**22 - 1, -(2**22) + 1, 12345], dtype=torch.int32)
+    # Codes of x / scale: random values within the block's max, exact ties (k + 0.5) and the ends +-127.
+    scales = torch.rand(n, generator=gen) * 3 + 1e-3
+    floats = (torch.rand(n, generator=gen) * 2 - 1) * 127 * scales
+    ties = torch.arange(-127, 127, dtype=torch.float32)[:254] + 0.5
+    floats[: ties.numel()], scales[: ties.numel()] = ties, 1.0
+    floats[-4:], scales[-4:] = torch.tensor([127.0, -127.0, 0.0, -0.0]), 1.0
+    as_float = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    codes = torch.empty(n, dtype=torch.int8, device=DEVICE)
+    _conversions_kernel[(1,)](ints.to(DEVICE), floats.to(DEVICE), scales.to(DEVICE), as_float, codes, N=n)
+    assert torch.equal(as_float.cpu(), ints.float())
+    expected = torch.round(floats / scales).clamp(-127, 127).to(torch.int8)
+    # The GPU's division is within 2 ulp of IEEE, which may move a value sitting on a tie; exact ties have scale 1.
+    mismatch = (codes.cpu() != expected).nonzero().flatten()
+    assert mismatch.numel() <= (0 if INTERPRETED else 4), mismatch[:10]
+    assert torch.equal(codes.cpu()[: ties.numel()], expected[: ties.numel()])
+
+
+@pytest.mark.parametrize("tile", [{"block_m": 100}, {"block_n": 512}, {"block_m": 8}])
+def test_tiles_out_of_range_are_refused(tile):
+    q, k, v, _ = _inputs((1, 1, 64, 16), (1, 1, 64, 16), torch.bfloat16, seed=8)
+    ((name, value),) = tile.items()
+    with pytest.raises(ValueError, match=f"{name} must be a power of two from 16 to 256 .*; received {value}"):
+        sage_attention_triton(q, k, v, **tile)
