@@ -202,7 +202,9 @@ class AdaptivePrecision(Callback):
 
     @property
     def int8_fraction(self) -> float:
-        """Share of layer-steps so far that ran every product of their layer's base precision in INT8."""
+        """Share of layer-steps so far that ran low-bit: their layer's base precision is SageBwd (or Attn-QAT)
+        and every product it runs in INT8 still did. A layer whose base precision is full counts as not low-bit
+        (a run that starts in ``mode="full"`` shows 0). 1 before the first step."""
         return self._int8_layer_steps / self._layer_steps if self._layer_steps else 1.0
 
     def precisions(self) -> dict[str, AttentionPrecision]:
@@ -308,7 +310,7 @@ class AdaptivePrecision(Callback):
             packed=self._pack(trainer, pl_module, scaler),
             request=self._request,
             grad_scaler=scaler is not None,
-            ran_int8=sum(self._on_fast_path(name) for name in self._layers),
+            ran_int8=sum(self._runs_low_bit(name) for name in self._layers),
         )
         for layer in self._layers.values():
             layer.collect_stats = False
@@ -570,6 +572,10 @@ class AdaptivePrecision(Callback):
         attn_qat layer has no INT8 products: it is on its fast path while still in attn_qat mode)."""
         base, now = self._bases[name], self._layers[name].precision
         return now.mode == base.mode and set(base.int8_products) <= set(now.int8_products)
+
+    def _runs_low_bit(self, name: str) -> bool:
+        """Whether the layer runs low-bit now: a base precision with low-bit work, still on its fast path."""
+        return self._bases[name].mode != "full" and self._on_fast_path(name)
 
     def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, candidate: bool = False) -> None:
         """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.

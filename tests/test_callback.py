@@ -372,3 +372,12 @@ def test_by_default_the_check_waits_only_for_optimizers_that_cannot_skip_on_the_
     assert seen[bad_step] == (1 if checked_first else 0)
     assert controller.skipped_steps == 1 and controller.rollbacks == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_run_that_starts_in_full_precision_shows_no_int8_share(tmp_path) -> None:
+    """Layers whose base precision is full ran no INT8: the share is 0, not the vacuous 1 of "every INT8 product
+    of the base still in INT8"."""
+    controller = AdaptivePrecision(PolicyConfig(ds_stats_every_n_steps=1000, probe_every_n_steps=1000), verbose=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller])
+    trainer.fit(TinyLM(precision=AttentionPrecision(mode="full")), token_loader(3))
+    assert controller.int8_fraction == 0.0
