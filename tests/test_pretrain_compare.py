@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -95,3 +96,129 @@ def test_the_controller_is_built_from_the_config() -> None:
     assert controller.snapshot_every_n_steps == 7 and controller.config.ds_rel_err_high == 0.3
     assert [rung.name for rung in controller.config.ladder] == ["ds"]
     assert pretrain_compare.build_controller(None) is None
+
+
+def test_runs_name_what_sets_them_apart_and_refuse_bad_entries() -> None:
+    spec = pretrain_compare.parse_run("sage:controller=off,smooth_k=off")
+    assert spec == pretrain_compare.RunSpec(
+        name="sage-fixed-no-smooth-k", attention="sage", controller=False, smooth_k=False
+    )
+    assert pretrain_compare.parse_run("full:seed=7,sdpa=cudnn").name == "full-seed7-cudnn"
+    assert pretrain_compare.parse_run("sage:controller=on,name=adaptive").name == "adaptive"
+    args = pretrain_compare.parse_args(["--runs", "full", "full", "sage:controller=off"])
+    assert [s.name for s in pretrain_compare.run_specs(args)] == ["full", "full-2", "sage-fixed"]
+    for text, named in (
+        ("fast", "the attention must be one of"),
+        ("sage:smoothk=off", "KEY one of name, controller"),
+        ("sage:controller=maybe", "controller must be on or off; received 'maybe'"),
+        ("full:smooth_k=off", "smooth_k and smooth_q are SageBwd's"),
+        ("full:sdpa=fast", "sdpa must be one of default, cudnn"),
+        ("sage:seed=x", "seed must be an integer; received 'x'"),
+        ("sage:name=a b", "name must be letters"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            pretrain_compare.parse_run(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sdpa-backend", "fast"], "--sdpa-backend must be one of default, cudnn, flash, efficient, math; received"),
+        (["--attention", "sage", "--runs", "full"], "give --attention or --runs, not both"),
+        (["--matrix", "all", "--tokens-per-run", "1"], "--matrix must be one of evidence; received 'all'"),
+        (["--matrix", "evidence"], "--matrix needs --budget-minutes"),
+        (["--matrix", "evidence", "--tokens-per-run", "1", "--max-steps", "5"], "--matrix plans its own runs"),
+        (["--matrix", "evidence", "--budget-minutes", "0"], "--budget-minutes must be a positive number"),
+        (["--matrix", "evidence", "--tokens-per-run", "8", "--large-batch", "6", "--small-batch", "4"], "multiple"),
+        (["--groups", "large-qknorm"], "--groups selects groups of --matrix"),
+        (["--evals", "0"], "--evals must be an integer >= 1; received 0"),
+    ],
+)
+def test_bad_arguments_are_refused_with_what_works(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        pretrain_compare.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_forced_sdpa_backend_that_cannot_run_the_model_is_refused_before_training() -> None:
+    import torch
+    from llama import LlamaConfig
+
+    config = LlamaConfig(vocab_size=256, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=32)
+    pretrain_compare.check_sdpa_backend("math", config, 32, "cpu", torch.float32)
+    pretrain_compare.check_sdpa_backend("default", config, 32, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="sdpa=cudnn: PyTorch's SDPA has no cudnn kernel .*4 query and 2 key/value"):
+        pretrain_compare.check_sdpa_backend("cudnn", config, 32, "cpu", torch.float32)
+
+
+def test_the_plan_gives_every_run_the_same_tokens_within_the_time() -> None:
+    tokens, steps = pretrain_compare.plan_steps(
+        100.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], multiple=10
+    )
+    assert (tokens, steps) == (250_000, {"large": 250, "small": 1000})
+    # Rounded down to whole multiples of the validations: never over the time.
+    tokens, steps = pretrain_compare.plan_steps(99.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
+    assert steps == {"large": 240, "small": 960} and tokens == 240_000
+    with pytest.raises(ValueError, match="too little for 10 steps of 1000 tokens in each of the 3 runs"):
+        pretrain_compare.plan_steps(1.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
+    with pytest.raises(ValueError, match="do not divide"):
+        pretrain_compare.plan_steps(100.0, [("large", 1000, [1e4]), ("small", 300, [1e4])], 10)
+
+
+def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> None:
+    import argparse
+    import time
+    from types import SimpleNamespace
+
+    groups = pretrain_compare.evidence_groups(1, 4, 1, 100)
+    datas = {
+        "large-qknorm": SimpleNamespace(batch_size=4, seq_len=100),
+        "small-qknorm": SimpleNamespace(batch_size=1, seq_len=100),
+        "large-no-qknorm": SimpleNamespace(batch_size=4, seq_len=100),
+        "e2e-seq200": SimpleNamespace(batch_size=1, seq_len=200),
+    }
+    speeds = {(g.name, r.name): 1000.0 for g in groups for r in g.runs}
+    speeds[("e2e-seq200", "full-cudnn")] = None  # its warm-up failed: planned at the slowest measured speed
+    args = argparse.Namespace(budget_minutes=10.0, tokens_per_run=None, speed_steps=10, evals=10, val_sequences=4)
+    steps, tokens, plan = pretrain_compare.plan_matrix(
+        args, groups, datas, speeds, overheads=[4.0, 6.0], deadline=time.perf_counter() + 600
+    )
+    # 600 s - 3 speed runs (2000 tokens at 1000/s + 5 s) - 12 runs x 5 s - validation (12 x 4000 / 3000 s),
+    # x 0.85, shared by 12 runs at 1000 tokens/s: about 35,000 tokens each, in whole tens of large steps.
+    assert steps["e2e-seq200"] == 10 and steps["large-qknorm"] == steps["large-no-qknorm"] == 80
+    assert steps["small-qknorm"] == 4 * 80 and tokens == 80 * 400
+    assert plan["run_seconds"]["large-qknorm/full"] == 80 * 400 / 1000 + 5
+    assert "e2e-seq200/full-cudnn" not in plan["run_seconds"]
+
+
+def test_the_matrix_groups_match_the_results_page() -> None:
+    import results_doc
+
+    groups = pretrain_compare.evidence_groups(1234, 64, 8, 2048)
+    assert [g.name for g in groups] == list(results_doc.EVIDENCE_GROUPS)
+    assert [r.name for r in groups[0].runs] == [
+        "full",
+        "sage-fixed",
+        "sage-controller",
+        "full-seed1235",
+        "sage-fixed-no-smooth-k",
+    ]
+    for group in groups:
+        found = results_doc.roles({"runs": [dataclasses.asdict(r) for r in group.runs]})
+        assert sorted(found.values()) == sorted(r.name for r in group.runs)
+
+
+def test_warm_up_times_its_last_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = pretrain_compare.load_config(
+        REPO / "examples/configs/tiny.yaml",
+        ["data.max_bytes=100000", "data.seq_len=16", "data.batch_size=2", "model.config.n_layers=1"],
+    )
+    data = pretrain_compare.TextDataModule(**config["data"])
+    data.prepare_data()
+    spec = pretrain_compare.parse_run("sage:controller=on")
+    speed = pretrain_compare.warm_up(config, spec, steps=1, data=data, timed_steps=2)
+    assert speed is not None and speed > 0
+    assert pretrain_compare.warm_up(config, spec, steps=1, data=data) is None
