@@ -1,0 +1,226 @@
+"""Issue #7's tooling end to end on the CPU: benchmarks/gpu_evidence.sh runs a tiny matrix through
+``pretrain_compare.py --matrix evidence`` (the device's code path), and benchmarks/results_doc.py turns its files into
+the results page: tables, figures, and every figure traced to its JSON and command."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import results_doc  # noqa: E402  (benchmarks/ is a folder of scripts)
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+#: The matrix at toy size: sequences of 16, 4 and 2 per step, 256 tokens per training run (4 and 8 steps), thresholds
+#: below any dS error so the controller acts.
+TINY = [
+    "--large-batch", "4", "--small-batch", "2", "--groups", "large-qknorm,small-qknorm,e2e-seq32",
+    "--tokens-per-run", "256", "--warmup-steps", "0", "--evals", "2", "--val-sequences", "4", "--speed-steps", "2",
+    "--set", "data.max_bytes=200000", "--set", "data.seq_len=16", "--set", "model.config.n_layers=1",
+    "--set", "model.config.d_model=64", "--set", "adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
+    "--set", "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
+    "--set", "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
+]  # fmt: skip
+ROW_FIELDS = {"run", "attention", "tokens_per_step", "qk_norm", "seed", "step", "tokens_seen", "train_loss"}
+
+
+@pytest.fixture(scope="module")
+def evidence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """gpu_evidence.sh in the foreground on the tiny matrix; its $OUT unpacked as the device's would be."""
+    root = tmp_path_factory.mktemp("evidence")
+    env = {
+        **os.environ,
+        "OUT": str(root / "out"),
+        "WORK": str(root / "work"),
+        "SKIP_INSTALL": "1",
+        "PYTHON": sys.executable,
+        "CONFIG": "examples/configs/tiny.yaml",
+        "CORPUS": "stdlib",
+        "XDG_CACHE_HOME": str(root / "cache"),
+        "GIT_COMMIT": "0123456789",
+        "EXTRA_ARGS": " ".join(TINY),
+    }
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu_evidence.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = root / "results"
+    results.mkdir()
+    with tarfile.open(root / "out" / "evidence.tar.gz") as archive:
+        for member in archive.getmembers():
+            if Path(member.name).name.startswith("training-") and member.isfile():
+                (results / Path(member.name).name).write_bytes(archive.extractfile(member).read())
+    found = {path.stem.split("-evidence-")[1]: json.loads(path.read_text()) for path in results.glob("*.json")}
+    return {"root": root, "stdout": done.stdout, "results": results, "groups": found}
+
+
+def test_the_device_call_leaves_few_files_and_a_summary(evidence: dict[str, Any]) -> None:
+    out = sorted(p.name for p in (evidence["root"] / "out").iterdir())
+    assert out == ["evidence.tar.gz", "summary.md", "tensorboard.tar.gz"]  # the device returns at most 8 files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in out)
+    assert (
+        evidence["stdout"]
+        .rstrip()
+        .endswith(f"finished: exit status 0; results in {evidence['root']}/out/evidence.tar.gz")
+    )
+    assert "== training-cpu-" in evidence["stdout"] and "| sage-controller |" in evidence["stdout"]
+    with tarfile.open(evidence["root"] / "out" / "evidence.tar.gz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert "evidence.log" in names and "status" in names and not any(n.endswith(".tokens") for n in names)
+
+
+def test_every_training_run_of_the_matrix_sees_the_same_tokens(evidence: dict[str, Any]) -> None:
+    groups = evidence["groups"]
+    assert set(groups) == {"large-qknorm", "small-qknorm", "e2e-seq32"}
+    for name in ("large-qknorm", "small-qknorm"):
+        result = groups[name]
+        assert result["kind"] == "training" and result["commit"] == "0123456789"
+        assert result["command"].startswith("python benchmarks/pretrain_compare.py --matrix evidence")
+        assert result["matrix"]["group"] == name and result["matrix"]["tokens_per_run"] == 256
+        summaries = {s["run"]: s for s in result["summary"]}
+        assert all(s["tokens_seen"] == 256 and not s.get("error") for s in summaries.values())
+        assert summaries["full-seed1235"]["seed"] == 1235
+        assert {s["seed"] for n, s in summaries.items() if n != "full-seed1235"} == {1234}
+        assert summaries["full"]["controller"] is False and summaries["sage-fixed"]["int8_fraction"] is None
+        for row in result["rows"]:
+            assert ROW_FIELDS <= set(row) or "val_loss" in row
+        # The same validation points, in tokens, in both groups: after 128 and 256 tokens.
+        val_tokens = {r["tokens_seen"] for r in result["rows"] if "val_loss" in r}
+        assert val_tokens == {128, 256}, name
+    large = {s["run"]: s for s in groups["large-qknorm"]["summary"]}
+    assert large["full"]["steps"] == 4 and {s["steps"] for s in groups["small-qknorm"]["summary"]} == {8}
+    assert (
+        "smooth_k" not in large["sage-fixed-no-smooth-k"]["precision"]
+        and "smooth_k" in large["sage-fixed"]["precision"]
+    )
+    # Thresholds below any dS error: the controller steps dS up to bf16, and every decision keeps its record.
+    log = groups["large-qknorm"]["decision_log"]["sage-controller"]
+    assert log and {"step", "layer", "lever", "old", "new", "reason"} == set(log[0])
+    assert log[0]["lever"] == "precision" and "ds_rel_err" in log[0]["reason"]
+    assert large["sage-controller"]["int8_fraction"] < 1 and large["sage-controller"]["decisions"] == len(log)
+    assert groups["large-qknorm"]["decision_log"]["sage-fixed"] == []
+
+
+def test_the_speed_group_records_a_backend_that_cannot_run(evidence: dict[str, Any]) -> None:
+    speed = {s["run"]: s for s in evidence["groups"]["e2e-seq32"]["summary"]}
+    assert speed["full-cudnn"]["error"].startswith("ValueError: sdpa=cudnn: PyTorch's SDPA has no cudnn kernel")
+    assert speed["full-flash"]["sdpa_backend"] == "flash" and speed["full-flash"]["steps"] == 2
+    assert speed["sage-fixed"]["tokens_per_step"] == 2 * 32
+    assert evidence["groups"]["e2e-seq32"]["matrix"]["speed"] is True
+
+
+@pytest.fixture(scope="module")
+def page(evidence: dict[str, Any]) -> tuple[str, Path]:
+    doc = evidence["root"] / "docs" / "results.md"
+    text = results_doc.main(
+        ["--results", str(evidence["results"]), "--doc", str(doc), "--images", str(doc.parent / "im")]
+    )
+    return text, doc
+
+
+def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path], evidence: dict[str, Any]) -> None:
+    text, _ = page
+    large = evidence["groups"]["large-qknorm"]
+    final = {r["run"]: r["val_loss"] for r in large["rows"] if r["step"] == 4 and "val_loss" in r}
+    assert f"| full | full precision | 4 | 256 | {final['full']:.4f} |" in text
+    delta = final["sage-fixed"] - final["full"]
+    assert (
+        "| sage-fixed | SageBwd fixed (INT8 dS, K-smoothing, no Q-smoothing) | 4 | 256 | "
+        f"{final['sage-fixed']:.4f} | {delta:+.4f} |" in text
+    )
+    floor = abs(final["full-seed1235"] - final["full"])
+    assert f"Noise floor: |full - full with the second seed| = {floor:.4f} at step 4" in text
+    assert f"### large-no-qknorm: {results_doc.EVIDENCE_GROUPS['large-no-qknorm']}\n\nNot measured yet." in text
+    # The controller's record: each decision with its step, layer and reason.
+    record = large["decision_log"]["sage-controller"][0]
+    assert f"| {record['step']} | {record['layer']} | precision | {record['old']} | {record['new']} |" in text
+    assert "| full-cudnn | | failed: ValueError: sdpa=cudnn" in text
+    assert "**(i) QK-norm is needed for stability at large tokens per step.** Not measured yet." in text
+    assert (
+        "**(iii) Fewer tokens per step let SageBwd match full precision.** SageBwd fixed against full precision" in text
+    )
+
+
+def test_every_figure_and_table_names_its_json_and_command(page: tuple[str, Path], evidence: dict[str, Any]) -> None:
+    text, doc = page
+    for name, result in evidence["groups"].items():
+        json_name = f"training-cpu-{result['date'].replace('-', '')}-evidence-{name}.json"
+        assert f"[{json_name}](../results/{json_name}), made by `{result['command']}`" in text
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert (doc.parent / target).is_file(), target
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", text)
+    if HAS_MATPLOTLIB:
+        assert {Path(i).name for i in images} >= {
+            "training-cpu-" + evidence["groups"]["large-qknorm"]["date"].replace("-", "") + "-evidence-large-qknorm.png"
+        }
+        for image in images:  # each figure is followed by where its data came from
+            assert re.search(re.escape(image) + r"\)\n\nData: \[", text)
+    else:
+        assert not images and "Figure not drawn: matplotlib is not installed" in text
+
+
+def test_the_committed_results_give_a_page_that_marks_the_matrix_pending(tmp_path: Path) -> None:
+    doc = tmp_path / "docs" / "results.md"
+    text = results_doc.main(
+        ["--results", str(REPO / "benchmarks/results"), "--doc", str(doc), "--images", str(tmp_path / "im")]
+    )
+    if not list((REPO / "benchmarks/results").glob("training-*-evidence-*.json")):
+        assert "**Pending: the matrix has not run on a GPU yet.**" in text
+        for group in results_doc.EVIDENCE_GROUPS:
+            if not group.startswith("e2e-"):
+                assert re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text)
+    small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
+    sage = results_doc.final_val(small, "sage")
+    assert sage == (2000, pytest.approx(0.8135, abs=5e-5)) and f"| sage | 2000 | {sage[1]:.4f} |" in text
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert (doc.parent / target).is_file(), target
+
+
+def test_the_page_in_docs_links_only_what_exists() -> None:
+    doc = REPO / "docs" / "results.md"
+    text = doc.read_text()
+    assert text.startswith("# Evidence: SageBwd at small scale, and the controller (issue #7)")
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert (doc.parent / target).is_file(), target
+
+
+def test_older_files_and_decisions_written_as_text_are_read() -> None:
+    old = {
+        "rows": [
+            {"run": "small", "attention": "sage", "step": 10, "val_loss": 1.0},
+            {"run": "small", "attention": "full", "step": 10, "val_loss": 0.9},
+        ],
+        "decisions": {
+            "sage": ["step 500: model.blocks.2.attn precision: sagebwd:int8=qk -> full (probe dQ cos 0.8 < 0.9)"]
+        },
+    }
+    assert set(results_doc.rows_by_run(old)) == {"sage", "full"}
+    assert results_doc.difference(old, "sage", "full") == (10, pytest.approx(0.1))
+    (record,) = results_doc.decision_records(old, "sage")
+    assert record == {
+        "step": 500,
+        "layer": "model.blocks.2.attn",
+        "lever": "precision",
+        "old": "sagebwd:int8=qk",
+        "new": "full",
+        "reason": "probe dQ cos 0.8 < 0.9",
+    }
+    assert results_doc.verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
+    assert results_doc.verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
+    assert results_doc.verdict(None, 0.004) == "not measured yet"
+
+
+def test_a_missing_results_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        results_doc.main(["--results", str(tmp_path / "nowhere")])
+    assert "--results must be a folder of result JSON files; received" in capsys.readouterr().err
