@@ -63,7 +63,9 @@ matrix() {
       return 1
     }
   fi
-  "$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', 'torch', torch.__version__)"
+  # Progress lines start with "--- ": the follow-up calls print them.
+  echo "--- device: $("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() \
+    else 'cpu', 'torch', torch.__version__)" 2>&1)" >>"$WORK/evidence.log"
   local corpus=()
   if [[ "$CORPUS" == site ]]; then
     # One file, written once: TextDataModule lists its folders and stats every file on each Trainer.fit, seconds
@@ -81,7 +83,10 @@ written = files = 0
 with out.open("wb") as sink:
     for root in roots:
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md", ".rst") and p.is_file()):
-            data = path.read_bytes()[: cap - written].replace(b"\0", b"")
+            try:
+                data = path.read_bytes()[: cap - written].replace(b"\0", b"")
+            except OSError:  # unreadable: left out
+                continue
             if not data:
                 continue
             sink.write(data + b"\0")
@@ -96,14 +101,14 @@ print(
 )
 PY
     ) || { echo 1 >"$WORK/status"; return 1; }
-    echo "corpus: $note"
+    echo "--- corpus: $note" >>"$WORK/evidence.log"
     corpus=(--set "data.paths=[\"$WORK/corpus.txt\"]" --corpus-note "$note")
   fi
   local budget
   budget=$(awk "BEGIN { print $BUDGET_MINUTES - ($SECONDS - $begin) / 60 }")
   # shellcheck disable=SC2086  # EXTRA_ARGS is word-split on purpose
   "$PYTHON" benchmarks/pretrain_compare.py --matrix evidence --config "$CONFIG" --budget-minutes "$budget" \
-    --out-dir "$WORK" "${corpus[@]}" $EXTRA_ARGS >"$WORK/evidence.log" 2>&1
+    --out-dir "$WORK" "${corpus[@]}" $EXTRA_ARGS >>"$WORK/evidence.log" 2>&1
   local status=$?
   echo "$status" >"$WORK/status"
   return "$status"
