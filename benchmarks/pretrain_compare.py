@@ -524,6 +524,13 @@ def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device:
     One forward and backward of SDPA with the model's shapes (one sequence, its query and key/value heads, causal,
     ``enable_gqa`` as the model calls it) under the backend.
 
+    Args:
+        name: a key of :data:`SDPA_BACKENDS`; ``None`` or ``"default"`` checks nothing.
+        cfg: the model's shape.
+        seq_len: the training sequence length.
+        device: ``"cuda"`` or ``"cpu"``, where the run trains.
+        dtype: the attention's dtype under the run's precision (bf16 under ``bf16-mixed``).
+
     Raises:
         ValueError: the backend has no kernel for the call; the message names it and what works.
 
@@ -580,6 +587,14 @@ def warm_up(
 
     A controller in the warm-up measures dS on every step, so the kernels' statistics variant compiles here too.
 
+    Args:
+        config: the run's config (``load_config``).
+        spec: the run (or an attention name, for a run of the config as it is).
+        steps: untimed steps.
+        data: the data module (prepared).
+        timed_steps: timed steps after them.
+        sdpa: the SDPA backend when the run names none (``--sdpa-backend``).
+
     Returns:
         The median tokens/s of the timed steps (validation off), or ``None`` when ``timed_steps`` is 0.
 
@@ -630,8 +645,25 @@ def run_one(
 ) -> dict[str, Any]:
     """Train the config once as ``spec`` says; return its rows, summary and decisions.
 
-    ``run`` prefixes the TensorBoard folder; ``max_steps`` and ``max_minutes`` default to ``--max-steps`` and
-    ``--max-minutes``.
+    Args:
+        config: the config (``load_config``), the Trainer's entries included.
+        spec: the run (or an attention name, for a run of the config as it is).
+        args: the command line (``--sdpa-backend``, and ``--max-steps``/``--max-minutes`` as defaults).
+        data: the data module (prepared).
+        log_dir: the TensorBoard folder; the run logs to ``<run>-<spec.name>/version_0`` in it.
+        run: prefix of the run's TensorBoard name (the file's tag).
+        max_steps: optimizer steps (``--max-steps`` when ``None``; then the config's).
+        max_minutes: wall-clock cap (``--max-minutes`` when ``None``).
+
+    Returns:
+        ``{"rows", "summary", "decisions", "decision_log"}``.
+
+    Raises:
+        ValueError: a forced SDPA backend that cannot run the model (:func:`check_sdpa_backend`).
+
+    Example::
+
+        run_one(config, parse_run("sage:controller=off"), parse_args([]), data, Path("/tmp/tb"), "tiny", max_steps=4)
     """
     spec = RunSpec(name=spec, attention=spec) if isinstance(spec, str) else spec
     backend = spec.sdpa_backend or args.sdpa_backend
@@ -870,7 +902,15 @@ def add_outcome(result: dict[str, Any], spec: RunSpec, outcome: dict[str, Any]) 
 
 
 def write_result(result: dict[str, Any], out: Path, tag: str, quiet: bool = False, draw: bool = True) -> None:
-    """Write ``out`` (the JSON), its markdown summary and, where matplotlib is installed and ``draw``, its plot."""
+    """Write ``out`` (the JSON), its markdown summary and, where matplotlib is installed and ``draw``, its plot.
+
+    Args:
+        result: the result dict.
+        out: the JSON's path; the summary and plot go beside it (``.md``, ``.png``).
+        tag: the summary's title.
+        quiet: do not print the summary.
+        draw: draw the plot (the matrix draws it once per group).
+    """
     out.write_text(accuracy.to_json(result))
     lines = compare(result)
     decisions = [f"- {name}: {d}" for name, items in result["decisions"].items() for d in items]
@@ -1051,6 +1091,10 @@ def plan_steps(
 def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str, Any]]:
     """Run ``--matrix evidence``: warm up and time every setting, plan the steps, then train group by group.
 
+    Args:
+        args: the command line (``--groups``, the batch sizes, ``--budget-minutes`` or ``--tokens-per-run``, ...).
+        argv: the arguments as given, for the files' ``command``.
+
     Returns:
         ``{group name: result dict}``, each also written as ``training-<device>-<date>-<tag>-<group>.json``.
     """
@@ -1157,6 +1201,13 @@ def warm_up_groups(
 ) -> tuple[dict[tuple[str, str], float | None], dict[str, dict[str, float]], list[float]]:
     """Warm up every (attention, controller, SDPA backend) of each group once, timed when the steps are planned.
 
+    Args:
+        args: the command line (``--warmup-steps``, ``--calibration-steps``, ``--tokens-per-run``).
+        groups: the matrix's groups.
+        configs: each group's config, by group name.
+        datas: each group's data module (prepared), by group name.
+        tag: the progress lines' prefix.
+
     Returns:
         ``{(group, run): tokens/s}`` (``None`` where not timed or failed: a backend that cannot run is found here
         first), ``{group: {run: warm-up seconds}}``, and each timed warm-up's seconds beyond its steps (the fixed
@@ -1215,7 +1266,26 @@ def plan_matrix(
     overheads: Sequence[float],
     deadline: float | None,
 ) -> tuple[dict[str, int], int, dict[str, Any]]:
-    """Steps per group, the tokens per training run, and the plan as recorded in the result files."""
+    """Steps per group, the tokens per training run, and the plan as recorded in the result files.
+
+    The speed groups take ``--speed-steps``. The training groups share what is left of the budget after the speed
+    runs, a fixed cost per run (the warm-ups' median beyond their steps, at least 3 s) and the validations, with a
+    margin of 15%, at the measured speeds (:func:`plan_steps`); or ``--tokens-per-run`` fixes their tokens.
+
+    Args:
+        args: the command line.
+        groups: the groups to run.
+        datas: each group's data module (batch size and sequence length), by group name.
+        speeds: ``{(group, run): tokens/s}`` from the warm-ups; ``None`` where not measured.
+        overheads: the warm-ups' seconds beyond their steps.
+        deadline: ``time.perf_counter()`` at which the budget ends (``None`` with ``--tokens-per-run`` only).
+
+    Returns:
+        ``({group: steps}, tokens per training run, plan)``.
+
+    Raises:
+        ValueError: the budget is too short (:func:`plan_steps`).
+    """
     training = [g for g in groups if not g.speed]
     tokens_per_step = {g.name: datas[g.name].batch_size * datas[g.name].seq_len for g in groups}
     overhead = max(3.0, statistics.median(overheads)) if overheads else 5.0

@@ -247,7 +247,16 @@ def _pyplot() -> Any:
 
 def plot_group(result: dict[str, Any], path: Path) -> bool:
     """Loss curves of every run of a group against tokens seen (left), and each run's validation loss minus full
-    precision's with the two seeds' spread shaded (right). ``False`` where matplotlib is missing."""
+    precision's with the two seeds' spread shaded (right). ``False`` where matplotlib is missing.
+
+    Args:
+        result: a training result (a matrix group or an earlier comparison).
+        path: the PNG to write.
+
+    Example::
+
+        plot_group(json.loads(Path("benchmarks/results/training-h200-20261121-small.json").read_text()), Path("a.png"))
+    """
     plt = _pyplot()
     if plt is None:
         return False
@@ -724,6 +733,12 @@ def findings(loaded: dict[str, Any]) -> list[str]:
 
 def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False) -> str:
     """Draw the figures and write the page; returns its text.
+
+    Args:
+        results: the folder of result files.
+        doc: the page to write (links in it are relative to its folder).
+        images: the folder for the figures.
+        tracked_only: read only the result files git tracks.
 
     Example::
 
