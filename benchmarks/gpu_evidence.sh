@@ -137,7 +137,7 @@ follow() {
 collect() {
   # What has finished, into $OUT: the results and log in one archive, the TensorBoard logs in another.
   mkdir -p "$OUT"
-  (cd "$WORK" && tar -czf "$OUT/evidence.tar.gz" --exclude=./tensorboard --exclude=./pid --exclude=./corpus.txt .) 2>/dev/null
+  (cd "$WORK" && tar -czf "$OUT/evidence.tar.gz" --exclude=tensorboard --exclude=pid --exclude=corpus.txt -- *) 2>/dev/null
   [[ -d "$WORK/tensorboard" ]] && tar -czf "$OUT/tensorboard.tar.gz" -C "$WORK" tensorboard 2>/dev/null
   cat "$WORK"/training-*.md >"$OUT/summary.md" 2>/dev/null || true
 }
