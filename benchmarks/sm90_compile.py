@@ -9,9 +9,10 @@ hold garbage: nothing is numerically checked here (the tests and ``benchmarks/gp
 
 For each compiled kernel it reports: the launch config (warps, stages) and tile constexprs, shared memory and
 whether it fits, registers and spill bytes (``ptxas -v``, Triton's own ptxas), the blocks one SM holds at once
-(occupancy, from registers and shared memory), the size of the hot loop in SASS instructions and how many of
-them are quarter-rate (``loop`` column: ``instructions/quarter-rate``; the conversions and ``MUFU`` that
-Hopper issues at 16 per clock per SM, see :data:`QUARTER_RATE`), and the tensor-core
+(occupancy, from registers and shared memory), the size of the hot loop in SASS instructions, the
+instructions left when its conditional regions (a tile's mask) are skipped, and how many are quarter-rate
+(``loop`` column: ``instructions/fast path/quarter-rate``; the conversions and ``MUFU`` that Hopper issues
+at 16 per clock per SM, see :data:`QUARTER_RATE`), and the tensor-core
 instructions in the PTX (Hopper ``wgmma`` by shape and operand type, the older ``mma.sync``), with
 ``ld.local``/``st.local`` counts in the SASS.
 
@@ -114,6 +115,7 @@ class Compiled:
     local_memory_ops: int | None = None
     blocks_per_sm: int | None = None
     loop_instructions: int | None = None
+    loop_fast_path: int | None = None
     loop_quarter_rate: int | None = None
     loop_opcodes: dict = field(default_factory=dict)
     error: str | None = None
@@ -221,19 +223,26 @@ def hot_loop(sass: str) -> dict | None:
         hot_loop(sass)  # {"instructions": 870, "quarter_rate": 36, "opcodes": {"FMUL": 170, ...}}
     """
     lines = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
+    branches = [(a, int(t.group(1), 16)) for a, o, r in lines if o == "BRA" and (t := _BRANCH_TARGET.search(o + r))]
     loops = []
-    for addr, op, rest in lines:
-        target = _BRANCH_TARGET.search(op + rest) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            body = [o for a, o, _ in lines if int(target.group(1), 16) <= a <= addr]
-            if any(o.endswith("GMMA") for o in body):
-                loops.append(body)
+    for addr, target in branches:
+        if target < addr:
+            body = [(a, o) for a, o, _ in lines if target <= a <= addr]
+            if any(o.endswith("GMMA") for _, o in body):
+                loops.append((target, addr, body))
     if not loops:
         return None
-    body = min(loops, key=len)
-    opcodes = collections.Counter(body)
+    start, end, body = min(loops, key=lambda loop: len(loop[2]))
+    opcodes = collections.Counter(o for _, o in body)
+    # Forward branches inside the loop skip a region (a tile's mask, taken only on some iterations): the
+    # instructions left when every such region is skipped estimate the common iteration.
+    skipped = set()
+    for addr, target in branches:
+        if start <= addr < target <= end:
+            skipped.update(a for a, _ in body if addr < a < target)
     return {
         "instructions": len(body),
+        "fast_path": len(body) - len(skipped),
         "quarter_rate": sum(n for o, n in opcodes.items() if o in QUARTER_RATE),
         "opcodes": dict(opcodes.most_common()),
     }
@@ -288,6 +297,7 @@ def _describe(kernel: object) -> Compiled:
         mma_sync=len(_MMA_SYNC.findall(ptx)),
         local_memory_ops=len(re.findall(r"\b(?:LDL|STL)\b", sass)) if sass else None,
         loop_instructions=loop["instructions"] if loop else None,
+        loop_fast_path=loop["fast_path"] if loop else None,
         loop_quarter_rate=loop["quarter_rate"] if loop else None,
         loop_opcodes=loop["opcodes"] if loop else {},
         blocks_per_sm=blocks_per_sm(regs, meta.num_warps, meta.shared) if regs is not None else None,
@@ -366,6 +376,12 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     out.backward(torch.randn_like(out))
 
 
+def _loop_cell(row: Compiled) -> str:
+    if not row.loop_instructions:
+        return "-"
+    return f"{row.loop_instructions}/{row.loop_fast_path}/{row.loop_quarter_rate}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Compile, print a table, write ``--out`` (JSON); 1 when an entry point fails, else 0."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -398,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = sum(1 for row in _RECORDS if row.kernel != "(entry point)" and (row.error or not row.fits))
 
     print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
-    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6} {'loop':>9}"
+    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14}"
     print(f"{'case':<38} {'kernel':<28} {columns}  wgmma")
     for row in _RECORDS:
         if row.error:
@@ -413,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} "
             f"{row.spill_stores or 0:>5} {row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
             f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} "
-            f"{f'{row.loop_instructions}/{row.loop_quarter_rate}' if row.loop_instructions else '-':>9}  {mma}"
+            f"{_loop_cell(row):>14}  {mma}"
         )
     if args.out:
         args.out.write_text(

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, load_tile, load_tile_t, scores_tile
+from .forward import LOG2E, load_tile, load_tile_t, scores_tile, tile_mask
 from .quant import (
     dot_precision,
     hp_dot,
@@ -63,12 +63,18 @@ def _tile_gradients(
     SMOOTH_Q: tl.constexpr,
     DP_INT8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    masked,
 ):
-    """``P`` and ``dS`` (fp32) of one tile; both are zero where the pair takes no part."""
-    s, invalid = scores_tile(
-        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DOT_PRECISION
-    )
-    p = tl.where(invalid, 0.0, tl.math.exp2(s - lse[:, None]))
+    """``P`` and ``dS`` (fp32) of one tile; both are zero where the pair takes no part. ``masked`` (the same
+    for the whole program): whether the tile may hold such a pair; only then are the mask's compares and
+    selects run."""
+    s, _ = scores_tile(
+        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q,
+        DOT_PRECISION, False,
+    )  # fmt: skip
+    p = tl.math.exp2(s - lse[:, None])
+    if masked:
+        p = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), 0.0, p)
     if DP_INT8:
         dp = int32_to_f32(tl.dot(do_dp, tl.trans(v))) * (do_scale * v_scale)
     else:
@@ -153,6 +159,11 @@ def _dkdv_kernel(
         head = bh % HEADS
         for start_m in range(lo, SEQ_Q, BLOCK_M):
             m_block = start_m // BLOCK_M
+            # A mask only where the tile may hold a pair that takes no part: a padded key or query, or with
+            # CAUSAL a key after a query of the tile.
+            masked = ((pid_n + 1) * BLOCK_N > SEQ_K) | (start_m + BLOCK_M > SEQ_Q)
+            if CAUSAL:
+                masked = masked | (start_m + 1 < (pid_n + 1) * BLOCK_N)
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q = load_tile(Q_OP + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
             q_scale = tl.load(Q_SCALE + bh * m_blocks + m_block)
@@ -175,12 +186,12 @@ def _dkdv_kernel(
                 do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
-                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION, masked,
                 )  # fmt: skip
             else:
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do, 1.0, lse, delta, offs_m, offs_n,
-                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION, masked,
                 )  # fmt: skip
             if DV_INT8:
                 # P per key column of the tile: one scale per row of P^T, i.e. per row of dV.
@@ -290,8 +301,12 @@ def _dq_kernel(
     delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     hi = SEQ_K
+    # Key tiles before full_hi need no mask, unless this query tile has padded rows.
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+    partial_rows = (pid_m + 1) * BLOCK_M > SEQ_Q
     for start_n in range(0, hi, BLOCK_N):
         tile = start_n // BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -304,6 +319,7 @@ def _dq_kernel(
         _, ds = _tile_gradients(
             q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
             SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+            partial_rows | (start_n >= full_hi),
         )  # fmt: skip
         if DS_INT8:
             ds_scale = int8_scale(nan_max(tl.abs(ds)))

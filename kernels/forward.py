@@ -20,7 +20,6 @@ from .quant import (
     int8_codes,
     int8_scale,
     int32_to_f32,
-    nan_max,
     padded_head_dim,
     seq_bucket,
     to_dtype,
@@ -66,10 +65,14 @@ def scores_tile(
     QK_INT8: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr = True,
 ):
     """``S`` (base 2) of one tile from the quantized operands, and the mask of pairs that take no part
     (``S = -inf`` there). Shared by the forward and both backward kernels, so the backward recomputes exactly
     the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query.
+
+    ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
+    visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
     if QK_INT8:
         s = int32_to_f32(tl.dot(q, tl.trans(k)))
@@ -80,10 +83,89 @@ def scores_tile(
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
         s = s + bias[None, :]
+    if MASK:
+        invalid = tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL)
+        s = tl.where(invalid, float("-inf"), s)
+    else:
+        invalid = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
+    return s, invalid
+
+
+@triton.jit
+def tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL: tl.constexpr):
+    """The pairs of a tile that take no part: padded queries and keys, and with ``CAUSAL`` keys after their
+    query (top-left)."""
     invalid = (offs_m[:, None] >= SEQ_Q) | (offs_n[None, :] >= SEQ_K)
     if CAUSAL:
         invalid = invalid | (offs_n[None, :] > offs_m[:, None])
-    return tl.where(invalid, float("-inf"), s), invalid
+    return invalid
+
+
+@triton.jit
+def _forward_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_scale,
+    q_mean,
+    k_base,
+    v_base,
+    K_SCALE,
+    V_SCALE,
+    kv_bh,
+    k_blocks,
+    start_n,
+    offs_m,
+    cols,
+    SEQ_Q,
+    SEQ_K,
+    HEAD_DIM,
+    qk_scale,
+    full_hi,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    QK_INT8: tl.constexpr,
+    PV_INT8: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile of the forward's online softmax: returns the updated ``(acc, l_i, m_i)``.
+
+    Tiles from ``full_hi`` on (the causal diagonal, a last tile past ``SEQ_K``) are masked here; the earlier
+    ones need no mask for any stored row (a padded query row, which is never stored, goes unmasked there).
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    tile = start_n // BLOCK_N
+    k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
+    k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+    s, _ = scores_tile(
+        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale,
+        CAUSAL, QK_INT8, SMOOTH_Q, DOT_PRECISION, False,
+    )  # fmt: skip
+    if start_n >= full_hi:
+        s = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), s)
+    tile_max = tl.max(s, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
+    # A row with every key so far masked keeps max -inf; exp2(-inf - 0) = 0 leaves it empty.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if PV_INT8:
+        # V^ is stored [D, Nk]: the 8-bit product wants the summed-over keys contiguous.
+        v_t = load_tile_t(v_base, offs_n, cols, SEQ_K, HEAD_DIM)
+        # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
+        # rowmax(P~) is exp2 of the row's largest score (exp2 is monotonic), one exp2 per row instead of a
+        # reduction over the tile. A NaN score, which max skips, still reaches O through l_i.
+        p_scale = int8_scale(tl.math.exp2(tile_max - m_safe))
+        p_codes = int8_codes(p, p_scale[:, None])
+        v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+        pv = int32_to_f32(tl.dot(p_codes, tl.trans(v_t))) * (p_scale[:, None] * v_scale)
+    else:
+        v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
+    return acc * alpha[:, None] + pv, l_i, m_new
 
 
 # Every constexpr that changes the code is in the key: a tuning found for one variant (say without Q-smoothing)
@@ -142,49 +224,20 @@ def _forward_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     hi = SEQ_K
+    # Key tiles before full_hi need no mask: every key exists and, with CAUSAL, precedes every query of the tile.
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
     if CAUSAL:
         # Top-left causal: keys after the tile's last query contribute exactly zero, skip them.
         hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        tile = start_n // BLOCK_N
-        k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
-        k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
-        s, _ = scores_tile(
-            q,
-            q_scale,
-            q_mean,
-            k,
-            k_scale,
-            offs_m,
-            offs_n,
-            SEQ_Q,
-            SEQ_K,
-            qk_scale,
-            CAUSAL,
-            QK_INT8,
-            SMOOTH_Q,
+        # One loop: the mask's compares and selects run only in the tiles that need them (a branch the whole
+        # program takes alike), which keeps one software-pipelined loop.
+        acc, l_i, m_i = _forward_tile(
+            acc, l_i, m_i, q, q_scale, q_mean, k_base, v_base, K_SCALE, V_SCALE, kv_bh, k_blocks, start_n, offs_m,
+            cols, SEQ_Q, SEQ_K, HEAD_DIM, qk_scale, full_hi, BLOCK_N, CAUSAL, QK_INT8, PV_INT8, SMOOTH_Q,
             DOT_PRECISION,
-        )
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row with every key so far masked keeps max -inf; exp2(-inf - 0) = 0 leaves it empty.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PV_INT8:
-            # V^ is stored [D, Nk]: the 8-bit product wants the summed-over keys contiguous.
-            v_t = load_tile_t(v_base, offs_n, cols, SEQ_K, HEAD_DIM)
-            # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
-            p_scale = int8_scale(nan_max(p, axis=1))
-            p_codes = int8_codes(p, p_scale[:, None])
-            v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-            pv = int32_to_f32(tl.dot(p_codes, tl.trans(v_t))) * (p_scale[:, None] * v_scale)
-        else:
-            v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
-            pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        )  # fmt: skip
     out = acc / l_i[:, None]
     tl.store(
         OUT + b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :],
