@@ -18,7 +18,8 @@ instructions in the PTX (Hopper ``wgmma`` by shape and operand type, the older `
 
 Run it with the Triton the GPU image has, in a CPU-only environment (``TRITON_INTERPRET`` must be unset)::
 
-    python -m venv /tmp/tr36 && /tmp/tr36/bin/pip install torch==2.13.0 triton==3.6.0 numpy
+    python -m venv /tmp/tr36 && /tmp/tr36/bin/pip install torch==2.13.0 triton==3.6.0 numpy lightning==2.6.6 \
+        torchmetrics tensorboard     # the CPU build of torch; sage_lightning imports lightning
     /tmp/tr36/bin/pip install --no-deps -e .
     /tmp/tr36/bin/python benchmarks/sm90_compile.py --head-dim 128 --tiles 128x64 128x128 --out /tmp/sm90.json
 
