@@ -155,14 +155,16 @@ def train_checkpoint(config: dict[str, Any], data: TextDataModule, steps: int, d
 
 
 def checkpoint_name(path: Path) -> str:
-    """A short name for a checkpoint: ``<logger name>/<version>/<file>`` for ``ModelCheckpoint``'s layout, else the
-    file name.
+    """A short name for a checkpoint: ``<logger name>/<version>/<file>`` for ``ModelCheckpoint``'s layout under a
+    logger's ``version_N`` folder, else the file name (e.g. pretrain_compare.py's ``--save-checkpoint`` files).
 
     Example::
 
         checkpoint_name(Path("runs/small/version_0/checkpoints/last.ckpt"))   # "small/version_0/last.ckpt"
+        checkpoint_name(Path("/tmp/sage-evidence/checkpoints/evidence-large-qknorm-full.ckpt"))
+        # "evidence-large-qknorm-full.ckpt"
     """
-    if path.parent.name == "checkpoints" and len(path.parts) >= 4:
+    if path.parent.name == "checkpoints" and len(path.parts) >= 4 and path.parent.parent.name.startswith("version_"):
         return f"{path.parent.parent.parent.name}/{path.parent.parent.name}/{path.name}"
     return path.name
 

@@ -34,6 +34,11 @@ warm-ups (or fixed by ``--tokens-per-run``). One result file per group,
 what finished survives an interrupted matrix. ``benchmarks/gpu_evidence.sh`` runs it on the device;
 ``benchmarks/results_doc.py`` turns the files into ``docs/results.md``.
 
+``--save-checkpoint RUN`` (``GROUP/RUN`` under ``--matrix``) keeps one run's final model:
+``<out-dir>/checkpoints/<tag>-[<group>-]<run>.ckpt`` (``Trainer.save_checkpoint``, weights only) and the config it
+trained with beside it (``.yaml``, every ``--set`` and group change applied), what ``benchmarks/attribution.py
+--checkpoint ... --config ...`` needs to capture real activations from it. No other run writes a checkpoint.
+
 The model, data and callbacks are built here in Python from the config, without LightningCLI, so the script needs
 only what the package itself needs (torch, lightning, tensorboard, numpy; PyYAML comes with lightning), not
 jsonargparse. ``--set section.key=value`` changes one config entry (the value read as YAML) for every run.
@@ -57,8 +62,8 @@ Example::
     # end-to-end tokens/s at sequence 4096 against SDPA's cuDNN backend:
     python benchmarks/pretrain_compare.py --runs sage:controller=off full:controller=off,sdpa=cudnn \\
         --set data.seq_len=4096 --set data.batch_size=8 --max-steps 100 --tag seq4096
-    # issue #7's matrix in 22 minutes (benchmarks/gpu_evidence.sh):
-    python benchmarks/pretrain_compare.py --matrix evidence --budget-minutes 22
+    # issue #7's matrix in 20 minutes, keeping the first full-precision run's model (benchmarks/gpu_evidence.sh):
+    python benchmarks/pretrain_compare.py --matrix evidence --budget-minutes 20 --save-checkpoint large-qknorm/full
     # on a CPU, tiny:
     python benchmarks/pretrain_compare.py --config examples/configs/tiny.yaml --max-steps 20 --tag tiny \\
         --out-dir /tmp/compare
@@ -240,6 +245,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
     parser.add_argument("--plot-only", type=Path, default=None, help="draw the PNG of an existing result JSON")
     parser.add_argument("--corpus-note", default=None, help="what the corpus is, kept in the result's header")
+    parser.add_argument(
+        "--save-checkpoint",
+        default=None,
+        metavar="RUN | GROUP/RUN",
+        help="save this run's final model as <out-dir>/checkpoints/<tag>-<run>.ckpt (GROUP/RUN and "
+        "<tag>-<group>-<run>.ckpt under --matrix), its config beside it as .yaml, for benchmarks/attribution.py",
+    )
     matrix = parser.add_argument_group("matrix (--matrix evidence)")
     matrix.add_argument("--matrix", default=None, help=f"run a whole matrix of groups: {', '.join(MATRICES)}")
     matrix.add_argument("--groups", default=None, help="comma-separated group names to run (default: all)")
@@ -288,8 +300,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error("--matrix needs --budget-minutes (planned from measured throughput) or --tokens-per-run.")
         if args.large_batch % args.small_batch:
             refuse("--large-batch", args.large_batch, f"a multiple of --small-batch ({args.small_batch})")
+        if args.save_checkpoint is not None and args.save_checkpoint.count("/") != 1:
+            refuse("--save-checkpoint", args.save_checkpoint, "GROUP/RUN under --matrix, e.g. large-qknorm/full")
     elif args.groups is not None:
         parser.error(f"--groups selects groups of --matrix; received --groups {args.groups!r} without --matrix.")
+    elif args.save_checkpoint is not None and "/" in args.save_checkpoint:
+        refuse("--save-checkpoint", args.save_checkpoint, "a run's name without --matrix (GROUP/RUN is --matrix's)")
     if args.attention is None and args.runs is None:
         args.attention = ["sage", "full"]
     return args
@@ -642,6 +658,8 @@ def run_one(
     *,
     max_steps: int | None = None,
     max_minutes: float | None = None,
+    save_to: Path | None = None,
+    changes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train the config once as ``spec`` says; return its rows, summary and decisions.
 
@@ -654,9 +672,13 @@ def run_one(
         run: prefix of the run's TensorBoard name (the file's tag).
         max_steps: optimizer steps (``--max-steps`` when ``None``; then the config's).
         max_minutes: wall-clock cap (``--max-minutes`` when ``None``).
+        save_to: where to save the final model (:func:`save_final_model`, the config beside it); ``None``: nowhere.
+        changes: the ``SECTION.KEY=VALUE`` changes that made ``config`` from ``args.config``, for the saved config's
+            header.
 
     Returns:
-        ``{"rows", "summary", "decisions", "decision_log"}``.
+        ``{"rows", "summary", "decisions", "decision_log"}``; the summary has ``checkpoint`` (its path) where the
+        final model was saved.
 
     Raises:
         ValueError: a forced SDPA backend that cannot run the model (:func:`check_sdpa_backend`).
@@ -697,6 +719,18 @@ def run_one(
     with sdpa_backend(backend):
         trainer.fit(model, datamodule=data)
     wall = time.perf_counter() - start
+    saved = None
+    if save_to is not None:
+        try:
+            saved, config_path = save_final_model(
+                trainer, config, spec, seed, save_to, f"{args.config} with {', '.join(changes) or 'no changes'}"
+            )
+            print(
+                f"--- {run}-{spec.name}: final model (step {trainer.global_step}) in {saved}, config {config_path}",
+                flush=True,
+            )
+        except Exception as error:  # noqa: BLE001  (the run's results matter more than its checkpoint)
+            print(f"--- {run}-{spec.name}: checkpoint failed, not saved: {type(error).__name__}: {error}", flush=True)
 
     losses = curve.losses()
     tokens_per_step = data.batch_size * data.seq_len * trainer.accumulate_grad_batches * trainer.world_size
@@ -759,6 +793,8 @@ def run_one(
         "final_precisions": {name: layer.precision.short_name for name, layer in layers.items()},
         "peak_memory_gb": None if peak is None else peak / 2**10,
     }
+    if saved is not None:
+        summary["checkpoint"] = str(saved)
     del trainer, model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -768,6 +804,52 @@ def run_one(
         "decisions": [str(decision) for decision in history],
         "decision_log": [dataclasses.asdict(decision) for decision in history],
     }
+
+
+def save_final_model(
+    trainer: L.Trainer, config: dict[str, Any], spec: RunSpec, seed: int, path: Path, source: str
+) -> tuple[Path, Path]:
+    """Save a run's final model as a Lightning checkpoint and, beside it, the config it trained with.
+
+    The checkpoint is ``Trainer.save_checkpoint``'s with ``weights_only`` (the weights, the hyperparameters and the
+    global step; no optimizer state): ``LlamaPretraining.load_from_checkpoint`` rebuilds the model from it, as
+    ``benchmarks/attribution.py --checkpoint`` does. The YAML beside it (``path`` with ``.yaml``) is the config as
+    the run used it, every change applied, with the run's seed, attention and steps: give it to attribution.py's
+    ``--config``, which takes the data (corpus, tokenizer, held-out split) and the precision from it and checks its
+    ``model.config`` against the checkpoint.
+
+    Args:
+        trainer: the run's Trainer, after ``fit``.
+        config: the run's config (:func:`load_config` and the changes).
+        spec: the run.
+        seed: the seed it trained with.
+        path: the ``.ckpt`` to write (its folder is made).
+        source: where the config came from, for the YAML's header comment.
+
+    Returns:
+        ``(checkpoint, config YAML)``.
+
+    Example::
+
+        save_final_model(trainer, config, parse_run("full"), 1234, Path("/tmp/ckpt/tiny-full.ckpt"), "tiny.yaml")
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trainer.save_checkpoint(path, weights_only=True)
+    effective = copy.deepcopy(config)
+    effective["seed_everything"] = seed
+    effective["model"] = {**(effective.get("model") or {}), "attention": spec.attention}
+    effective["trainer"] = {**(effective.get("trainer") or {}), "max_steps": trainer.max_steps}
+    smoothing = {k: v for k, v in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q)) if v is not None}
+    config_path = path.with_suffix(".yaml")
+    text = (
+        f"The config of run {spec.name} as it trained (benchmarks/pretrain_compare.py --save-checkpoint): {source}; "
+        f"the run's seed, attention and steps. Its final model, step {trainer.global_step}, is {path.name} beside it."
+        + (f" The run's SageBwd smoothing, which is no config entry: {smoothing}." if smoothing else "")
+    )
+    command = f"  python benchmarks/attribution.py --config {config_path} --checkpoint {path}"
+    header = [*textwrap.wrap(text, 116), command]
+    config_path.write_text("".join(f"# {line}\n" for line in header) + yaml.safe_dump(effective, sort_keys=False))
+    return path, config_path
 
 
 def steady_tokens_per_s(windows: list[dict[str, float]]) -> float | None:
@@ -959,6 +1041,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         specs = run_specs(args)
     except ValueError as error:
         raise SystemExit(f"pretrain_compare.py: error: {error}") from None
+    if args.save_checkpoint is not None and args.save_checkpoint not in {spec.name for spec in specs}:
+        raise SystemExit(
+            "pretrain_compare.py: error: --save-checkpoint must name one of the runs, "
+            f"{', '.join(spec.name for spec in specs)}; received {args.save_checkpoint!r}."
+        )
     config = load_config(args.config, args.set)
     tag = args.tag or args.config.stem
     out_dir = args.out_dir or Path(os.environ.get("OUT") or REPO / "benchmarks" / "results")
@@ -975,7 +1062,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["warmup_s"][spec.name] = round(time.perf_counter() - start, 1)
     for spec in specs:
         print(f"--- {tag}: {spec.name}", flush=True)
-        add_outcome(result, spec, run_one(config, spec, args, data, out_dir / "tensorboard", tag))
+        save_to = out_dir / "checkpoints" / f"{tag}-{spec.name}.ckpt" if spec.name == args.save_checkpoint else None
+        outcome = run_one(config, spec, args, data, out_dir / "tensorboard", tag, save_to=save_to, changes=args.set)
+        add_outcome(result, spec, outcome)
 
     out = out_dir / f"training-{accuracy.device_slug(result['device'])}-{date_stamp(result)}-{tag}.json"
     write_result(result, out, tag)
@@ -1107,6 +1196,16 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
     seed = int(base.get("seed_everything", 0) or 0)
     seq_len = int((base.get("data") or {}).get("seq_len", 256))
     groups = evidence_groups(seed, args.large_batch, args.small_batch, seq_len)
+    save = None
+    if args.save_checkpoint is not None:
+        save = tuple(args.save_checkpoint.split("/"))
+        if save not in {(g.name, r.name) for g in groups for r in g.runs}:
+            raise SystemExit(
+                "pretrain_compare.py: error: --save-checkpoint must name a run of the matrix as GROUP/RUN, e.g. "
+                f"{groups[0].name}/{groups[0].runs[0].name}; received {args.save_checkpoint!r}. Runs: "
+                + ", ".join(f"{g.name}/{r.name}" for g in groups for r in g.runs)
+                + "."
+            )
     if args.groups is not None:
         names = [name.strip() for name in args.groups.split(",") if name.strip()]
         unknown = [name for name in names if name not in {g.name for g in groups}]
@@ -1116,6 +1215,10 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
                 f"received {args.groups!r}."
             )
         groups = [g for g in groups if g.name in names]
+        if save is not None and save[0] not in names:
+            print(
+                f"--- {tag}: --save-checkpoint {args.save_checkpoint}: its group is left out (--groups): no checkpoint"
+            )
 
     configs = {g.name: load_config(args.config, [*args.set, *g.changes]) for g in groups}
     datas = {g.name: TextDataModule(**(configs[g.name].get("data") or {})) for g in groups}
@@ -1135,19 +1238,17 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
         group_steps = steps[g.name]
         evals = 0 if g.speed else min(args.evals, group_steps)
         val_batches = 0 if g.speed else max(1, args.val_sequences // data.batch_size)
-        apply_changes(
-            config,
-            [
-                f"trainer.max_steps={group_steps}",
-                "trainer.accumulate_grad_batches=1",
-                "trainer.num_sanity_val_steps=0",
-                f"trainer.limit_val_batches={val_batches}",
-                f"trainer.val_check_interval={max(1, group_steps // max(1, evals))}",
-                # Speed runs: fewer windows, fewer host syncs; training runs: about 50 points per curve.
-                f"trainer.log_every_n_steps={max(1, group_steps // (10 if g.speed else 50))}",
-                f"model.warmup_steps={max(1, group_steps // 10)}",
-            ],
-        )
+        run_changes = [
+            f"trainer.max_steps={group_steps}",
+            "trainer.accumulate_grad_batches=1",
+            "trainer.num_sanity_val_steps=0",
+            f"trainer.limit_val_batches={val_batches}",
+            f"trainer.val_check_interval={max(1, group_steps // max(1, evals))}",
+            # Speed runs: fewer windows, fewer host syncs; training runs: about 50 points per curve.
+            f"trainer.log_every_n_steps={max(1, group_steps // (10 if g.speed else 50))}",
+            f"model.warmup_steps={max(1, group_steps // 10)}",
+        ]
+        apply_changes(config, run_changes)
         result = new_result(args, argv, data, _device(config))
         result["warmup_s"] = warmup_s[g.name]
         result["matrix"] = {
@@ -1174,10 +1275,13 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
                     continue
                 cap = left if cap is None else min(cap, left)
             print(f"--- {tag}/{g.name}: {spec.name}, {group_steps} steps, cap {cap or 0:.1f} min", flush=True)
+            save_to = None
+            if save == (g.name, spec.name):
+                save_to = out_dir / "checkpoints" / f"{tag}-{g.name}-{spec.name}.ckpt"
             try:
                 outcome = run_one(
                     config, spec, args, data, out_dir / "tensorboard", f"{tag}-{g.name}", max_steps=group_steps,
-                    max_minutes=cap,
+                    max_minutes=cap, save_to=save_to, changes=[*args.set, *g.changes, *run_changes],
                 )  # fmt: skip
                 add_outcome(result, spec, outcome)
             except Exception as error:  # noqa: BLE001  (record the failure, go on with the next run)

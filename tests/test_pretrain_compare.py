@@ -12,7 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-import pretrain_compare  # noqa: E402  (benchmarks/ is a folder of scripts)
+sys.path.insert(0, str(REPO / "examples"))
+import attribution  # noqa: E402  (benchmarks/ and examples/ are folders of scripts)
+import pretrain_compare  # noqa: E402
+from corpus import TextDataModule  # noqa: E402
 
 #: The row fields every training result carries (shared/RESULTS.md).
 ROW_FIELDS = {"run", "attention", "tokens_per_step", "qk_norm", "seed", "step", "tokens_seen", "train_loss"}
@@ -44,6 +47,8 @@ def test_sage_against_full_writes_the_training_result(tmp_path: Path, monkeypatc
             "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
             "--set",
             "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
+            "--save-checkpoint",
+            "full",
         ]
     )
     (written,) = tmp_path.glob("training-cpu-*-tiny.json")
@@ -72,6 +77,16 @@ def test_sage_against_full_writes_the_training_result(tmp_path: Path, monkeypatc
     assert "Speed, sage / full:" in markdown and "| sage | 6 |" in markdown
     assert written.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert (tmp_path / "tensorboard" / "tiny-sage" / "version_0").is_dir()
+    # --save-checkpoint full: that run's final model and the config it trained with, as attribution.py reads them.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny-full.ckpt", "tiny-full.yaml"]
+    assert summary["full"]["checkpoint"] == str(tmp_path / "checkpoints" / "tiny-full.ckpt")
+    assert "checkpoint" not in summary["sage"]
+    config = pretrain_compare.load_config(tmp_path / "checkpoints" / "tiny-full.yaml", [])
+    assert config["model"]["attention"] == "full" and config["trainer"]["max_steps"] == 6
+    assert config["model"]["config"]["n_layers"] == 2 and config["data"]["max_bytes"] == 300000
+    data = TextDataModule(**config["data"])
+    module, step = attribution.load_checkpoint(tmp_path / "checkpoints" / "tiny-full.ckpt", config, data)
+    assert step == 6 and module.attention == "full" and module.config.n_layers == 2
 
 
 def test_set_changes_one_entry_and_names_a_bad_one(tmp_path: Path) -> None:
@@ -132,6 +147,11 @@ def test_runs_name_what_sets_them_apart_and_refuse_bad_entries() -> None:
         (["--matrix", "evidence", "--tokens-per-run", "8", "--large-batch", "6", "--small-batch", "4"], "multiple"),
         (["--groups", "large-qknorm"], "--groups selects groups of --matrix"),
         (["--evals", "0"], "--evals must be an integer >= 1; received 0"),
+        (
+            ["--matrix", "evidence", "--tokens-per-run", "1", "--save-checkpoint", "full"],
+            "--save-checkpoint must be GROUP/RUN under --matrix",
+        ),
+        (["--save-checkpoint", "large-qknorm/full"], "--save-checkpoint must be a run's name without --matrix"),
     ],
 )
 def test_bad_arguments_are_refused_with_what_works(
@@ -140,6 +160,24 @@ def test_bad_arguments_are_refused_with_what_works(
     with pytest.raises(SystemExit):
         pretrain_compare.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--attention", "sage", "full", "--save-checkpoint", "ful"], "must name one of the runs, sage, full; "),
+        (
+            ["--matrix", "evidence", "--tokens-per-run", "1", "--save-checkpoint", "large-qknorm/sage"],
+            "must name a run of the matrix as GROUP/RUN, e.g. large-qknorm/full; received 'large-qknorm/sage'",
+        ),
+    ],
+)
+def test_a_checkpoint_of_a_run_that_is_not_there_is_refused_before_training(
+    argv: list[str], message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit, match=message):
+        pretrain_compare.main([*argv, "--config", str(REPO / "examples/configs/tiny.yaml"), "--out-dir", str(tmp_path)])
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_forced_sdpa_backend_that_cannot_run_the_model_is_refused_before_training() -> None:
