@@ -351,6 +351,25 @@ def _source(path: Path, result: dict[str, Any], doc: Path) -> str:
     )
 
 
+def model_source(result: dict[str, Any]) -> str:
+    """The model of an activation attribution as the page names it: its config and, where recorded, its checkpoint.
+
+    Args:
+        result: an ``accuracy-*-activations.json`` of ``benchmarks/attribution.py``.
+
+    Example::
+
+        model_source({"config": "examples/configs/small.yaml", "checkpoint": {"name": "a.ckpt", "step": 9}})
+        # "`examples/configs/small.yaml`, checkpoint `a.ckpt` (step 9)"
+    """
+    text = f"`{result.get('config', '')}`"
+    checkpoint = result.get("checkpoint") or {}
+    if checkpoint.get("name"):
+        trained = f", trained with {checkpoint['trained_with']} attention" if checkpoint.get("trained_with") else ""
+        text += f", checkpoint `{checkpoint['name']}` (step {checkpoint.get('step', '?')}{trained})"
+    return text
+
+
 def _figure(path: Path, result: dict[str, Any], image: Path, drawn: bool, doc: Path, alt: str) -> list[str]:
     lines = (
         [f"![{alt}]({os.path.relpath(image, doc.parent)})"]
@@ -651,7 +670,7 @@ def findings(loaded: dict[str, Any]) -> list[str]:
         if shares:
             top = max(shares, key=shares.get)
             text += (
-                f"On real activations ({path.name}: `{result.get('config', '')}` on {result['device']}), {top} alone "
+                f"On real activations ({path.name}: {model_source(result)}, on {result['device']}), {top} alone "
                 f"in INT8 gives {shares[top]:.0%} of dQ's squared error "
                 f"under the SageBwd defaults ({', '.join(f'{k} {v:.0%}' for k, v in sorted(shares.items()))}). "
                 + ("Agrees with the study. " if top == "ds" else "**Differs from the study**: dS is not the largest. ")
@@ -770,7 +789,11 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         "measured in the warm-ups so that the matrix fits its time budget; learning-rate warmup is a tenth of each "
         "run and the cosine ends at its last step. Validation: the same 64 held-out sequences at ten points of "
         "every run. The corpus (`CORPUS=site`, the default): the Python sources and text files of the GPU image's "
-        "standard library and site-packages, up to 256 MB of byte tokens, so that no run repeats data.",
+        "standard library and site-packages, up to 256 MB of byte tokens, so that no run repeats data. After the "
+        "matrix, in the same session, `benchmarks/attribution.py` measures the per-tensor error of section 1 on "
+        "activations captured from the final model of large-qknorm's first full-precision run, saved by the matrix "
+        "with the config it trained with (`--save-checkpoint large-qknorm/full`); every layer, 8 held-out sequences "
+        "of 2048.",
         "",
     ]
     if loaded["matrix"]:
@@ -797,7 +820,8 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
     else:
         lines += [
             "**Pending: the matrix has not run on a GPU yet.** Every matrix table below reads *not measured yet* "
-            f"until `{GPU_COMMAND}` has run and its `training-*-evidence-*.json` files are committed.",
+            f"until `{GPU_COMMAND}` has run and its `training-*-evidence-*.json` files (with its "
+            "`accuracy-*-activations.json`, section 1) are committed.",
             "",
         ]
 
@@ -807,7 +831,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
             markdown = path.with_suffix(".md")
             every = f" Every setting and tensor: {_link(markdown, doc)}." if markdown.is_file() else ""
             lines += [
-                f"Model `{result.get('config', '')}`, SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
+                f"Model {model_source(result)}; SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
                 f"float64 on the captured q, k, v and dO of each attention layer.{every}",
                 "",
                 *attribution_table(result),
@@ -818,8 +842,9 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
     else:
         lines += [
             "Not measured yet: `benchmarks/attribution.py` captures activations from a trained checkpoint and writes "
-            "`accuracy-<device>-<date>-activations.json`; this page shows its table once it is committed. Synthetic "
-            "inputs are in the README's Accuracy section.",
+            f"`accuracy-<device>-<date>-activations.json`; `{GPU_COMMAND}` runs it after the matrix, on the final "
+            "model of the matrix's first full-precision run (large-qknorm), and this page shows its table once the "
+            "file is committed. Synthetic inputs are in the README's Accuracy section.",
             "",
         ]
 
