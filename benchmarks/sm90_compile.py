@@ -201,7 +201,8 @@ _SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[0-9T]\s+)?([A-Z][
 _BRANCH_TARGET = re.compile(r"BRA\s+(?:`\()?(?:\.L_x_\d+\))?\s*(0x[0-9a-f]+)")
 #: Opcodes issued at 16 per clock per SM on sm_90 (the multi-function unit and type conversions), against
 #: 128 for float adds and multiplies: each costs the issue slots of about eight full-rate instructions.
-QUARTER_RATE = ("MUFU", "I2F", "I2FP", "F2I", "F2F", "I2I")
+#: F2IP (two floats to packed integers) is counted with them, conservatively.
+QUARTER_RATE = ("MUFU", "I2F", "I2FP", "F2I", "F2IP", "F2F", "I2I")
 
 
 def _sass(cubin: bytes) -> str | None:
