@@ -77,7 +77,6 @@ sys.path.insert(0, str(REPO / "examples"))
 import accuracy  # noqa: E402  (benchmarks/ and examples/ are folders of scripts: their helpers are imported so)
 import pretrain_compare  # noqa: E402
 from corpus import TextDataModule, TokenWindows  # noqa: E402
-from llama import LlamaConfig  # noqa: E402
 from pretrain import LlamaPretraining  # noqa: E402
 
 from sage_lightning import AttentionPrecision, attention_layers  # noqa: E402
@@ -94,23 +93,6 @@ class UsageError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------------- the model
-
-
-def build_module(config: dict[str, Any], data: TextDataModule, attention: str) -> LlamaPretraining:
-    """``LlamaPretraining`` as the config's ``model`` section builds it, its vocabulary and length from ``data``.
-
-    Args:
-        config: the parsed YAML (``pretrain_compare.load_config``).
-        data: the config's data module (vocabulary size, sequence length).
-        attention: the layers' starting precision (``"full"``, ``"sage"``, ...).
-
-    Example::
-
-        module = build_module(config, data, "full")
-    """
-    model_args = dict(config.get("model") or {})
-    shape = {**(model_args.get("config") or {}), "vocab_size": data.vocab_size, "max_seq_len": data.seq_len}
-    return LlamaPretraining(**{**model_args, "config": LlamaConfig(**shape), "attention": attention})
 
 
 def train_checkpoint(config: dict[str, Any], data: TextDataModule, steps: int, device: str, path: Path) -> Path:
@@ -131,7 +113,7 @@ def train_checkpoint(config: dict[str, Any], data: TextDataModule, steps: int, d
         train_checkpoint(config, data, 200, "cpu", Path("/tmp/tiny-full-200steps.ckpt"))
     """
     L.seed_everything(int(config.get("seed_everything", 0) or 0), workers=True)
-    module = build_module(config, data, "full")
+    module = pretrain_compare.build_model(config, pretrain_compare.parse_run("full"), data)
     own = pretrain_compare._TRAINER_OWN
     trainer_args = {key: value for key, value in (config.get("trainer") or {}).items() if key not in own}
     trainer_args.update(

@@ -27,6 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import results_doc  # noqa: E402  (the evidence page's table of a speed group, steady tokens/s and peak memory)
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
@@ -122,30 +126,15 @@ def e2e_lines(results: Path = RESULTS) -> list[str]:
     if found is None:
         return [
             "End-to-end training throughput of the example model at sequence 4096 against SDPA cuDNN: not measured "
-            "yet (`benchmarks/pretrain_compare.py --tag e2e-seq4096 ...`)."
+            "yet (`benchmarks/gpu_evidence.sh`, its group e2e-seq4096)."
         ]
     path, data = found
-    per_run: dict[str, dict] = {}
-    for row in data["rows"]:
-        run = per_run.setdefault(row["run"], {"attention": row.get("attention"), "speeds": [], "peak": None})
-        if row.get("tokens_per_s"):
-            run["speeds"].append(row["tokens_per_s"])
-        if row.get("peak_mem_mb") is not None:
-            run["peak"] = max(run["peak"] or 0, row["peak_mem_mb"])
     lines = [
         f"End to end ({data['device']}, {data['date']}, commit `{data['commit'][:10]}`, "
-        f"[{path.name}](benchmarks/results/{path.name}), `{data['command']}`): median tokens/s over the logged "
-        "windows.",
+        f"[{path.name}](benchmarks/results/{path.name}), `{data['command']}`):",
         "",
-        "| run | attention | tokens/s | peak memory MiB |",
-        "|---|---|---:|---:|",
     ]
-    for name, run in per_run.items():
-        speeds = sorted(run["speeds"])
-        median = speeds[len(speeds) // 2] if speeds else None
-        peak = f"{run['peak']:.0f}" if run["peak"] is not None else ""
-        lines.append(f"| {name} | {run['attention']} | {median:,.0f} | {peak} |" if median else f"| {name} | | | |")
-    return lines
+    return lines + results_doc.speed_table(data)
 
 
 def generate(results: Path = RESULTS) -> str:

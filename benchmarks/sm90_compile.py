@@ -253,25 +253,19 @@ def hot_loop(sass: str) -> dict | None:
 _DUMP = {"dir": None}
 
 
-def _dump(kernel: object) -> None:
-    """Write the kernel's PTX and SASS (``cuobjdump -sass``) into ``--dump`` for reading."""
+def _dump(kernel: object, sass: str | None) -> None:
+    """Write the kernel's PTX and SASS into ``--dump`` for reading."""
     folder = Path(_DUMP["dir"])
     folder.mkdir(parents=True, exist_ok=True)
     meta = kernel.metadata
     stem = f"{len(_RECORDS):03d}-{kernel.name}-w{meta.num_warps}s{meta.num_stages}"
     (folder / f"{stem}.ptx").write_text(kernel.asm.get("ptx", ""))
-    if "cubin" in kernel.asm:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "k.cubin"
-            path.write_bytes(kernel.asm["cubin"])
-            done = subprocess.run([_bin("cuobjdump"), "-sass", str(path)], capture_output=True, text=True)
-        (folder / f"{stem}.sass").write_text(done.stdout)
+    if sass is not None:
+        (folder / f"{stem}.sass").write_text(sass)
 
 
 def _describe(kernel: object) -> Compiled:
     """Read a compiled kernel's metadata, PTX and cubin into a :class:`Compiled` row."""
-    if _DUMP["dir"] is not None:
-        _dump(kernel)
     meta = kernel.metadata
     constants = {}
     for key, value in getattr(kernel.src, "constants", {}).items():
@@ -283,6 +277,8 @@ def _describe(kernel: object) -> Compiled:
     wgmma = collections.Counter(".".join(m) for m in _WGMMA.findall(ptx))
     regs, stores, loads = _ptxas_usage(ptx, f"sm_{meta.target.arch}a" if meta.target.arch == 90 else "sm_90")
     sass = _sass(kernel.asm["cubin"]) if "cubin" in kernel.asm else None
+    if _DUMP["dir"] is not None:
+        _dump(kernel, sass)
     loop = hot_loop(sass) if sass else None
     return Compiled(
         kernel=kernel.name,

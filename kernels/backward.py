@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, load_tile, load_tile_t, scores_tile, tile_mask
+from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 from .quant import (
     dot_precision,
     hp_dot,
@@ -303,12 +303,8 @@ def _dq_kernel(
     lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
     delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    hi = SEQ_K
     # Key tiles before full_hi need no mask, unless this query tile has padded rows.
-    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
-        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+    hi, full_hi = key_range(pid_m, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     partial_rows = (pid_m + 1) * BLOCK_M > SEQ_Q
     for start_n in range(0, hi, BLOCK_N):
         tile = start_n // BLOCK_N

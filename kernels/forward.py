@@ -102,6 +102,19 @@ def tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def key_range(pid_m, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(hi, full_hi)`` for query tile ``pid_m``: it visits the key tiles below ``hi`` (top-left causal: keys after
+    its last query contribute exactly zero and are skipped), and those below ``full_hi`` need no mask (every key
+    exists and, with ``CAUSAL``, precedes every query of the tile)."""
+    hi = SEQ_K
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+    return hi, full_hi
+
+
+@triton.jit
 def _forward_tile(
     acc,
     l_i,
@@ -223,13 +236,7 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    hi = SEQ_K
-    # Key tiles before full_hi need no mask: every key exists and, with CAUSAL, precedes every query of the tile.
-    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        # Top-left causal: keys after the tile's last query contribute exactly zero, skip them.
-        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
-        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+    hi, full_hi = key_range(pid_m, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, hi, BLOCK_N):
         # One loop: the mask's compares and selects run only in the tiles that need them (a branch the whole
         # program takes alike), which keeps one software-pipelined loop.
