@@ -145,11 +145,12 @@ def _dkdv_kernel(
     if DP_INT8:
         v_scale = tl.load(V_SCALE + pid_bkv * k_blocks + pid_n)
     io_dtype = DK.dtype.element_ty
-    # dK and dV are accumulated transposed, [D, BLOCK_N]: the tile's codes of P and dS are then the products'
-    # right-hand operands, which go to shared memory as the 8-bit tensor-core product reads them, instead of
-    # left-hand operands transposed in registers.
-    dk = tl.zeros([D_PAD, BLOCK_N], dtype=tl.float32)
-    dv = tl.zeros([D_PAD, BLOCK_N], dtype=tl.float32)
+    # dK and dV are accumulated [BLOCK_N, D], the codes of P and dS as left-hand operands. The transposed form
+    # ([D, BLOCK_N], the codes as right-hand operands, 0fd6d4e) returned a wrong dV on H100 and H200 under Triton
+    # 3.6 (rel_l2 1.03, cosine -0.5; dK in the same form was right) while passing in the interpreter, which runs
+    # tl.dot in numpy and never sees the GPU's operand layouts; it was also slower there (NOTES.md).
+    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     # Per key column, so the loop carries tensors of one type (a scalar 0.0 would change type in the loop).
     err2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     norm2 = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -202,9 +203,9 @@ def _dkdv_kernel(
                 p_codes = int8_codes(p, p_scale[None, :])
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                dv += int32_to_f32(tl.dot(do_t, p_codes)) * (p_scale[None, :] * do_scale)
+                dv += int32_to_f32(tl.dot(tl.trans(p_codes), tl.trans(do_t))) * (p_scale[:, None] * do_scale)
             else:
-                dv += hp_dot(tl.trans(do), to_dtype(p, io_dtype, DOT_PRECISION), DOT_PRECISION)
+                dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
                 # The INT8 error of dS whatever ds runs in, so the controller sees what it would return to.
                 stat_scale = int8_scale(nan_max(tl.abs(ds)))
@@ -219,19 +220,19 @@ def _dkdv_kernel(
                 ds_codes = int8_codes(ds, ds_scale)
                 if QK_INT8:
                     q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                    dk += int32_to_f32(tl.dot(q_t, ds_codes)) * (ds_scale * q_scale)
+                    dk += int32_to_f32(tl.dot(tl.trans(ds_codes), tl.trans(q_t))) * (ds_scale * q_scale)
                 else:
-                    ds_hp = to_dtype(ds_codes, io_dtype, DOT_PRECISION)
-                    dk += hp_dot(tl.trans(q), ds_hp, DOT_PRECISION) * (ds_scale * q_scale)
+                    ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
+                    dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
             else:
-                ds_hp = to_dtype(ds, io_dtype, DOT_PRECISION)
-                dk += hp_dot(tl.trans(to_dtype(q, io_dtype, DOT_PRECISION)), ds_hp, DOT_PRECISION) * q_scale
+                ds_t = tl.trans(to_dtype(ds, io_dtype, DOT_PRECISION))
+                dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * q_scale
             if SMOOTH_Q:
-                dk += q_mean[:, None] * tl.sum(ds, axis=0)[None, :]
+                dk += tl.sum(ds, axis=0)[:, None] * q_mean[None, :]
     mask = (offs_n[:, None] < SEQ_K) & (cols[None, :] < HEAD_DIM)
     out_offs = pid_bkv * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + cols[None, :]
-    tl.store(DK + out_offs, to_dtype(tl.trans(dk) * tau, io_dtype, DOT_PRECISION), mask=mask)
-    tl.store(DV + out_offs, to_dtype(tl.trans(dv), io_dtype, DOT_PRECISION), mask=mask)
+    tl.store(DK + out_offs, to_dtype(dk * tau, io_dtype, DOT_PRECISION), mask=mask)
+    tl.store(DV + out_offs, to_dtype(dv, io_dtype, DOT_PRECISION), mask=mask)
     if WITH_STATS:
         tl.atomic_add(STATS, tl.sum(err2, axis=0))
         tl.atomic_add(STATS + 1, tl.sum(norm2, axis=0))
