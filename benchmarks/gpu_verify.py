@@ -62,16 +62,17 @@ PRECISIONS: dict[str, dict[str, Any]] = {
     "attn_qat": {"mode": "attn_qat"},
     "attn_qat_dropin": {"mode": "attn_qat", "qat_backward": "dropin"},
 }
-#: Relative L2 bounds, Triton against the reference, per tensor (the GPU's approximate exp2 and division flip a few
-#: bf16 values or codes; tests/test_triton_kernels.py and tests/test_attn_qat.py use the same on CUDA).
-BOUNDS = {"O": 4e-3, "O_attn_qat": 1e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2, "ds_stats": 2e-3}
+#: Relative L2 bounds, Triton against the reference, per tensor: the GPU's approximate exp2 and division flip a few
+#: bf16 values or INT8 codes (tests/test_triton_kernels.py uses the same on CUDA). Attn-QAT's O: a flipped E2M1 code
+#: of P moves by a whole FP4 step, so O differs more (measured on an H100 up to 2.1e-2 at N=1000-4096, GQA), still a
+#: tenth of the format's own error against float64 (rel_l2 0.19, accuracy-h200-20261121-triton-attn_qat.md).
+BOUNDS = {"O": 4e-3, "O_attn_qat": 3e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2, "ds_stats": 2e-3}
 SEQS, HEAD_DIMS, HEADS = (1000, 4096, 8192), (64, 128), ((2, 2), (4, 2))
 #: Cosine to float64 of the SageBwd default (INT8 dS) on N(0, 1) inputs, N=4096, D=128 (issue #3's bars).
 ACCURACY_BARS = {"O": 0.999, "dV": 0.999, "dQ": 0.997, "dK": 0.997}
 ACCURACY_INPUTS = "normal sigma=1"
-#: Largest |val_loss(SageBwd) - val_loss(full)| at the end of the parity run, in nats. Calibrated on an H100
-#: (benchmarks/NOTES.md): the two are 0.0x apart when the kernels are right and the broken dV of 0fd6d4e ended
-#: 0.x apart.
+#: Largest |val_loss(SageBwd) - val_loss(full)| at the end of the parity run, in nats. On an H100 (NOTES.md) the
+#: two ended 0.008 apart with the kernels right; the broken dV of 0fd6d4e is measured beside it there.
 PARITY_TOLERANCE = 0.05
 #: Wall-clock cap of the whole call, seconds (each part is stopped there and counts as failed).
 TIME_LIMIT_S = 470
