@@ -400,6 +400,20 @@ def quiet_known_noise() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
+def tensorboard_command() -> str:
+    """``tensorboard`` beside this Python (``.venv/bin/tensorboard`` from the repository), so it runs as printed.
+
+    Example::
+
+        tensorboard_command()      # ".venv/bin/tensorboard" when run as .venv/bin/python from the repository
+    """
+    beside = Path(sys.executable).parent / "tensorboard"
+    if not beside.is_file():
+        return "tensorboard"
+    relative = os.path.relpath(beside)
+    return relative if not relative.startswith("..") else str(beside)
+
+
 def logger_save_dir(default_root_dir: str | None) -> str:
     """The logger's ``save_dir``: the Trainer's ``default_root_dir`` (the current folder when unset, as in Lightning).
 
@@ -546,7 +560,7 @@ class PretrainCLI(LightningCLI):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 lines.append(f"TensorBoard logs: {logger.log_dir}")
-                lines.append(f"  open them: .venv/bin/tensorboard --logdir {logger.root_dir}")
+                lines.append(f"  open them: {tensorboard_command()} --logdir {logger.root_dir}")
         for checkpoint in trainer.checkpoint_callbacks:
             if isinstance(checkpoint, ModelCheckpoint) and checkpoint.last_model_path:
                 lines.append(f"last checkpoint: {checkpoint.last_model_path}")

@@ -210,7 +210,8 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "open them: tensorboard --logdir" in done.stdout
+    tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
+    assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
