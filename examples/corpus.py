@@ -30,7 +30,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 #: Bump when the token file's layout changes: older cache files are then rebuilt, not misread.
 FORMAT_VERSION = 1
@@ -337,16 +337,21 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
-class EpochShuffle(Sampler[int]):
-    """A new permutation of ``range(size)`` each epoch, from ``seed`` and the epoch alone, able to start mid-epoch.
+class EpochShuffle(DistributedSampler):
+    """A new permutation of ``range(size)`` each epoch, from ``seed`` and the epoch alone, sharded over ranks,
+    able to start mid-epoch.
 
     Lightning calls :meth:`set_epoch` at each epoch's start. Because the order depends on nothing else (not on
     torch's global generator, which Lightning does not checkpoint), a resumed run sees the same order as the
-    uninterrupted one; :meth:`skip` drops the indices an interrupted epoch had already served.
+    uninterrupted one; :meth:`skip` drops the indices an interrupted epoch had already served. Each of
+    ``num_replicas`` ranks takes every ``num_replicas``-th index of the permutation (the tail that does not
+    divide evenly is dropped). A ``DistributedSampler``, so Lightning's DDP keeps it rather than replacing it.
 
     Args:
         size: the number of items.
         seed: the shuffle's seed.
+        num_replicas: the ranks sharing the data (the world size).
+        rank: this process's rank among them.
 
     Example::
 
@@ -356,29 +361,29 @@ class EpochShuffle(Sampler[int]):
         list(sampler)       # the last 6 indices of epoch 1's permutation
     """
 
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, int(seed), 0
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(
+            range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=int(seed), drop_last=True
+        )
+        self.size = size
         self._skip = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch ``epoch``'s permutation from the next iteration on."""
-        self.epoch = int(epoch)
-
     def skip(self, count: int) -> None:
-        """Leave out the first ``count`` indices of the next iteration (once)."""
+        """Leave out the first ``count`` indices of this rank's next iteration (once)."""
         self._skip = int(count)
 
     def permutation(self) -> torch.Tensor:
-        """This epoch's order, the same in every process and every run."""
+        """This epoch's order over all ranks, the same in every process and every run."""
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.size, generator=generator)
 
     def __iter__(self) -> Iterator[int]:
         start, self._skip = self._skip, 0
-        return iter(self.permutation()[start:].tolist())
+        shard = self.permutation()[: self.num_samples * self.num_replicas][self.rank :: self.num_replicas]
+        return iter(shard[start:].tolist())
 
     def __len__(self) -> int:
-        return self.size
+        return self.num_samples
 
 
 class ResumableLoader(DataLoader):
@@ -394,6 +399,8 @@ class ResumableLoader(DataLoader):
         dataset: a map-style dataset.
         batch_size: items per batch; the last, partial batch of an epoch is dropped.
         seed: the shuffle's seed (:class:`EpochShuffle`).
+        num_replicas: the ranks sharing the data, each reading its own shard (the world size).
+        rank: this process's rank.
         position: returns the batches consumed in the current epoch (or ``None`` when it cannot tell); ``None``
             to count the yielded ones.
         **kwargs: the rest of :class:`torch.utils.data.DataLoader`'s arguments (not ``sampler`` or ``shuffle``).
@@ -409,10 +416,12 @@ class ResumableLoader(DataLoader):
         dataset: Dataset,
         batch_size: int,
         seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
         position: Any = None,
         **kwargs: Any,
     ) -> None:
-        self.epoch_shuffle = EpochShuffle(len(dataset), seed)  # type: ignore[arg-type]
+        self.epoch_shuffle = EpochShuffle(len(dataset), seed, num_replicas, rank)  # type: ignore[arg-type]
         self.position = position
         self._yielded = 0
         super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_shuffle, drop_last=True, **kwargs)
@@ -558,15 +567,22 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = TokenWindows(self.token_file, dtype, split, total, self.seq_len)
 
     def train_dataloader(self) -> ResumableLoader:
-        """Training windows, a new order each epoch from :attr:`seed` and the epoch, resumable mid-epoch."""
+        """Training windows, a new order each epoch from :attr:`seed` and the epoch, resumable mid-epoch.
+
+        Under DDP each rank reads its own shard of that order (:class:`EpochShuffle` is a ``DistributedSampler``,
+        which Lightning keeps as it is).
+        """
         if self.train_set is None:
             raise RuntimeError("TextDataModule: call setup() before asking for a dataloader.")
         if self.seed is None:
             self.seed = torch.initial_seed() % 2**31
+        trainer = self.trainer
         return ResumableLoader(
             self.train_set,
             batch_size=self.batch_size,
             seed=self.seed,
+            num_replicas=trainer.world_size if trainer is not None else 1,
+            rank=trainer.global_rank if trainer is not None else 0,
             position=self._batches_consumed,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),

@@ -341,7 +341,7 @@ class StepProgressBar(_ReadableMetrics, RichProgressBar if _RICH_AVAILABLE else 
         description = f"Epoch {current_epoch}"
         if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
             description += f"/{self.trainer.max_epochs - 1}"
-        return f"{description:{len(self.validation_description)}}"
+        return f"{description:{len(getattr(self, 'validation_description', ''))}}"
 
 
 class ParameterSummary(ModelSummary):
@@ -502,7 +502,7 @@ class PretrainCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError, FileNotFoundError, ImportError) as error:
+        except (ValueError, FileNotFoundError, ImportError) as error:
             # The classes validate their arguments: the message names the argument, the value and what works.
             raise UsageError(str(error)) from None
 
@@ -601,7 +601,10 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         trainer_defaults={
             "default_root_dir": "runs",
             # save_dir comes from default_root_dir (linked in PretrainCLI.add_arguments_to_parser).
-            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger"},
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"default_hp_metric": False},
+            },
         },
     )
 

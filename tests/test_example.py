@@ -365,6 +365,22 @@ def test_loader_state_at_an_epoch_end_starts_the_next_epoch(tmp_path: Path, corp
     assert not torch.equal(next(iter(loader))["input_ids"], whole[0])  # epoch 1 has an order of its own
 
 
+def test_ranks_read_disjoint_shards_of_one_order() -> None:
+    """Under DDP each rank takes its shard of the epoch's order; Lightning keeps the sampler (a DistributedSampler)."""
+    from corpus import EpochShuffle
+
+    ranks = [EpochShuffle(11, seed=5, num_replicas=2, rank=rank) for rank in (0, 1)]
+    assert all(isinstance(sampler, torch.utils.data.DistributedSampler) for sampler in ranks)
+    shards = [list(sampler) for sampler in ranks]
+    assert [len(shard) for shard in shards] == [5, 5] and not set(shards[0]) & set(shards[1])
+    order = ranks[0].permutation().tolist()
+    assert shards[0] == order[0:10:2] and shards[1] == order[1:10:2]
+    ranks[1].skip(2)  # a resumed rank leaves out what it had read, from its own shard
+    assert list(ranks[1]) == shards[1][2:] and list(ranks[1]) == shards[1]
+    ranks[0].set_epoch(1)
+    assert list(ranks[0]) != shards[0]
+
+
 def _cli_args(root: Path, corpus: Path, *extra: str) -> list[str]:
     return [
         "fit",
