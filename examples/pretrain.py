@@ -20,7 +20,7 @@ resumes that run into the same ``version_N`` and continues exactly where it stop
 Any argument of the model (``--model.config.n_layers 8``), the data (``--data.paths my_text/``), the
 Trainer (``--trainer.max_steps 500``) or the callback
 (``--adaptive_precision.init_args.config.ds_rel_err_high 0.15``) can be changed on the command line;
-``python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
+``.venv/bin/python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
 LightningCLI needs ``jsonargparse[signatures]`` (``pip install "sage-lightning[examples]"``; ``make demo``
 installs it).
 """
