@@ -844,7 +844,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
             "Not measured yet: `benchmarks/attribution.py` captures activations from a trained checkpoint and writes "
             f"`accuracy-<device>-<date>-activations.json`; `{GPU_COMMAND}` runs it after the matrix, on the final "
             "model of the matrix's first full-precision run (large-qknorm), and this page shows its table once the "
-            "file is committed. Synthetic inputs are in the README's Accuracy section.",
+            "file is committed. Synthetic inputs are in docs/accuracy.md.",
             "",
         ]
 

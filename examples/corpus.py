@@ -30,7 +30,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 #: Bump when the token file's layout changes: older cache files are then rebuilt, not misread.
 FORMAT_VERSION = 1
@@ -337,17 +337,131 @@ class TokenWindows(Dataset):
         return {**self.__dict__, "_tokens": None}
 
 
+class EpochShuffle(DistributedSampler):
+    """A new permutation of ``range(size)`` each epoch, from ``seed`` and the epoch alone, sharded over ranks,
+    able to start mid-epoch.
+
+    Lightning calls :meth:`set_epoch` at each epoch's start. Because the order depends on nothing else (not on
+    torch's global generator, which Lightning does not checkpoint), a resumed run sees the same order as the
+    uninterrupted one; :meth:`skip` drops the indices an interrupted epoch had already served. Each of
+    ``num_replicas`` ranks takes every ``num_replicas``-th index of the permutation (the tail that does not
+    divide evenly is dropped). A ``DistributedSampler``, so Lightning's DDP keeps it rather than replacing it.
+
+    Args:
+        size: the number of items.
+        seed: the shuffle's seed.
+        num_replicas: the ranks sharing the data (the world size).
+        rank: this process's rank among them.
+
+    Example::
+
+        sampler = EpochShuffle(10, seed=0)
+        sampler.set_epoch(1)
+        sampler.skip(4)
+        list(sampler)       # the last 6 indices of epoch 1's permutation
+    """
+
+    def __init__(self, size: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(
+            range(size), num_replicas=num_replicas, rank=rank, shuffle=True, seed=int(seed), drop_last=True
+        )
+        self.size = size
+        self._skip = 0
+
+    def skip(self, count: int) -> None:
+        """Leave out the first ``count`` indices of this rank's next iteration (once)."""
+        self._skip = int(count)
+
+    def permutation(self) -> torch.Tensor:
+        """This epoch's order over all ranks, the same in every process and every run."""
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.size, generator=generator)
+
+    def __iter__(self) -> Iterator[int]:
+        start, self._skip = self._skip, 0
+        shard = self.permutation()[: self.num_samples * self.num_replicas][self.rank :: self.num_replicas]
+        return iter(shard[start:].tolist())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ResumableLoader(DataLoader):
+    """Shuffled training batches that a checkpoint can resume mid-epoch (Lightning's ``state_dict`` interface).
+
+    Lightning saves :meth:`state_dict` in each checkpoint and hands it back to :meth:`load_state_dict` before the
+    resumed run's first batch, so the resumed run continues with the batch the interrupted one would have taken
+    next. The position is the batches the training loop has consumed this epoch: ``position()`` when given
+    (the Lightning trainer's count, which does not include the batch its data fetcher reads ahead), otherwise
+    the batches this loader has yielded.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_size: items per batch; the last, partial batch of an epoch is dropped.
+        seed: the shuffle's seed (:class:`EpochShuffle`).
+        num_replicas: the ranks sharing the data, each reading its own shard (the world size).
+        rank: this process's rank.
+        position: returns the batches consumed in the current epoch (or ``None`` when it cannot tell); ``None``
+            to count the yielded ones.
+        **kwargs: the rest of :class:`torch.utils.data.DataLoader`'s arguments (not ``sampler`` or ``shuffle``).
+
+    Example::
+
+        loader = ResumableLoader(windows, batch_size=16, seed=1234)
+        state = loader.state_dict()      # {"seed": 1234, "epoch": 0, "batches": 0}
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        seed: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        position: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self.epoch_shuffle = EpochShuffle(len(dataset), seed, num_replicas, rank)  # type: ignore[arg-type]
+        self.position = position
+        self._yielded = 0
+        super().__init__(dataset, batch_size=batch_size, sampler=self.epoch_shuffle, drop_last=True, **kwargs)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._yielded = 0
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"seed", "epoch", "batches"}``: where the next batch comes from."""
+        consumed = self.position() if self.position is not None else None
+        batches = self._yielded if consumed is None else consumed
+        return {"seed": self.epoch_shuffle.seed, "epoch": self.epoch_shuffle.epoch, "batches": int(batches)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` (what :meth:`state_dict` returned in the interrupted run)."""
+        self.epoch_shuffle.seed = int(state["seed"])
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        if batches >= len(self):  # saved at an epoch's end: the next epoch starts from its beginning
+            epoch, batches = epoch + 1, 0
+        self.epoch_shuffle.set_epoch(epoch)
+        self.epoch_shuffle.skip(batches * self.batch_size)
+
+
 class TextDataModule(L.LightningDataModule):
     """Next-token prediction on a text corpus: tokenized once into a memory-mapped file, served as windows.
 
     ``prepare_data`` (once per node) writes the token file, or finds it in the cache; ``setup`` opens it and
     splits it: the last ``val_fraction`` of the tokens is the validation set, the rest training, so no window of
     one overlaps the other and the split is the same on every run. Batches are dicts of ``input_ids`` and
-    ``labels`` (``[batch_size, seq_len]``, the labels shifted by one), training windows shuffled each epoch.
+    ``labels`` (``[batch_size, seq_len]``, the labels shifted by one), training windows shuffled each epoch by a
+    :class:`ResumableLoader`, so a run resumed from a mid-epoch checkpoint reads the batches the uninterrupted
+    run would have read.
 
     Args:
-        paths: text files and folders; ``None`` (default) for the built-in corpus, the Python standard library's
-            own ``*.py`` files on this machine (no download). Folders contribute files ending in ``suffixes``.
+        paths: a text file or folder, or a list of them; ``None`` (default) for the built-in corpus, the Python
+            standard library's own ``*.py`` files on this machine (no download). Folders contribute files ending
+            in ``suffixes``.
         tokenizer: ``"bytes"`` (default: byte-level tokens, vocabulary 256) or a local folder with a Hugging Face
             tokenizer (``save_pretrained`` output; needs ``sage-lightning[hf]``).
         seq_len: tokens per training sequence.
@@ -358,6 +472,8 @@ class TextDataModule(L.LightningDataModule):
         suffixes: file endings read from folders.
         cache_dir: folder for token files; ``None`` for ``~/.cache/sage-lightning/tokens``.
         num_workers: DataLoader worker processes (0 reads in the training process; windows are a memory copy).
+        seed: the training order's seed; ``None`` for torch's initial seed when the first training loader is
+            made (``seed_everything``'s seed). Kept in checkpoints.
 
     Raises:
         FileNotFoundError: a path or tokenizer folder that does not exist.
@@ -372,7 +488,7 @@ class TextDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        paths: list[str] | None = None,
+        paths: list[str] | str | None = None,
         tokenizer: str = "bytes",
         seq_len: int = 256,
         batch_size: int = 16,
@@ -381,6 +497,7 @@ class TextDataModule(L.LightningDataModule):
         suffixes: list[str] | None = None,
         cache_dir: str | None = None,
         num_workers: int = 0,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -397,9 +514,12 @@ class TextDataModule(L.LightningDataModule):
             raise ValueError(f"TextDataModule: num_workers must be an integer >= 0; received {num_workers!r}.")
         if paths is not None and not isinstance(paths, (str, os.PathLike, list, tuple)):
             raise ValueError(
-                f"TextDataModule: paths must be a list of text files and folders, or None for the built-in corpus; "
-                f"received {type(paths).__name__}."
+                f"TextDataModule: paths must be a text file or folder, a list of them, or None for the built-in "
+                f"corpus; received {type(paths).__name__}."
             )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"TextDataModule: seed must be an integer or None; received {seed!r}.")
+        self.seed = seed
         self.paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
         self.seq_len, self.batch_size, self.val_fraction = seq_len, batch_size, val_fraction
         self.max_bytes, self.num_workers = max_bytes, num_workers
@@ -446,23 +566,44 @@ class TextDataModule(L.LightningDataModule):
         self.train_set = TokenWindows(self.token_file, dtype, 0, split, self.seq_len)
         self.val_set = TokenWindows(self.token_file, dtype, split, total, self.seq_len)
 
-    def train_dataloader(self) -> DataLoader:
-        """Training windows, shuffled (by torch's global generator, which ``seed_everything`` seeds)."""
-        return self._loader(self.train_set, shuffle=True)
+    def train_dataloader(self) -> ResumableLoader:
+        """Training windows, a new order each epoch from :attr:`seed` and the epoch, resumable mid-epoch.
 
-    def val_dataloader(self) -> DataLoader:
-        """Validation windows, in order."""
-        return self._loader(self.val_set, shuffle=False)
-
-    def _loader(self, dataset: TokenWindows | None, shuffle: bool) -> DataLoader:
-        if dataset is None:
+        Under DDP each rank reads its own shard of that order (:class:`EpochShuffle` is a ``DistributedSampler``,
+        which Lightning keeps as it is).
+        """
+        if self.train_set is None:
             raise RuntimeError("TextDataModule: call setup() before asking for a dataloader.")
-        return DataLoader(
-            dataset,
+        if self.seed is None:
+            self.seed = torch.initial_seed() % 2**31
+        trainer = self.trainer
+        return ResumableLoader(
+            self.train_set,
             batch_size=self.batch_size,
-            shuffle=shuffle,
-            drop_last=shuffle,
+            seed=self.seed,
+            num_replicas=trainer.world_size if trainer is not None else 1,
+            rank=trainer.global_rank if trainer is not None else 0,
+            position=self._batches_consumed,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation windows, in order."""
+        if self.val_set is None:
+            raise RuntimeError("TextDataModule: call setup() before asking for a dataloader.")
+        return DataLoader(
+            self.val_set,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _batches_consumed(self) -> int | None:
+        """Training batches the attached Trainer has taken this epoch (its read-ahead batch not included)."""
+        trainer = self.trainer
+        if trainer is None:
+            return None
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready

@@ -1,41 +1,52 @@
 """Pretrain a LLaMA-style model with SageBwd attention, steered by ``AdaptivePrecision``, logged to TensorBoard.
 
-Run it from the repository root::
+Run it from the repository root (after ``make demo`` or ``make test`` has set up ``.venv``)::
 
-    python examples/pretrain.py fit --config examples/configs/tiny.yaml      # CPU, about 75 s
-    tensorboard --logdir runs                                                # the sage/ charts
+    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, a few minutes
+    .venv/bin/tensorboard --logdir runs                                              # the sage/ charts
 
 The same run with full-precision attention, everything else equal::
 
-    python examples/pretrain.py fit --config examples/configs/tiny.yaml --model.attention full
+    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml --model.attention full
 
 Without the controller (SageBwd all the way, nothing adapts)::
 
-    python examples/pretrain.py fit --config examples/configs/tiny.yaml --adaptive_precision null
+    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml --adaptive_precision null
 
-Any argument of the model (``--model.config.n_layers 8``), the data (``--data.paths '[my_text/]'``), the
+Where things go: ``--trainer.default_root_dir DIR`` (``runs`` in the configs) holds the TensorBoard logs and the
+checkpoints of each run, ``DIR/<name>/version_N``. ``--ckpt_path DIR/<name>/version_N/checkpoints/last.ckpt``
+resumes that run into the same ``version_N`` and continues exactly where it stopped (the data order included).
+
+Any argument of the model (``--model.config.n_layers 8``), the data (``--data.paths my_text/``), the
 Trainer (``--trainer.max_steps 500``) or the callback
 (``--adaptive_precision.init_args.config.ds_rel_err_high 0.15``) can be changed on the command line;
-``python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
+``.venv/bin/python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
 LightningCLI needs ``jsonargparse[signatures]`` (``pip install "sage-lightning[examples]"``; ``make demo``
 installs it).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import re
+import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
 from sage_lightning.callback import count_tokens
@@ -118,8 +129,19 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
         self.sage_precision = ATTENTION_MODES[attention]
         self.lr, self.min_lr_ratio, self.warmup_steps = lr, min_lr_ratio, warmup_steps
         self.weight_decay, self.betas = weight_decay, tuple(betas)
-        self.save_hyperparameters(ignore=["config"])
-        self.hparams["config"] = self.config.__dict__.copy()  # plain values: hparams.yaml and TensorBoard read them
+        # Given as one dict of plain values, so hparams.yaml, TensorBoard's HParams and load_from_checkpoint all see
+        # the model's config (a dataclass is skipped by the YAML writer) and not LightningCLI's `_instantiator`.
+        self.save_hyperparameters(
+            {
+                "config": dict(self.config.__dict__),
+                "attention": attention,
+                "lr": lr,
+                "min_lr_ratio": min_lr_ratio,
+                "warmup_steps": warmup_steps,
+                "weight_decay": weight_decay,
+                "betas": list(self.betas),
+            }
+        )
         self.model = Llama(self.config)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -273,6 +295,162 @@ class TokensPerSecond(Callback):
         return time.perf_counter()
 
 
+class _ReadableMetrics:
+    """Progress-bar metrics a person reads: no ``v_num`` (the run's folder says it), whole numbers as integers."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
+        metrics.pop("v_num", None)
+        readable = {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+                value = str(int(value))  # a string: the rich bar formats every number with three decimals
+            readable[name] = value
+        return readable
+
+
+class StepProgressBar(_ReadableMetrics, RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):  # type: ignore[misc]
+    """Lightning's progress bar (rich when installed) without its noise in a step-limited run.
+
+    A run limited by ``max_steps`` has ``max_epochs=-1``, which the rich bar prints as ``Epoch 0/-2``: here the
+    epoch goes alone (``Epoch 0``) unless ``max_epochs`` is a real limit. ``v_num`` is left out and whole-number
+    metrics (``tokens_per_step``) print without decimals, so the metrics fit beside the bar.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[StepProgressBar()])
+    """
+
+    @property
+    def total_train_batches(self) -> int | float:
+        """The batches this epoch will run: Lightning's count, right also for a run resumed mid-epoch.
+
+        Lightning caps the epoch's batches at the steps left (``max_steps - global_step``) but counts the bar from
+        the epoch's first batch, so a resumed run read ``251/149``; the cap here counts the batches already done.
+        """
+        trainer = self.trainer
+        if trainer.max_epochs != -1 or trainer.max_steps is None or trainer.max_steps < 0:
+            return super().total_train_batches
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+        return min(trainer.num_training_batches, done + left)
+
+    def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's hook for the bar's label
+        description = f"Epoch {current_epoch}"
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
+            description += f"/{self.trainer.max_epochs - 1}"
+        return f"{description:{len(getattr(self, 'validation_description', ''))}}"
+
+
+class ParameterSummary(ModelSummary):
+    """Lightning's model summary without the FLOPs it cannot count here.
+
+    Lightning counts FLOPs only when the module has an ``example_input_array``, and the Triton kernels are invisible
+    to its counter in any case, so for this model it would print ``Total FLOPs: 0``; this summary leaves the
+    FLOPs column and total out when they are zero, and keeps everything else (parameters, size, modes).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[ParameterSummary()])
+    """
+
+    @staticmethod
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        columns = [column for column in summary_data if column[0] != "FLOPs" or total_flops]
+        table = _format_summary_table(
+            total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *columns
+        )
+        if not total_flops:
+            table = "\n".join(line for line in table.splitlines() if not line.rstrip().endswith("Total Flops"))
+        print(table)
+
+
+class _DropLitLoggerTip(logging.Filter):
+    """Drops Lightning's advertisement for its cloud logger (printed on every run that does not use it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_known_noise() -> None:
+    """Silence the console lines of this run that carry nothing for its user; warnings about the run stay.
+
+    * Lightning's "Tip: ... litlogger" line, printed whenever the cloud logger is not in use;
+    * Lightning's own call of a deprecated torch pytree API (``isinstance(treespec, LeafSpec)``, from
+      ``lightning/pytorch/utilities/_pytree.py`` under torch >= 2.10), which the user cannot act on.
+
+    Example::
+
+        quiet_known_noise()
+    """
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLitLoggerTip) for f in logger.filters):
+            logger.addFilter(_DropLitLoggerTip())
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
+def tensorboard_command() -> str:
+    """``tensorboard`` beside this Python (``.venv/bin/tensorboard`` from the repository), so it runs as printed.
+
+    Example::
+
+        tensorboard_command()      # ".venv/bin/tensorboard" when run as .venv/bin/python from the repository
+    """
+    beside = Path(sys.executable).parent / "tensorboard"
+    if not beside.is_file():
+        return "tensorboard"
+    relative = os.path.relpath(beside)
+    return relative if not relative.startswith("..") else str(beside)
+
+
+def logger_save_dir(default_root_dir: str | None) -> str:
+    """The logger's ``save_dir``: the Trainer's ``default_root_dir`` (the current folder when unset, as in Lightning).
+
+    Example::
+
+        logger_save_dir("out")      # "out"
+    """
+    return os.getcwd() if default_root_dir is None else str(default_root_dir)
+
+
+def run_version(ckpt_path: str | os.PathLike, root_dir: str | os.PathLike) -> int | str | None:
+    """The logger version a checkpoint belongs to, when it lies in ``root_dir/<version>/checkpoints/``.
+
+    Args:
+        ckpt_path: the checkpoint file.
+        root_dir: the logger's ``save_dir/name``.
+
+    Example::
+
+        run_version("runs/tiny/version_3/checkpoints/last.ckpt", "runs/tiny")   # 3
+    """
+    path = Path(ckpt_path).expanduser().resolve()
+    if path.parent.name != "checkpoints" or path.parent.parent.parent != Path(root_dir).expanduser().resolve():
+        return None
+    version = path.parent.parent.name
+    match = re.fullmatch(r"version_(\d+)", version)
+    return int(match.group(1)) if match else version
+
+
+class UsageError(SystemExit):
+    """A run refused before training: the message is the whole report (no traceback), exit status 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
 class PretrainCLI(LightningCLI):
     """LightningCLI for :class:`LlamaPretraining` and :class:`corpus.TextDataModule`, with the controller.
 
@@ -281,29 +459,90 @@ class PretrainCLI(LightningCLI):
     * ``adaptive_precision``: the :class:`sage_lightning.AdaptivePrecision` callback (``class_path`` and
       ``init_args``, its ``config`` a :class:`sage_lightning.PolicyConfig`); on by default, ``null`` turns it off;
     * links: the data's ``vocab_size`` and ``seq_len`` set the model's ``config.vocab_size`` and
-      ``config.max_seq_len``;
-    * a :class:`TokensPerSecond` callback on every run; the TensorBoard logger unless the config names another.
+      ``config.max_seq_len``; the Trainer's ``default_root_dir`` sets the logger's ``save_dir``, so it moves the
+      logs and the checkpoints together, as in Lightning without a configured logger;
+    * a :class:`TokensPerSecond` callback on every run, :class:`StepProgressBar` and :class:`ParameterSummary`
+      in place of Lightning's own; the TensorBoard logger unless the config names another.
 
-    After ``fit`` it prints where the logs and checkpoints are and how to open TensorBoard on them.
+    A run given ``--ckpt_path`` from one of its logger's ``version_N/checkpoints`` folders logs into that same
+    ``version_N``. An argument a class refuses, or data that cannot be read, ends the command with that one
+    message (exit status 2) before anything is written; a run that fails before its first optimizer step
+    removes the log folder it created. After ``fit`` it prints where the logs and checkpoints are and how to
+    open TensorBoard on them.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         register_rung_type()
-        super().__init__(*args, **kwargs)
+        quiet_known_noise()
+        try:
+            super().__init__(*args, **kwargs)
+        except UsageError as error:
+            print(f"{Path(sys.argv[0]).name}: error: {error.message}", file=sys.stderr)
+            raise
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_subclass_arguments(AdaptivePrecision, "adaptive_precision", required=False, fail_untyped=False)
         parser.set_defaults({"adaptive_precision": {"class_path": "sage_lightning.AdaptivePrecision"}})
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.max_seq_len")
+        parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir", logger_save_dir)
+
+    def before_instantiate_classes(self) -> None:
+        if not self.subcommand:
+            return
+        config = self.config[self.subcommand]
+        logger, ckpt_path = config.trainer.get("logger"), config.get("ckpt_path")
+        init_args = getattr(logger, "init_args", None)
+        if ckpt_path and init_args is not None and init_args.get("version") is None and "name" in init_args:
+            root = Path(init_args.save_dir) / (init_args.name or "")
+            version = run_version(ckpt_path, root)
+            if version is not None:  # resume into the run's own folder: TensorBoard shows one run, not two
+                init_args.version = version
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError, ImportError) as error:
+            # The classes validate their arguments: the message names the argument, the value and what works.
+            raise UsageError(str(error)) from None
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
-        callbacks = list(config["trainer"].get("callbacks") or [])
+        trainer_config = config["trainer"]
+        callbacks = list(trainer_config.get("callbacks") or [])
         callbacks.append(TokensPerSecond())
+        if trainer_config.get("enable_progress_bar") is not False:
+            callbacks.append(StepProgressBar())
+        if trainer_config.get("enable_model_summary") is not False:
+            callbacks.append(ParameterSummary())
+            # Lightning would otherwise announce that it is not adding its own summary; ours runs all the same.
+            kwargs["enable_model_summary"] = False
         if config["adaptive_precision"] is not None:
             callbacks.append(config["adaptive_precision"])
         return super().instantiate_trainer(callbacks=callbacks, **kwargs)
+
+    def fit(self, model: L.LightningModule, **kwargs: Any) -> None:
+        """``trainer.fit``, with the data read before any folder is made and a failed start cleaned up."""
+        datamodule = kwargs.get("datamodule")
+        if isinstance(datamodule, TextDataModule):
+            try:  # the corpus's errors (empty, too short) before the logger and the checkpoints make folders
+                datamodule.prepare_data()
+                datamodule.setup("fit")
+            except (ValueError, FileNotFoundError, ImportError) as error:
+                raise UsageError(str(error)) from None
+        trainer = self.trainer
+        new_folders = [
+            Path(logger.log_dir)
+            for logger in trainer.loggers
+            if logger.log_dir is not None and not Path(logger.log_dir).exists()
+        ]
+        try:
+            trainer.fit(model, **kwargs)
+        except BaseException:
+            if trainer.global_step == 0 and trainer.is_global_zero:
+                for folder in new_folders:  # nothing trained, nothing to keep: no empty version_N left behind
+                    shutil.rmtree(folder, ignore_errors=True)
+            raise
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -321,10 +560,11 @@ class PretrainCLI(LightningCLI):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 lines.append(f"TensorBoard logs: {logger.log_dir}")
-                lines.append(f"  open them: tensorboard --logdir {logger.root_dir}")
+                lines.append(f"  open them: {tensorboard_command()} --logdir {logger.root_dir}")
         for checkpoint in trainer.checkpoint_callbacks:
             if isinstance(checkpoint, ModelCheckpoint) and checkpoint.last_model_path:
                 lines.append(f"last checkpoint: {checkpoint.last_model_path}")
+                lines.append(f"  resume from it: add --ckpt_path {checkpoint.last_model_path}")
         print("\n".join(lines))
 
 
@@ -359,7 +599,12 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         args=args,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
-            "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": "runs"}}
+            "default_root_dir": "runs",
+            # save_dir comes from default_root_dir (linked in PretrainCLI.add_arguments_to_parser).
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                "init_args": {"default_hp_metric": False},
+            },
         },
     )
 

@@ -1,6 +1,6 @@
 """sage-lightning: trainable INT8 attention (SageBwd) for PyTorch Lightning.
 
-Public API (more lands with the Lightning integration):
+Public API:
 
 * :func:`sage_attention`: SDPA-compatible attention with SageBwd numerics.
 * :class:`AttentionPrecision`: how one attention layer runs.

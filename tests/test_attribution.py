@@ -83,7 +83,7 @@ def checkpoint(workdir: Path) -> Path:
                 "--trainer.limit_val_batches=1",
                 "--trainer.enable_progress_bar=false",
                 "--trainer.enable_model_summary=false",
-                f"--trainer.logger.init_args.save_dir={workdir / 'runs'}",
+                f"--trainer.default_root_dir={workdir / 'runs'}",
                 "--data.max_bytes=300000",
                 f"--data.seq_len={SEQ}",
                 f"--data.cache_dir={workdir / 'cache'}",

@@ -137,7 +137,7 @@ def test_bad_paths_name_the_argument(text_folder: Path, tmp_path: Path) -> None:
         TextDataModule(paths=[str(text_folder), missing])
     with pytest.raises(FileNotFoundError, match=r"tokenizer must be 'bytes' or a local folder.*nope"):
         TextDataModule(paths=[str(text_folder)], tokenizer=str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match="paths must be a list"):
+    with pytest.raises(ValueError, match="paths must be a text file or folder, a list of them"):
         TextDataModule(paths=42)
 
 

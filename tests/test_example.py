@@ -7,6 +7,7 @@ import glob
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -198,7 +199,7 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
         "--trainer.limit_val_batches=2",
         "--trainer.log_every_n_steps=2",
         "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        f"--trainer.default_root_dir={tmp_path / 'runs'}",
         "--data.max_bytes=300000",
         f"--data.cache_dir={tmp_path / 'cache'}",
         "--model.config.n_layers=2",
@@ -209,7 +210,8 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "open them: tensorboard --logdir" in done.stdout
+    tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
+    assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
@@ -253,7 +255,7 @@ def test_command_line_switches(tmp_path: Path, corpus_folder: Path, monkeypatch:
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
         "--trainer.callbacks=[]",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.default_root_dir={tmp_path}",
         f"--data.paths=[{corpus_folder}]",
         "--data.seq_len=32",
         f"--data.cache_dir={tmp_path / 'cache'}",
@@ -285,3 +287,166 @@ def test_every_config_parses(name: str, monkeypatch: pytest.MonkeyPatch, capsys:
     preset = PRESETS[name]
     for field in ("n_layers", "d_model", "n_heads", "qk_norm"):
         assert f"    {field}: {str(getattr(preset, field)).lower()}" in printed  # the configs match the presets
+
+
+# ------------------------------------------------------------------------------------- resuming, folders, errors
+
+
+def _resumable_trainer(root: Path, max_steps: int, **kwargs: object) -> tuple[L.Trainer, AdaptivePrecision]:
+    controller = AdaptivePrecision(
+        PolicyConfig(ds_stats_every_n_steps=1, ds_rel_err_high=1e-4, ds_rel_err_low=5e-5, calm_steps=2),
+        verbose=False,
+    )
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=root / "checkpoints", every_n_train_steps=4, save_top_k=-1, filename="{step}"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        callbacks=[controller, checkpoints],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(root),
+        **kwargs,
+    )
+    return trainer, controller
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:
+    """Stopped mid-epoch and resumed from its checkpoint, a run ends bit-identical to one never stopped.
+
+    The corpus holds 6 training batches per epoch, so the 10 steps cross an epoch boundary and the checkpoint at
+    step 4 is mid-epoch: the resumed run must continue the epoch's order where it stopped, then shuffle epoch 1
+    as the uninterrupted run did. The controller acts on every step, so its state is resumed too.
+    """
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "text.txt").write_text("".join(f"line {i}: the quick brown fox jumps\n" for i in range(24)))
+
+    def data() -> TextDataModule:
+        return TextDataModule(paths=str(folder), seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"), seed=7)
+
+    torch.manual_seed(0)
+    model = LlamaPretraining(TINY, warmup_steps=2)
+    trainer, controller = _resumable_trainer(tmp_path / "whole", max_steps=10)
+    datamodule = data()
+    trainer.fit(model, datamodule=datamodule)
+    assert len(datamodule.train_dataloader()) == 6  # steps 7 to 10 are epoch 1: the resumed run crosses into it
+    assert controller.history  # the controller acted, so its state matters
+
+    torch.manual_seed(123)  # the resumed run starts from other weights and another RNG state: the checkpoint decides
+    resumed_model = LlamaPretraining(TINY, warmup_steps=2)
+    resumed, resumed_controller = _resumable_trainer(tmp_path / "resumed", max_steps=10)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*dataloader is not resumable")
+        resumed.fit(resumed_model, datamodule=data(), ckpt_path=tmp_path / "whole" / "checkpoints" / "step=4.ckpt")
+
+    assert resumed.global_step == trainer.global_step == 10
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, resumed_model.state_dict()[name]), name
+    assert [str(d) for d in resumed_controller.history] == [str(d) for d in controller.history]
+
+
+def test_loader_state_at_an_epoch_end_starts_the_next_epoch(tmp_path: Path, corpus_folder: Path) -> None:
+    data = TextDataModule(paths=str(corpus_folder), seq_len=32, batch_size=4, cache_dir=str(tmp_path), seed=3)
+    data.prepare_data()
+    data.setup("fit")
+    loader = data.train_dataloader()
+    whole = [batch["input_ids"] for batch in loader]
+    assert loader.state_dict() == {"seed": 3, "epoch": 0, "batches": len(whole)}  # no trainer: batches yielded
+    resumed = data.train_dataloader()
+    resumed.load_state_dict({"seed": 3, "epoch": 0, "batches": 2})
+    assert all(torch.equal(a, b["input_ids"]) for a, b in zip(whole[2:], resumed, strict=True))
+    resumed.load_state_dict(loader.state_dict())
+    loader.epoch_shuffle.set_epoch(1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(loader, resumed, strict=True))
+    assert not torch.equal(next(iter(loader))["input_ids"], whole[0])  # epoch 1 has an order of its own
+
+
+def test_ranks_read_disjoint_shards_of_one_order() -> None:
+    """Under DDP each rank takes its shard of the epoch's order; Lightning keeps the sampler (a DistributedSampler)."""
+    from corpus import EpochShuffle
+
+    ranks = [EpochShuffle(11, seed=5, num_replicas=2, rank=rank) for rank in (0, 1)]
+    assert all(isinstance(sampler, torch.utils.data.DistributedSampler) for sampler in ranks)
+    shards = [list(sampler) for sampler in ranks]
+    assert [len(shard) for shard in shards] == [5, 5] and not set(shards[0]) & set(shards[1])
+    order = ranks[0].permutation().tolist()
+    assert shards[0] == order[0:10:2] and shards[1] == order[1:10:2]
+    ranks[1].skip(2)  # a resumed rank leaves out what it had read, from its own shard
+    assert list(ranks[1]) == shards[1][2:] and list(ranks[1]) == shards[1]
+    ranks[0].set_epoch(1)
+    assert list(ranks[0]) != shards[0]
+
+
+def _cli_args(root: Path, corpus: Path, *extra: str) -> list[str]:
+    return [
+        "fit",
+        "--config",
+        str(REPO / "examples/configs/tiny.yaml"),
+        "--trainer.max_steps=4",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_model_summary=false",
+        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_last: true}}]",
+        f"--trainer.default_root_dir={root}",
+        f"--data.paths={corpus}",  # one path, not a list
+        "--data.seq_len=32",
+        "--data.batch_size=4",
+        f"--data.cache_dir={root.parent / 'cache'}",
+        "--model.config.n_layers=1",
+        "--adaptive_precision=null",
+        *extra,
+    ]
+
+
+def test_command_line_folders_resume_and_hparams(
+    tmp_path: Path, corpus_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """default_root_dir holds logs and checkpoints; --ckpt_path resumes into the same version; hparams.yaml."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import StepProgressBar, main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working folder
+    root = tmp_path / "out"
+    cli = main(_cli_args(root, corpus_folder))
+    run = root / "tiny" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "config.yaml").is_file()
+    hparams = (run / "hparams.yaml").read_text()
+    assert "config:" in hparams and "n_layers: 1" in hparams and "_instantiator" not in hparams
+    bar = cli.trainer.progress_bar_callback
+    assert isinstance(bar, StepProgressBar)
+    assert bar._get_train_description(0).strip() == "Epoch 0"  # not "Epoch 0/-2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "out"]
+
+    cli = main(_cli_args(root, corpus_folder, "--trainer.max_steps=6", f"--ckpt_path={run / 'checkpoints/last.ckpt'}"))
+    assert cli.trainer.global_step == 6
+    assert sorted(p.name for p in (root / "tiny").iterdir()) == ["version_0"]
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2  # the resumed run wrote into the same folder
+    assert cli.trainer.progress_bar_callback.total_train_batches == 6  # Lightning's: 2 (steps left) at bar position 6
+
+
+def test_command_line_errors_are_one_paragraph_and_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    root = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(_cli_args(root, tmp_path / "nonexistent"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "pretrain.py: error: TextDataModule: paths[0] must be an existing text file or folder" in err
+    assert "Traceback" not in err and "Union" not in err
+
+    short = tmp_path / "short.txt"
+    short.write_text("too short for a window\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(_cli_args(root, short))
+    assert exit_info.value.code == 2
+    assert "too few for one training and one validation window" in capsys.readouterr().err
+    assert not root.exists() or not any(root.rglob("*"))  # no empty version_N, no config.yaml
