@@ -154,7 +154,9 @@ class AttentionLayerState:
         self._stats_given = False
         self._probe_armed = False
         self._capture: _ProbeCapture | None = None
-        self._nonfinite: torch.Tensor | None = None
+        # Born on the CPU so a compiled first call finds it and no recompile follows; a call on another device
+        # moves it there once (one recompile under torch.compile).
+        self._nonfinite: torch.Tensor = torch.zeros((), dtype=torch.bool)
         self.keep_calls = False
         self.kept_calls: list[KeptCall] = []
         self._calls_at_forward = 0
@@ -280,12 +282,9 @@ class AttentionLayerState:
         if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not math.isfinite(scale):
             return bound, f"scale={scale!r} (not finite; the kernel takes a positive finite scale)"
         if bound["attn_mask"] is not None:
-            kind = self._mask_kind(bound)
+            kind, why = self._mask_kind(bound)
             if kind is None:
-                return bound, (
-                    "attn_mask given that is not a boolean top-left causal or all-true mask (SageBwd masks only "
-                    "through is_causal)"
-                )
+                return bound, why
             bound = {**bound, "attn_mask": None, "is_causal": kind == CAUSAL}
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
             if q.shape[1] != k.shape[1] and bound["enable_gqa"] is not True:
@@ -294,15 +293,23 @@ class AttentionLayerState:
         return bound, None
 
     @staticmethod
-    def _mask_kind(bound: dict[str, Any]) -> str | None:
+    def _mask_kind(bound: dict[str, Any]) -> tuple[str | None, str]:
+        """What a given ``attn_mask`` is served as (:data:`~sage_lightning.masks.CAUSAL` or ``ALL_TRUE``), or
+        ``None`` and the fallback reason."""
         q, k = bound["query"], bound["key"]
-        if bound["is_causal"] is not False or torch.compiler.is_compiling():
-            # A mask with is_causal=True is SDPA's error to raise; under torch.compile reading the mask's values
-            # would break the graph, so the call falls back.
-            return None
-        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4):
-            return None
-        return kernel_mask(bound["attn_mask"], (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        if bound["is_causal"] is not False:
+            return None, "attn_mask given with is_causal=True (SDPA's to accept or refuse)"
+        if torch.compiler.is_compiling():
+            # Reading the mask's values would break the graph; the compiled call falls back.
+            return None, "attn_mask under torch.compile (recognising a causal mask needs its values on the host)"
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
+            kind = kernel_mask(bound["attn_mask"], (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+            if kind is not None:
+                return kind, ""
+        return None, (
+            "attn_mask given that is not a boolean top-left causal or all-true mask (SageBwd masks only through "
+            "is_causal)"
+        )
 
     def _fallback(self, reason: str, bound: dict[str, Any], args: tuple, kwargs: dict) -> torch.Tensor:
         record(self, self.ledger_key, FALLBACK_PREFIX + reason)
@@ -385,8 +392,8 @@ class AttentionLayerState:
         with torch.no_grad():
             inputs_finite = torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()
             started_here = inputs_finite & torch.isfinite(out).all().logical_not()
-            if self._nonfinite is None or self._nonfinite.device != started_here.device:
-                self._nonfinite = started_here
+            if self._nonfinite.device != started_here.device:
+                self._nonfinite = started_here.logical_or(self._nonfinite.to(started_here.device))
             else:
                 self._nonfinite.logical_or_(started_here)
 
@@ -521,8 +528,6 @@ class AttentionLayerState:
             if layer.take_nonfinite():
                 layer.precision = layer.precision.replace(ds="bf16")
         """
-        if self._nonfinite is None:
-            return False
         flag = bool(self._nonfinite.item())
         self._nonfinite.zero_()
         return flag

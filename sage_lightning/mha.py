@@ -127,7 +127,15 @@ def _served_forward(
     # F.multi_head_attention_forward's steps for need_weights=False and no masks, in its order and layout,
     # so mode="full" reproduces it bit for bit.
     if module.batch_first:
-        query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        # Keep `query is key is value` where it holds: the packed projection then runs one matmul, as PyTorch's.
+        if key is value:
+            if query is key:
+                query = key = value = query.transpose(1, 0)
+            else:
+                query, key = (x.transpose(1, 0) for x in (query, key))
+                value = key
+        else:
+            query, key, value = (x.transpose(1, 0) for x in (query, key, value))
     tgt_len, bsz, embed_dim = query.shape
     heads, head_dim = module.num_heads, module.head_dim
     if module._qkv_same_embed_dim:
