@@ -368,3 +368,17 @@ def test_a_full_precision_layer_keeps_its_calls_for_capture() -> None:
     assert [len(calls) for calls in kept] == [1, 1]
     call = kept[0][0]
     assert call.q.shape == (2, 4, 16, 16) and call.is_causal and call.out.requires_grad and not call.q.requires_grad
+
+
+def test_a_compiled_call_with_a_mask_falls_back_with_its_reason() -> None:
+    attention = convert_to_sage_attention(RawAttention(), filter_fn=lambda module, fqn: fqn == "")
+    q = torch.randn(1, 2, 8, 16)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="eager", fullgraph=True)
+    with pytest.warns(AttentionFallbackWarning, match="under torch.compile"):
+        out = compiled(q, q, q, attn_mask=causal)
+        compiled(q, q, q, attn_mask=causal)
+    torch._dynamo.reset()
+    assert torch.equal(out, F.scaled_dot_product_attention(q, q, q, attn_mask=causal))
+    assert counts(attention) == [(2, 2)]
