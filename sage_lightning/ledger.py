@@ -3,11 +3,11 @@
 A counter bumped in traced code is a Python side effect: Dynamo guards on the counter's value (a recompile per
 call) and a graph break replays it. So the bookkeeping never runs in traced code. In eager mode
 :func:`record` calls the layer's handler directly; while Dynamo traces it records one call of the
-``sage_lightning::layer_event`` custom op instead, whose Python body runs the same handler each time the
+``sage_lightning_ledger::layer_event`` custom op instead, whose Python body runs the same handler each time the
 compiled graph runs: counters stay exact, warnings are issued outside the traced region, and
-``fullgraph=True`` holds. The op mutates a shared CPU anchor tensor so no compiler pass drops it; that also
-keeps CUDA graphs (``mode="reduce-overhead"``) away from such graphs, which is required: a replayed CUDA graph
-would skip the Python body and the counts with it.
+``fullgraph=True`` holds. The op mutates a shared CPU anchor tensor so no compiler pass drops it; a mutated CPU
+input also makes Inductor's CUDA graphs (``mode="reduce-overhead"``) skip such a graph, which is required: a
+replayed CUDA graph would skip the Python body and the counts with it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def register(layer: _Handler) -> int:
     return key
 
 
-@torch.library.custom_op("sage_lightning::layer_event", mutates_args=("anchor",))
+@torch.library.custom_op("sage_lightning_ledger::layer_event", mutates_args=("anchor",))
 def _layer_event(anchor: torch.Tensor, layer: int, event: str) -> None:
     ref = _LAYERS.get(layer)
     handler = None if ref is None else ref()
@@ -73,6 +73,6 @@ def record(layer: _Handler, key: int, event: str) -> None:
         record(state, state.ledger_key, SERVED)
     """
     if torch.compiler.is_compiling():
-        torch.ops.sage_lightning.layer_event(_ANCHOR, key, event)
+        torch.ops.sage_lightning_ledger.layer_event(_ANCHOR, key, event)
     else:
         layer.handle_event(event)
