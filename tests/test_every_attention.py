@@ -382,3 +382,19 @@ def test_a_compiled_call_with_a_mask_falls_back_with_its_reason() -> None:
     torch._dynamo.reset()
     assert torch.equal(out, F.scaled_dot_product_attention(q, q, q, attn_mask=causal))
     assert counts(attention) == [(2, 2)]
+
+
+def test_counts_stay_exact_through_aot_autograd() -> None:
+    """The ledger op survives AOTAutograd's functionalization and dead-code elimination (as Inductor's input)."""
+    served, dropped = (
+        convert_to_sage_attention(NanoGPT(NanoConfig())),
+        convert_to_sage_attention(NanoGPT(NanoConfig(dropout=0.1))),
+    )
+    torch._dynamo.reset()
+    with pytest.warns(AttentionFallbackWarning, match="dropout_p"):
+        for model in (served, dropped):
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            for _ in range(2):
+                compiled(tokens())[0].square().mean().backward()
+    torch._dynamo.reset()
+    assert counts(served) == [(2, 0), (2, 0)] and counts(dropped) == [(2, 2), (2, 2)]
