@@ -349,13 +349,15 @@ class AttentionLayerState:
             self._calls_at_forward = self.calls
         elif event == FORWARD_END:
             if self.calls == self._calls_at_forward:
-                self.warn_if_silent("its forward ran in training and made no attention call")
+                # Six frames up from here (record, the wrapper, Module.__call__'s two) is the code calling the module.
+                self.warn_if_silent("its forward ran in training and made no attention call", stacklevel=6)
 
-    def warn_if_silent(self, when: str) -> bool:
+    def warn_if_silent(self, when: str, *, stacklevel: int = 1) -> bool:
         """Warn once (:class:`SilentAttentionWarning`) that this layer is swapped but makes no attention call.
 
         Args:
             when: what was seen, for the message (e.g. ``"no call in the first training step"``).
+            stacklevel: as ``warnings.warn``'s, counted from the caller of this method (1: the caller's line).
 
         Returns:
             Whether it warned now (``False`` when it had warned before).
@@ -374,7 +376,7 @@ class AttentionLayerState:
             "softcapping, or a module that is never called). Its precision and signals have no effect. Leave it "
             "out with filter_fn, or compute its attention with scaled_dot_product_attention.",
             category=SilentAttentionWarning,
-            stacklevel=4,
+            stacklevel=4 + stacklevel,  # rank_zero_warn's own frames, then ours
         )
         return True
 
