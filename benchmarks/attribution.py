@@ -11,8 +11,9 @@ found at 325M parameters?
    was trained with; it gives the data (corpus, tokenizer, held-out split) and must agree with the checkpoint's
    model.
 2. Capture: ``--batches`` held-out batches of ``--batch-size`` windows of ``--seq`` tokens, taken in order from
-   the data's validation split (the tail of the corpus, never trained on). One forward of the LM loss records
-   every ``scaled_dot_product_attention`` call (q, k, v exactly as they enter it: after QK-norm and the rotary
+   the data's validation split (the tail of the corpus, never trained on). One forward of the LM loss keeps
+   every attention call through the swapped layers themselves (``mode="full"`` layers with ``keep_calls`` on:
+   q, k, v exactly as they enter ``scaled_dot_product_attention``: after QK-norm and the rotary
    embedding, GQA's k and v with their own head count, the call's ``is_causal``); the attention runs in full
    precision, whatever the checkpoint was trained with. One backward of that loss gives dO, the loss's gradient
    with respect to each call's output. The forward runs under bf16 autocast where the config trains in bf16, in
@@ -60,16 +61,12 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,7 +77,6 @@ from corpus import TextDataModule, TokenWindows  # noqa: E402
 from pretrain import LlamaPretraining  # noqa: E402
 
 from sage_lightning import AttentionPrecision, attention_layers  # noqa: E402
-from sage_lightning.swap import is_attention_module  # noqa: E402
 
 #: The gradients whose error the attribution table splits by product.
 GRADIENTS: tuple[str, ...] = ("dQ", "dK", "dV")
@@ -200,91 +196,6 @@ def load_checkpoint(path: Path, config: dict[str, Any], data: TextDataModule) ->
 # ------------------------------------------------------------------------------------------------- the capture
 
 
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> dict[str, Any]:
-    """``scaled_dot_product_attention``'s arguments by name (its signature, to bind a call's args and kwargs)."""
-    return dict(locals())
-
-
-class AttentionRecorder(TorchFunctionMode):
-    """While active, records each ``scaled_dot_product_attention`` call: its inputs, output and the module making it.
-
-    The module is the innermost attention module running (the swap's default filter,
-    :func:`sage_lightning.swap.is_attention_module`), tracked with forward hooks installed on entry and removed on
-    exit. The call itself runs unchanged (the mode is popped while its handler runs).
-
-    Args:
-        model: the model whose calls are recorded.
-
-    Example::
-
-        with AttentionRecorder(model) as recorder:
-            loss = model(ids).sum()
-        recorder.calls[0]["name"], recorder.calls[0]["q"].shape
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        #: One dict per call, in call order: ``name``, ``q``, ``k``, ``v`` (detached), ``out``, ``is_causal``.
-        self.calls: list[dict[str, Any]] = []
-        self._running: list[str] = []
-        self._hooks: list[Any] = []
-
-    def __enter__(self) -> AttentionRecorder:
-        for name, module in self.model.named_modules():
-            if is_attention_module(module, name):
-                self._hooks.append(module.register_forward_pre_hook(self._enter_hook(name)))
-                self._hooks.append(module.register_forward_hook(self._exit_hook))
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        super().__exit__(*exc)
-
-    def _enter_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._running.append(name)
-
-        return hook
-
-    def _exit_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._running.pop()
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = {} if kwargs is None else kwargs
-        out = func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            call = _sdpa_arguments(*args, **kwargs)
-            if call["attn_mask"] is not None or call["scale"] is not None or call["dropout_p"]:
-                raise RuntimeError(
-                    "AttentionRecorder: this harness measures SDPA calls without attn_mask, custom scale or dropout "
-                    f"(as accuracy.py does); a call in {self._running[-1] if self._running else 'the model'} passes "
-                    f"attn_mask={call['attn_mask'] is not None}, scale={call['scale']}, dropout_p={call['dropout_p']}."
-                )
-            self.calls.append(
-                {
-                    "name": self._running[-1] if self._running else f"sdpa call {len(self.calls)}",
-                    "q": call["query"].detach(),
-                    "k": call["key"].detach(),
-                    "v": call["value"].detach(),
-                    "out": out,
-                    "is_causal": bool(call["is_causal"]),
-                }
-            )
-        return out
-
-
 def held_out_batches(data: TextDataModule, seq: int, batches: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """The first ``batches * batch_size`` windows of ``seq`` tokens of the data's validation split, in order.
 
@@ -326,29 +237,51 @@ def capture(
         autocast: the autocast dtype of the forward (``None``: none, the model's own dtype).
 
     Returns:
-        One dict per attention layer, in call order: ``name``, ``q``, ``k``, ``v``, ``do`` (each concatenated over
-        the batches), ``is_causal``.
+        One dict per attention call of a forward, by layer in module order: ``name``, ``q``, ``k``, ``v``, ``do``
+        (each concatenated over the batches), ``is_causal``. The calls are kept by the swapped layers
+        (:attr:`~sage_lightning.AttentionLayerState.keep_calls`), so only the model's swapped attention is captured.
+
+    Raises:
+        RuntimeError: a call went to SDPA (a mask, dropout) or passes a custom scale, or no call was kept.
 
     Example::
 
         layers = capture(module, held_out_batches(data, 128, 1, 1), "cpu", None)
         layers[0]["q"].shape   # [1, n_heads, 128, head_dim]
     """
-    per_batch = []
+    layers = attention_layers(module)
+    per_batch: list[list[dict[str, Any]]] = []
     device_type = torch.device(device).type
-    for batch in batches:
-        batch = {name: tensor.to(device) for name, tensor in batch.items()}
-        context = torch.autocast(device_type, dtype=autocast) if autocast is not None else nullcontext()
-        with context, AttentionRecorder(module) as recorder:
-            loss = module.loss(batch)
-        if not recorder.calls:
-            raise RuntimeError(
-                "capture: the forward made no scaled_dot_product_attention call that reached the recorder; is the "
-                "attention swapped to a precision other than mode='full'?"
+    for layer in layers.values():
+        layer.keep_calls, layer.kept_calls = True, []
+    try:
+        for batch in batches:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+            context = torch.autocast(device_type, dtype=autocast) if autocast is not None else nullcontext()
+            fallbacks = {name: layer.fallback_calls for name, layer in layers.items()}
+            with context:
+                loss = module.loss(batch)
+            calls = [(name, call) for name, layer in layers.items() for call in layer.kept_calls]
+            for layer in layers.values():
+                layer.kept_calls = []
+            _refuse_unmeasurable(layers, fallbacks, calls)
+            grads = torch.autograd.grad(loss, [call.out for _, call in calls])
+            per_batch.append(
+                [
+                    {
+                        "name": name,
+                        "q": call.q,
+                        "k": call.k,
+                        "v": call.v,
+                        "do": grad.detach(),
+                        "is_causal": call.is_causal,
+                    }
+                    for (name, call), grad in zip(calls, grads, strict=True)
+                ]
             )
-        grads = torch.autograd.grad(loss, [call["out"] for call in recorder.calls])
-        calls = zip(recorder.calls, grads, strict=True)
-        per_batch.append([{**call, "do": grad.detach(), "out": None} for call, grad in calls])
+    finally:
+        for layer in layers.values():
+            layer.keep_calls, layer.kept_calls = False, []
     layers = []
     for index, first in enumerate(per_batch[0]):
         calls = [calls[index] for calls in per_batch]
@@ -356,6 +289,27 @@ def capture(
         layer.update({name: torch.cat([call[name] for call in calls]) for name in CAPTURED})
         layers.append(layer)
     return layers
+
+
+def _refuse_unmeasurable(layers: dict[str, Any], fallbacks: dict[str, int], calls: list[tuple[str, Any]]) -> None:
+    """Refuse a forward whose attention calls the harness cannot measure as accuracy.py does."""
+    for name, layer in layers.items():
+        if layer.fallback_calls != fallbacks[name]:
+            raise RuntimeError(
+                f"capture: a call in {name} went to SDPA ({', '.join(layer.fallback_reasons)}); this harness measures "
+                "SDPA calls without attn_mask, custom scale or dropout (as accuracy.py does)."
+            )
+    if not calls:
+        raise RuntimeError(
+            "capture: the forward made no scaled_dot_product_attention call that reached a swapped attention layer; "
+            "is the model's attention swapped (the mixin's configure_model)?"
+        )
+    for name, call in calls:
+        if call.scale is not None:
+            raise RuntimeError(
+                f"capture: a call in {name} passes scale={call.scale}; this harness measures SDPA calls without "
+                "attn_mask, custom scale or dropout (as accuracy.py does)."
+            )
 
 
 # ----------------------------------------------------------------------------------------------- measurements

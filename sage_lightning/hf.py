@@ -10,7 +10,9 @@ which is exactly the ``module`` argument the registry passes.
 
 What it means for masks: transformers builds the ``"sage"`` masks with its SDPA mask function, so a batch
 without padding gets no mask and ``is_causal=True`` (served by SageBwd), and a padded batch gets a boolean
-mask (sent to SDPA for that call, counted, warned once).
+mask (sent to SDPA for that call, counted, warned once). A continuation over a cache gets a mask aligned to the
+last keys (bottom-right), which the kernel's top-left causal mask is not: sent to SDPA too, unless it keeps every
+key (served).
 
 This module imports ``transformers``; :func:`~sage_lightning.convert_to_sage_attention` loads it only when
 ``transformers`` is already imported, so the dependency stays optional.
@@ -35,8 +37,8 @@ except ImportError as error:  # absent, or older than the attention and mask reg
         f'(pip install "sage-lightning[hf]"); importing it failed: {error}'
     ) from error
 
+from sage_lightning.interception import SDPAInterceptor
 from sage_lightning.layer import STATE_ATTRIBUTE
-from sage_lightning.swap import SDPAInterceptor
 
 #: The name of SageBwd attention in transformers' ``AttentionInterface`` (and ``config._attn_implementation``).
 #: It must not contain "sdpa", "flash" or "flex": transformers checks implementations by substring.

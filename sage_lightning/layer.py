@@ -19,21 +19,17 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from sage_lightning.kernels import AttentionPrecision, check_inputs, sage_attention
+from sage_lightning.interception import bind_sdpa_arguments
+from sage_lightning.kernels import AttentionPrecision, sage_attention
 from sage_lightning.kernels.reference import exact_attention
+from sage_lightning.ledger import FALLBACK_PREFIX, FORWARD_END, FORWARD_START, SERVED, record, register
+from sage_lightning.masks import CAUSAL, kernel_mask
 
 #: The attribute of a swapped module that holds its :class:`AttentionLayerState`.
 STATE_ATTRIBUTE = "sage_attention_state"
 
-# SDPA's signature, so a call can be read whether its arguments came by position or by keyword.
-_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_SDPA_DEFAULTS: dict[str, Any] = {
-    "attn_mask": None,
-    "dropout_p": 0.0,
-    "is_causal": False,
-    "scale": None,
-    "enable_gqa": False,
-}
+# What the kernel's own validation (check_inputs) puts before every refusal.
+_KERNEL_REFUSAL = "sage_attention: "
 # Probe metrics are computed per output, in this order.
 _PROBED_OUTPUTS = ("O", "dQ", "dK", "dV")
 
@@ -48,6 +44,37 @@ class AttentionFallbackWarning(UserWarning):
 
         warnings.filterwarnings("ignore", category=AttentionFallbackWarning)  # counted all the same
     """
+
+
+class SilentAttentionWarning(UserWarning):
+    """A swapped attention layer made no attention call: nothing in it runs SageBwd (warned once per layer).
+
+    Example::
+
+        import warnings
+        from sage_lightning.layer import SilentAttentionWarning
+
+        warnings.filterwarnings("error", category=SilentAttentionWarning)  # make it fatal in CI
+    """
+
+
+@dataclasses.dataclass
+class KeptCall:
+    """One served call's inputs and output, kept while :attr:`AttentionLayerState.keep_calls` is on.
+
+    Attributes:
+        q, k, v: the inputs as the kernel got them (detached, not copied).
+        out: the output, still in the autograd graph (so a caller can take the loss's gradient of it).
+        is_causal: as served (a recognised causal mask reads ``True``).
+        scale: the call's ``scale`` (``None``: ``1/sqrt(head_dim)``).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    is_causal: bool
+    scale: float | None
 
 
 @dataclasses.dataclass
@@ -90,6 +117,13 @@ class AttentionLayerState:
         calls: attention calls seen (served and sent to SDPA); a host-side counter.
         fallback_calls: calls sent to SDPA because the kernel cannot serve them.
         fallback_reasons: reason -> number of calls sent to SDPA for it.
+        keep_calls: ``True``: every served call appends a :class:`KeptCall` (its inputs and output) to
+            :attr:`kept_calls`, e.g. to capture a model's attention inputs at ``mode="full"`` (the accuracy
+            harness does); the caller clears the list.
+        kept_calls: as above.
+
+    The counters are host-side and exact under ``torch.compile`` (``fullgraph=True`` included): they are
+    updated outside the traced region (:mod:`sage_lightning.ledger`).
 
     Raises:
         TypeError: ``name`` not a string, ``precision`` not an ``AttentionPrecision``, ``collect_stats`` not a
@@ -120,7 +154,22 @@ class AttentionLayerState:
         self._stats_given = False
         self._probe_armed = False
         self._capture: _ProbeCapture | None = None
-        self._nonfinite: torch.Tensor | None = None
+        # Born on the CPU so a compiled first call finds it and no recompile follows; a call on another device
+        # moves it there once (one recompile under torch.compile).
+        self._nonfinite: torch.Tensor = torch.zeros((), dtype=torch.bool)
+        self.keep_calls = False
+        self.kept_calls: list[KeptCall] = []
+        self._calls_at_forward = 0
+        self._warned_silent = False
+        self.ledger_key = register(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: value for key, value in self.__dict__.items() if key != "ledger_key"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy (deepcopy, pickle) is a layer of its own: its compiled calls must find it, not the original.
+        self.__dict__.update(state)
+        self.ledger_key = register(self)
 
     # ----------------------------------------------------------------------------------------------- levers
 
@@ -131,11 +180,7 @@ class AttentionLayerState:
 
     @precision.setter
     def precision(self, value: AttentionPrecision) -> None:
-        if not isinstance(value, AttentionPrecision):
-            raise TypeError(
-                f"AttentionLayerState({self.name!r}): precision must be a sage_lightning.AttentionPrecision; "
-                f"received {type(value).__name__}."
-            )
+        check_precision(value, f"AttentionLayerState({self.name!r}): precision")
         self._precision = value
 
     @property
@@ -156,13 +201,15 @@ class AttentionLayerState:
     def scaled_dot_product_attention(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """This layer's ``torch.nn.functional.scaled_dot_product_attention``: SageBwd where it can serve the call.
 
-        Takes SDPA's arguments as SDPA does. A call with no ``attn_mask``, ``dropout_p == 0`` and inputs that
-        :func:`~sage_lightning.kernels.check_inputs` accepts runs
-        ``sage_attention(q, k, v, is_causal=..., scale=..., precision=self.precision, stats=...)``; any other
-        call (a mask, dropout, a head dim or dtype the kernel refuses, query and key head counts that differ
-        without ``enable_gqa``, arguments SDPA itself would reject) runs SDPA unchanged, so its result, or its
-        error, is SDPA's own. Such calls are counted in :attr:`fallback_calls` and :attr:`fallback_reasons` and
-        warned once per reason (:class:`AttentionFallbackWarning`).
+        Takes SDPA's arguments as SDPA does. The kernel serves a call with ``dropout_p == 0``, inputs that
+        :func:`~sage_lightning.kernels.check_inputs` accepts, and no ``attn_mask``, or a boolean one that equals
+        the top-left causal mask or keeps every key (:func:`sage_lightning.masks.kernel_mask`; served as
+        ``is_causal=True`` or without a mask). Any other call (another mask, dropout, a head dim or dtype the
+        kernel refuses, a sparse or non-finite-scale call, query and key head counts that differ without
+        ``enable_gqa``, arguments SDPA itself would reject) runs SDPA unchanged, so its result, or its error, is
+        SDPA's own. Such calls are counted in :attr:`fallback_calls` and :attr:`fallback_reasons` and warned
+        once per reason (:class:`AttentionFallbackWarning`). Counters and warnings stay exact under
+        ``torch.compile`` (:mod:`sage_lightning.ledger`).
 
         Returns:
             The attention output, as SDPA's.
@@ -171,73 +218,167 @@ class AttentionLayerState:
 
             out = layer.scaled_dot_product_attention(q, k, v, is_causal=True)
         """
-        self.calls += 1
         bound, reason = self._route(args, kwargs)
+        if reason is None:
+            q, k, v = bound["query"], bound["key"], bound["value"]
+            stats = self._stats_buffer(q.device) if self.collect_stats else None
+            try:  # the kernel validates its inputs once, here; what it refuses goes to SDPA
+                out = sage_attention(
+                    q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision, stats=stats
+                )
+            except (TypeError, ValueError) as error:
+                if not str(error).startswith(_KERNEL_REFUSAL):
+                    raise
+                reason = str(error).removeprefix(_KERNEL_REFUSAL)
         if reason is not None:
             return self._fallback(reason, bound, args, kwargs)
-        q, k, v = bound["query"], bound["key"], bound["value"]
-        stats = self._stats_buffer(q.device) if self.collect_stats else None
-        out = sage_attention(
-            q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision, stats=stats
-        )
+        record(self, self.ledger_key, SERVED)
         self._stats_given = self._stats_given or stats is not None
         self._record_finiteness(q, k, v, out)
         if self._probe_armed and torch.is_grad_enabled() and out.requires_grad:
             self._capture_for_probe(q, k, v, out, bound)
+        if self.keep_calls:
+            kept = KeptCall(q.detach(), k.detach(), v.detach(), out, bound["is_causal"], bound["scale"])
+            self.kept_calls.append(kept)
         return out
 
+    def count_unserved(self, reason: str) -> None:
+        """Count one attention call this layer saw but could not route (it ran unchanged), warned once per reason.
+
+        For code that computes attention without an SDPA call the layer could serve (the interceptor's
+        ``multi_head_attention_forward``, the ``nn.MultiheadAttention`` adapter): the call is still counted, so a
+        layer never looks served when it is not.
+
+        Args:
+            reason: why the call was not served, as it appears in :attr:`fallback_reasons`.
+
+        Example::
+
+            layer.count_unserved("need_weights=True (the kernel returns no attention weights)")
+        """
+        record(self, self.ledger_key, FALLBACK_PREFIX + reason)
+
     def _route(self, args: tuple, kwargs: dict) -> tuple[dict[str, Any], str | None]:
-        """SDPA's arguments by name, and why the kernel cannot serve them (``None`` when it can)."""
-        if len(args) > len(_SDPA_PARAMETERS):
-            return {}, "more positional arguments than scaled_dot_product_attention takes"
-        bound = dict(zip(_SDPA_PARAMETERS, args, strict=False))
-        for key, value in kwargs.items():
-            if key not in _SDPA_PARAMETERS or key in bound:
-                return {}, f"argument {key!r} that the kernel does not take"
-            bound[key] = value
-        if not all(name in bound for name in ("query", "key", "value")):
-            return {}, "query, key or value missing"
-        for key, value in _SDPA_DEFAULTS.items():
-            bound.setdefault(key, value)
-        if bound["attn_mask"] is not None:
-            return bound, "attn_mask given (SageBwd masks only through is_causal)"
+        """SDPA's arguments by name (a recognised mask already turned into ``is_causal``), and why the kernel
+        cannot serve them (``None`` when it may; the kernel's own validation has the last word)."""
+        bound, problem = bind_sdpa_arguments(args, kwargs)
+        if problem is not None:
+            return bound, problem
         dropout = bound["dropout_p"]
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or dropout != 0:
             return bound, "dropout_p > 0 (SageBwd has no attention dropout; set it to 0 to train on the kernel)"
         q, k, v = bound["query"], bound["key"], bound["value"]
         for tensor in (q, k, v):
+            if not isinstance(tensor, torch.Tensor):
+                continue  # the kernel names it
             # Subclasses (DTensor, nested tensors, ...) carry their own dispatch; SDPA knows them, we do not.
-            if isinstance(tensor, torch.Tensor) and (type(tensor) not in (torch.Tensor, torch.nn.Parameter)):
+            if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
                 return bound, f"tensor subclass {type(tensor).__name__}"
-            if isinstance(tensor, torch.Tensor) and tensor.is_nested:
+            if tensor.is_nested:
                 return bound, "nested tensor inputs"
-        try:
-            check_inputs(q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision)
-        except (TypeError, ValueError) as error:
-            return bound, str(error).removeprefix("sage_attention: ")
-        if q.shape[1] != k.shape[1] and bound["enable_gqa"] is not True:
-            # SDPA raises here (or broadcasts a single kv head): whatever it does, it stays SDPA's behaviour.
-            return bound, "query and key head counts differ without enable_gqa=True"
+            if tensor.layout != torch.strided:
+                return bound, f"{tensor.layout} inputs (the kernel takes dense tensors)"
+        scale = bound["scale"]
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not math.isfinite(scale):
+            return bound, f"scale={scale!r} (not finite; the kernel takes a positive finite scale)"
+        if bound["attn_mask"] is not None:
+            kind, why = self._mask_kind(bound)
+            if kind is None:
+                return bound, why
+            bound = {**bound, "attn_mask": None, "is_causal": kind == CAUSAL}
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
+            if q.shape[1] != k.shape[1] and bound["enable_gqa"] is not True:
+                # SDPA raises here (or broadcasts a single kv head): whatever it does, it stays SDPA's behaviour.
+                return bound, "query and key head counts differ without enable_gqa=True"
         return bound, None
 
+    @staticmethod
+    def _mask_kind(bound: dict[str, Any]) -> tuple[str | None, str]:
+        """What a given ``attn_mask`` is served as (:data:`~sage_lightning.masks.CAUSAL` or ``ALL_TRUE``), or
+        ``None`` and the fallback reason."""
+        q, k = bound["query"], bound["key"]
+        if bound["is_causal"] is not False:
+            return None, "attn_mask given with is_causal=True (SDPA's to accept or refuse)"
+        if torch.compiler.is_compiling():
+            # Reading the mask's values would break the graph; the compiled call falls back.
+            return None, "attn_mask under torch.compile (recognising a causal mask needs its values on the host)"
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
+            kind = kernel_mask(bound["attn_mask"], (q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+            if kind is not None:
+                return kind, ""
+        return None, (
+            "attn_mask given that is not a boolean top-left causal or all-true mask (SageBwd masks only through "
+            "is_causal)"
+        )
+
     def _fallback(self, reason: str, bound: dict[str, Any], args: tuple, kwargs: dict) -> torch.Tensor:
-        self.fallback_calls += 1
-        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
-        if reason not in self._warned:
-            self._warned.add(reason)
-            rank_zero_warn(
-                f"Attention layer {self.name!r}: a call runs torch.nn.functional.scaled_dot_product_attention in "
-                f"full precision instead of SageBwd: {reason}. Warned once per layer and reason; every such call "
-                f"is counted in attention_layers(model)[{self.name!r}].fallback_calls.",
-                category=AttentionFallbackWarning,
-                stacklevel=7,
-            )
+        record(self, self.ledger_key, FALLBACK_PREFIX + reason)
         # The call exactly as it came: SDPA's result, or SDPA's error, is the caller's.
         out = F.scaled_dot_product_attention(*args, **kwargs)
         q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
-        if all(isinstance(t, torch.Tensor) for t in (q, k, v, out)):
+        if all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (q, k, v, out)):
             self._record_finiteness(q, k, v, out)
         return out
+
+    # ------------------------------------------------------------------------------------- host bookkeeping
+
+    def handle_event(self, event: str) -> None:
+        """Update the counters for one event of :mod:`sage_lightning.ledger` (called eagerly, or by its op).
+
+        Args:
+            event: ``"served"``, ``"fallback:<reason>"``, ``"forward_start"`` or ``"forward_end"`` (a training
+                forward of the swapped module: warned once when it made no attention call).
+        """
+        if event == SERVED:
+            self.calls += 1
+        elif event.startswith(FALLBACK_PREFIX):
+            reason = event.removeprefix(FALLBACK_PREFIX)
+            self.calls += 1
+            self.fallback_calls += 1
+            self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+            if reason not in self._warned:
+                self._warned.add(reason)
+                rank_zero_warn(
+                    f"Attention layer {self.name!r}: a call runs torch.nn.functional.scaled_dot_product_attention "
+                    f"in full precision instead of SageBwd: {reason}. Warned once per layer and reason; every such "
+                    f"call is counted in attention_layers(model)[{self.name!r}].fallback_calls.",
+                    category=AttentionFallbackWarning,
+                    stacklevel=9,
+                )
+        elif event == FORWARD_START:
+            self._calls_at_forward = self.calls
+        elif event == FORWARD_END:
+            if self.calls == self._calls_at_forward:
+                # Six frames up from here (record, the wrapper, Module.__call__'s two) is the code calling the module.
+                self.warn_if_silent("its forward ran in training and made no attention call", stacklevel=6)
+
+    def warn_if_silent(self, when: str, *, stacklevel: int = 1) -> bool:
+        """Warn once (:class:`SilentAttentionWarning`) that this layer is swapped but makes no attention call.
+
+        Args:
+            when: what was seen, for the message (e.g. ``"no call in the first training step"``).
+            stacklevel: as ``warnings.warn``'s, counted from the caller of this method (1: the caller's line).
+
+        Returns:
+            Whether it warned now (``False`` when it had warned before).
+
+        Example::
+
+            if layer.calls == 0:
+                layer.warn_if_silent("no call in the first training step")
+        """
+        if self._warned_silent:
+            return False
+        self._warned_silent = True
+        rank_zero_warn(
+            f"Attention layer {self.name!r} is swapped to SageBwd but {when}: nothing in it reaches "
+            "torch.nn.functional.scaled_dot_product_attention (attention computed by hand, e.g. with logit "
+            "softcapping, or a module that is never called). Its precision and signals have no effect. Leave it "
+            "out with filter_fn, or compute its attention with scaled_dot_product_attention.",
+            category=SilentAttentionWarning,
+            stacklevel=4 + stacklevel,  # rank_zero_warn's own frames, then ours
+        )
+        return True
 
     def _stats_buffer(self, device: torch.device) -> torch.Tensor:
         if self.stats is None:
@@ -253,8 +394,8 @@ class AttentionLayerState:
         with torch.no_grad():
             inputs_finite = torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()
             started_here = inputs_finite & torch.isfinite(out).all().logical_not()
-            if self._nonfinite is None or self._nonfinite.device != started_here.device:
-                self._nonfinite = started_here
+            if self._nonfinite.device != started_here.device:
+                self._nonfinite = started_here.logical_or(self._nonfinite.to(started_here.device))
             else:
                 self._nonfinite.logical_or_(started_here)
 
@@ -389,8 +530,6 @@ class AttentionLayerState:
             if layer.take_nonfinite():
                 layer.precision = layer.precision.replace(ds="bf16")
         """
-        if self._nonfinite is None:
-            return False
         flag = bool(self._nonfinite.item())
         self._nonfinite.zero_()
         return flag
@@ -448,6 +587,37 @@ class AttentionLayerState:
             f"AttentionLayerState(name={self.name!r}, precision={self.precision.short_name!r}, "
             f"collect_stats={self.collect_stats}, calls={self.calls}, fallback_calls={self.fallback_calls})"
         )
+
+
+def check_precision(precision: object, argument: str) -> None:
+    """Refuse anything but an ``AttentionPrecision`` whose fields are plain Python ``str`` and ``bool`` values.
+
+    ``AttentionPrecision`` checks its fields with ``in`` and ``==``, which a numpy array or scalar passes
+    (``numpy.array("int8") == "int8"``); such a precision fails later, far from where it was made (at ``hash``, in
+    a kernel's constexpr). Here it fails where it is set.
+
+    Args:
+        precision: the value given.
+        argument: how the caller names it in the message, e.g. ``"convert_to_sage_attention: precision"``.
+
+    Raises:
+        TypeError: not an ``AttentionPrecision``, or a field of another type than ``str`` (formats, ``mode``,
+            ``qat_backward``) or ``bool`` (``smooth_k``, ``smooth_q``).
+
+    Example::
+
+        check_precision(AttentionPrecision(ds="bf16"), "precision")   # returns None
+    """
+    if not isinstance(precision, AttentionPrecision):
+        raise TypeError(f"{argument} must be a sage_lightning.AttentionPrecision; received {type(precision).__name__}.")
+    for field in dataclasses.fields(precision):
+        value = getattr(precision, field.name)
+        wanted = bool if isinstance(field.default, bool) else str
+        if not isinstance(value, wanted):
+            raise TypeError(
+                f"{argument}: AttentionPrecision.{field.name} must be a Python {wanted.__name__}, e.g. "
+                f"{field.default!r}; received {value!r} of type {type(value).__module__}.{type(value).__name__}."
+            )
 
 
 def attention_layers(module: torch.nn.Module) -> dict[str, AttentionLayerState]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.swap import _convert, is_attention_module
+from sage_lightning.layer import attention_layers, check_precision
+from sage_lightning.swap import NoAttentionLayerError, convert_to_sage_attention, is_attention_module
 
 # Where Lightning's own no-op ``configure_model`` lives; a mixin listed after it would never run.
 _LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
@@ -98,15 +101,44 @@ class SageAttentionMixin:
                 f"class MyModel(SageAttentionMixin, LightningModule); received {type(self).__name__}, which is not "
                 "a torch.nn.Module."
             )
-        _convert(
-            self,
-            filter_fn=self.sage_attention_filter,
-            precision=self.sage_precision,
-            caller="SageAttentionMixin.configure_model",
-            filter_name="sage_attention_filter",
-            precision_name="sage_precision",
-            hint=(
-                " If you build the model in your own configure_model, build it first and call "
-                "super().configure_model() after."
-            ),
-        )
+        caller = "SageAttentionMixin.configure_model"
+        if self.sage_precision is not None:
+            check_precision(self.sage_precision, f"{caller}: sage_precision")
+
+        def chosen(module: nn.Module, fqn: str) -> bool:
+            keep = self.sage_attention_filter(module, fqn)
+            if not isinstance(keep, bool):
+                raise TypeError(
+                    f"{caller}: sage_attention_filter must return True or False; received {keep!r} for module "
+                    f"{fqn or type(self).__name__!r} ({type(module).__name__})."
+                )
+            return keep
+
+        try:
+            convert_to_sage_attention(self, filter_fn=chosen, precision=self.sage_precision)
+        except NoAttentionLayerError as error:
+            raise NoAttentionLayerError(
+                f"{caller}: sage_attention_filter found no attention layer in {type(self).__name__}. The default "
+                "picks the innermost modules whose class name contains 'Attention' or 'Attn'; override "
+                "sage_attention_filter(module, fqn) to return True for the modules that call "
+                "torch.nn.functional.scaled_dot_product_attention. If you build the model in your own "
+                "configure_model, build it first and call super().configure_model() after."
+            ) from error
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Lightning's hook: after the first training batch, warn once for each swapped layer that made no call.
+
+        A layer can be swapped and never reach ``scaled_dot_product_attention`` (attention computed by hand, a
+        module that is never called): its precision and signals would then mean nothing. Each such layer gets one
+        :class:`~sage_lightning.layer.SilentAttentionWarning`. If you override this hook, call
+        ``super().on_train_batch_end(outputs, batch, batch_idx)``.
+        """
+        parent = getattr(super(), "on_train_batch_end", None)
+        if parent is not None:
+            parent(outputs, batch, batch_idx)
+        if getattr(self, "_sage_checked_calls", False):
+            return
+        self._sage_checked_calls = True
+        for layer in attention_layers(self).values():
+            if layer.calls == 0:
+                layer.warn_if_silent("it made no attention call in the first training batch")

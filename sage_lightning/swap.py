@@ -11,9 +11,13 @@ the module keeps its class, its Parameters and its ``state_dict``, so an optimiz
 valid. Hugging Face models are swapped through their own attention-function registry instead
 (:mod:`sage_lightning.hf`), loaded only when ``transformers`` is already imported.
 
-``torch.compile`` traces the wrapper, the mode and the routing without a graph break (tested with
-``fullgraph=True``); the layer's precision is read as a guarded attribute, so assigning a new one costs one
-recompile.
+``torch.nn.MultiheadAttention`` (inside ``nn.TransformerEncoderLayer`` and friends) is served through an adapter of
+its own (:mod:`sage_lightning.mha`): its functional form cannot be caught this way.
+
+``torch.compile`` traces the wrapper, the mode and the routing without a graph break, served and falling-back
+calls alike (tested with ``fullgraph=True`` and ``False``); the counters and warnings are kept outside the traced
+region (:mod:`sage_lightning.ledger`), so they count each call once and cost no recompile. The layer's precision
+is read as a guarded attribute, so assigning a new one costs one recompile.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch.nn.functional as F
+import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from sage_lightning.interception import SDPAInterceptor
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.layer import STATE_ATTRIBUTE, AttentionLayerState, attention_layers
+from sage_lightning.layer import STATE_ATTRIBUTE, AttentionLayerState, attention_layers, check_precision
+from sage_lightning.ledger import FORWARD_END, FORWARD_START, record
+from sage_lightning.mha import MultiheadAttentionForward
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -36,30 +42,8 @@ FilterFn = Callable[[nn.Module, str], bool]
 ATTENTION_NAME_PARTS: tuple[str, ...] = ("attention", "attn")
 
 
-class SDPAInterceptor(TorchFunctionMode):
-    """While active, sends every ``scaled_dot_product_attention`` call to one layer's state; other ops pass.
-
-    The mode is popped while its handler runs, so the kernel's own torch calls (and SDPA itself, for a call
-    that falls back) are not caught again.
-
-    Args:
-        state: the layer that owns the calls.
-
-    Example::
-
-        with SDPAInterceptor(state):
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # served by state
-    """
-
-    def __init__(self, state: AttentionLayerState) -> None:
-        super().__init__()
-        self.state = state
-
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = {} if kwargs is None else kwargs
-        if func is F.scaled_dot_product_attention:
-            return self.state.scaled_dot_product_attention(*args, **kwargs)
-        return func(*args, **kwargs)
+class NoAttentionLayerError(ValueError):
+    """:func:`convert_to_sage_attention` found nothing to swap (a ``ValueError``; callers may reword it)."""
 
 
 class _InterceptedForward:
@@ -81,8 +65,16 @@ class _InterceptedForward:
         return type(self.module).forward.__get__(self.module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with SDPAInterceptor(self.module.__dict__[STATE_ATTRIBUTE]):
-            return self._target()(*args, **kwargs)
+        state: AttentionLayerState = self.module.__dict__[STATE_ATTRIBUTE]
+        # A training forward that makes no attention call is warned about (once): the layer is swapped for nothing.
+        training = self.module.training and torch.is_grad_enabled()
+        if training:
+            record(state, state.ledger_key, FORWARD_START)
+        with SDPAInterceptor(state):
+            out = self._target()(*args, **kwargs)
+        if training:
+            record(state, state.ledger_key, FORWARD_END)
+        return out
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -134,9 +126,13 @@ def convert_to_sage_attention(
 
     Every selected module gets an :class:`~sage_lightning.layer.AttentionLayerState` (``module.sage_attention_state``,
     named by its module path) and from then on each ``scaled_dot_product_attention`` call made inside it is
-    served by ``sage_attention`` at the layer's precision. A call the kernel cannot serve (an ``attn_mask``,
-    ``dropout_p > 0``, a head dim or dtype it refuses) runs PyTorch's SDPA unchanged, counted in the layer's
-    ``fallback_calls`` and warned once per layer and reason, never silently wrong.
+    served by ``sage_attention`` at the layer's precision. A call the kernel cannot serve (an ``attn_mask`` other
+    than a boolean causal or all-true one, ``dropout_p > 0``, a head dim or dtype it refuses) runs PyTorch's SDPA
+    unchanged, counted in the layer's ``fallback_calls`` and warned once per layer and reason, never silently
+    wrong. ``nn.MultiheadAttention``
+    modules (and so ``nn.TransformerEncoderLayer``'s ``self_attn``) are served through
+    :mod:`sage_lightning.mha`. A swapped layer whose training forward makes no attention call is warned about
+    once (:class:`~sage_lightning.layer.SilentAttentionWarning`).
 
     Hugging Face ``transformers`` models (a ``PreTrainedModel`` anywhere in ``model``) are switched to the
     ``"sage"`` attention implementation registered in their ``AttentionInterface``; see
@@ -158,9 +154,10 @@ def convert_to_sage_attention(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``filter_fn`` is not callable or returns a non-bool,
-            ``precision`` is not an ``AttentionPrecision``.
-        ValueError: no attention layer is found, or ``filter_fn`` selects a module inside another selected one
-            (each SDPA call must belong to one layer).
+            ``precision`` is not an ``AttentionPrecision`` (or holds a field that is not a plain ``str``/``bool``).
+        ValueError: no attention layer is found (:class:`NoAttentionLayerError`), ``filter_fn`` selects a module
+            inside another selected one (each SDPA call must belong to one layer), or a module that holds an
+            ``nn.MultiheadAttention`` (select the ``MultiheadAttention`` itself: it is served).
 
     Example::
 
@@ -173,33 +170,17 @@ def convert_to_sage_attention(
         convert_to_sage_attention(model, filter_fn=lambda m, fqn: fqn.startswith("blocks.0."))  # no-op here
         print(list(attention_layers(model)))           # ["blocks.0.attn", "blocks.1.attn", ...]
     """
-    return _convert(model, filter_fn=filter_fn, precision=precision, caller="convert_to_sage_attention")
-
-
-def _convert(
-    model: nn.Module,
-    *,
-    filter_fn: FilterFn | None,
-    precision: AttentionPrecision | None,
-    caller: str,
-    filter_name: str = "filter_fn",
-    precision_name: str = "precision",
-    hint: str = "",
-) -> nn.Module:
-    """:func:`convert_to_sage_attention`, with its error messages naming the caller's own arguments."""
+    caller = "convert_to_sage_attention"
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller}: model must be a torch.nn.Module; received {type(model).__name__}.")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(
-            f"{caller}: {filter_name} must be a callable (module, fqn) -> bool or None for the default "
+            f"{caller}: filter_fn must be a callable (module, fqn) -> bool or None for the default "
             f"(innermost modules whose class name contains 'Attention' or 'Attn'); received "
             f"{type(filter_fn).__name__}."
         )
-    if precision is not None and not isinstance(precision, AttentionPrecision):
-        raise TypeError(
-            f"{caller}: {precision_name} must be a sage_lightning.AttentionPrecision or None (SageBwd "
-            f"defaults); received {type(precision).__name__}."
-        )
+    if precision is not None:
+        check_precision(precision, f"{caller}: precision")
     chosen = is_attention_module if filter_fn is None else filter_fn
     precision = AttentionPrecision() if precision is None else precision
 
@@ -210,12 +191,13 @@ def _convert(
         keep = chosen(module, fqn)
         if not isinstance(keep, bool):
             raise TypeError(
-                f"{caller}: {filter_name} must return True or False; received {keep!r} for module "
+                f"{caller}: filter_fn must return True or False; received {keep!r} for module "
                 f"{fqn or type(model).__name__!r} ({type(module).__name__})."
             )
         if keep:
             selected.append((fqn, module))
-    _refuse_nesting(model, [module for _, module in selected], caller, filter_name)
+    _refuse_nesting(model, [module for _, module in selected], caller)
+    _refuse_hidden_multihead(model, [module for _, module in selected], caller)
 
     registry_served: set[int] = set()
     if "transformers" in sys.modules and any(_from_transformers(module) for module in model.modules()):
@@ -228,16 +210,17 @@ def _convert(
     for fqn, module in selected:
         state = AttentionLayerState(fqn or type(module).__name__, precision)
         module.__dict__[STATE_ATTRIBUTE] = state
-        if id(module) not in registry_served:
-            module.__dict__["forward"] = _InterceptedForward(module, module.__dict__.get("forward"))
+        if id(module) in registry_served:
+            continue
+        wrapper = MultiheadAttentionForward if isinstance(module, nn.MultiheadAttention) else _InterceptedForward
+        module.__dict__["forward"] = wrapper(module, module.__dict__.get("forward"))
 
     if not attention_layers(model):
-        raise ValueError(
-            f"{caller}: {filter_name} found no attention layer in {type(model).__name__}; received "
-            f"{filter_name}={_describe(filter_fn)}. The default picks "
-            "the innermost modules whose class name contains 'Attention' or 'Attn'; pass a "
-            f"{filter_name}(module, fqn) -> bool that returns True for the modules that call "
-            f"torch.nn.functional.scaled_dot_product_attention.{hint}"
+        raise NoAttentionLayerError(
+            f"{caller}: filter_fn found no attention layer in {type(model).__name__}; received "
+            f"filter_fn={_describe(filter_fn)}. The default picks the innermost modules whose class name contains "
+            "'Attention' or 'Attn'; pass a filter_fn(module, fqn) -> bool that returns True for the modules that "
+            "call torch.nn.functional.scaled_dot_product_attention."
         )
     return model
 
@@ -254,7 +237,7 @@ def _describe(filter_fn: FilterFn | None) -> str:
     return getattr(filter_fn, "__qualname__", None) or repr(filter_fn)
 
 
-def _refuse_nesting(model: nn.Module, selected: list[nn.Module], caller: str, filter_name: str) -> None:
+def _refuse_nesting(model: nn.Module, selected: list[nn.Module], caller: str) -> None:
     # Nested layers would make one SDPA call belong to two states (and each would catch the other's kernel ops).
     layers = {id(m): m for m in model.modules() if STATE_ATTRIBUTE in m.__dict__}
     layers.update({id(m): m for m in selected})
@@ -263,8 +246,25 @@ def _refuse_nesting(model: nn.Module, selected: list[nn.Module], caller: str, fi
         for inner in outer.modules():
             if inner is not outer and id(inner) in layers:
                 raise ValueError(
-                    f"{caller}: {filter_name} selects {paths[id(inner)]!r} inside {paths[id(outer)]!r}, which is "
-                    f"swapped too; received {filter_name} that returns True for both. Each "
+                    f"{caller}: filter_fn selects {paths[id(inner)]!r} inside {paths[id(outer)]!r}, which is "
+                    "swapped too; received filter_fn that returns True for both. Each "
                     "scaled_dot_product_attention call belongs to one layer: select the module that makes the "
                     "call, not the blocks around it."
+                )
+
+
+def _refuse_hidden_multihead(model: nn.Module, selected: list[nn.Module], caller: str) -> None:
+    # An nn.MultiheadAttention inside a selected module would run its attention where no wrapper can see it.
+    paths = {id(m): fqn or type(model).__name__ for fqn, m in model.named_modules()}
+    for outer in selected:
+        if isinstance(outer, nn.MultiheadAttention):
+            continue
+        for inner in outer.modules():
+            if isinstance(inner, nn.MultiheadAttention):
+                raise ValueError(
+                    f"{caller}: filter_fn selects {paths[id(outer)]!r}, which holds the nn.MultiheadAttention "
+                    f"{paths[id(inner)]!r}; received a filter_fn that returns True for {paths[id(outer)]!r}. "
+                    "Its attention runs in torch.nn.functional.multi_head_attention_forward, where a wrapper around "
+                    f"{paths[id(outer)]!r} cannot serve it: select {paths[id(inner)]!r} itself (the default "
+                    "filter does), which is served."
                 )

@@ -143,3 +143,21 @@ def test_mixin_swaps_a_transformers_model_inside_a_lightning_module() -> None:
     assert module.model.config._attn_implementation == SAGE_ATTENTION_NAME
     module.model(tokens())
     assert all(layer.calls == 1 for layer in attention_layers(module).values())
+
+
+def test_llama_continuation_over_a_cache_goes_to_sdpa_and_its_decode_step_is_served() -> None:
+    reference = llama()
+    model = convert_to_sage_attention(copy.deepcopy(reference))
+    ids = tokens(seq=12)
+    prompt, more, last = ids[:, :8], ids[:, 8:11], ids[:, 11:]
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values  # served: no mask, is_causal
+        ref_cache = reference(prompt, use_cache=True).past_key_values
+        # Three tokens over eight cached ones: transformers passes a causal mask aligned to the last keys, which
+        # the kernel's top-left causal mask is not.
+        with pytest.warns(AttentionFallbackWarning, match="attn_mask"):
+            out = model(more, past_key_values=cache, use_cache=True).logits
+        ref = reference(more, past_key_values=ref_cache, use_cache=True).logits
+        model(last, past_key_values=cache)  # one token over every key: served
+    assert cosine(out, ref) > 0.999
+    assert [(layer.calls, layer.fallback_calls) for layer in attention_layers(model).values()] == [(3, 1), (3, 1)]

@@ -144,12 +144,12 @@ def test_litgpt_gqa_with_an_imported_binding_is_served() -> None:
     assert all(layer.calls == 1 and layer.fallback_calls == 0 for layer in attention_layers(model).values())
 
 
-def test_a_mask_goes_to_sdpa_counted_and_warned_once_per_layer() -> None:
+def test_a_sliding_window_mask_goes_to_sdpa_counted_and_warned_once_per_layer() -> None:
     torch.manual_seed(0)
     reference = LitGPT(LitConfig())
     model = convert_to_sage_attention(copy.deepcopy(reference))
     idx = tokens(seq=16)
-    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    mask = torch.ones(16, 16, dtype=torch.bool).tril().triu(-4)  # each query sees its last 5 keys
     with pytest.warns(AttentionFallbackWarning) as record:
         first = model(idx, mask)
         model(idx, mask)
