@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -55,6 +57,13 @@ def check_inputs(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"sage_attention: {name} must be a torch.Tensor; received {type(t).__name__}.")
+        if t.layout != torch.strided or t.is_nested:
+            raise _fail(
+                name,
+                f"a {'nested' if t.is_nested else str(t.layout).replace('torch.', '')} tensor",
+                "must be a dense (strided) tensor: call .to_dense(), or route the call to "
+                "torch.nn.functional.scaled_dot_product_attention",
+            )
         if t.dim() != 4:
             raise _fail(
                 name,
@@ -100,8 +109,8 @@ def check_inputs(
     if not isinstance(is_causal, bool):
         raise _fail("is_causal", repr(is_causal), "must be True or False")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise _fail("scale", repr(scale), "must be a positive float, or None for 1/sqrt(head_dim)")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
+            raise _fail("scale", repr(scale), "must be a positive finite float, or None for 1/sqrt(head_dim)")
     if precision is not None and not isinstance(precision, AttentionPrecision):
         raise TypeError(
             "sage_attention: precision must be a sage_lightning.kernels.AttentionPrecision or None; "

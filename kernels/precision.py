@@ -79,6 +79,13 @@ class AttentionPrecision:
     qat_backward: str = "matched"
 
     def __post_init__(self) -> None:
+        # A str first: an array or tensor would pass ``in`` (elementwise ==) and fail later, at hash.
+        for name in ("mode", *PRODUCTS, "qat_backward"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"AttentionPrecision: {name} must be a str; received {value!r} of type {type(value).__name__}."
+                )
         if self.mode not in MODES:
             raise ValueError(f"AttentionPrecision: mode must be one of {MODES}; received {self.mode!r}.")
         for name in PRODUCTS:

@@ -319,16 +319,15 @@ def test_a_sparse_query_goes_to_sdpa_and_gets_its_error() -> None:
 
 def test_a_precision_with_a_numpy_field_is_refused_where_it_is_set() -> None:
     np = pytest.importorskip("numpy")
-    bad = AttentionPrecision(ds=np.array("bf16"))  # passes AttentionPrecision's own `in` check
-    with pytest.raises(
-        TypeError, match=r"convert_to_sage_attention: precision: AttentionPrecision.ds must be a Python str.*numpy"
-    ):
-        convert_to_sage_attention(NanoGPT(), precision=bad)
+    # AttentionPrecision refuses it when it is made (an array passes ``in`` and would fail later, at hash) ...
+    with pytest.raises(TypeError, match=r"AttentionPrecision: ds must be a str; received array.*ndarray"):
+        AttentionPrecision(ds=np.array("bf16"))
+    # ... and the swap refuses anything but an AttentionPrecision, naming where it was given.
+    with pytest.raises(TypeError, match=r"convert_to_sage_attention: precision must be a sage_lightning"):
+        convert_to_sage_attention(NanoGPT(), precision={"ds": "bf16"})
     layer = next(iter(attention_layers(convert_to_sage_attention(NanoGPT())).values()))
-    with pytest.raises(
-        TypeError, match=r"\('transformer.h.0.attn'\): precision: AttentionPrecision.qk must be a Python str"
-    ):
-        layer.precision = AttentionPrecision(qk=np.array("int8"))
+    with pytest.raises(TypeError, match=r"\('transformer.h.0.attn'\): precision must be a sage_lightning"):
+        layer.precision = "int8"
 
 
 # ------------------------------------------------------------------------------- 6. one interception point

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from sage_lightning.kernels import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
 
@@ -53,7 +54,6 @@ def test_attn_qat_mode_labels_and_ignored_fields() -> None:
         ({"mode": "fp8"}, ["mode", "'fp8'", "sagebwd"]),
         ({"mode": "attn-qat"}, ["mode", "'attn-qat'", "attn_qat"]),
         ({"mode": "attn_qat", "qat_backward": "drop-in"}, ["qat_backward", "'drop-in'", "'matched', 'dropin'"]),
-        ({"qat_backward": None}, ["qat_backward", "None"]),
         ({"ds": "fp16"}, ["ds", "'fp16'", "'int8', 'bf16'"]),
         ({"qk": "INT8"}, ["qk", "'INT8'"]),
         ({"smooth_k": 1}, ["smooth_k", "1", "True or False"]),
@@ -66,3 +66,13 @@ def test_bad_fields_are_refused_with_a_clear_message(kwargs: dict, pieces: list[
         assert piece in str(info.value)
     with pytest.raises(ValueError):
         AttentionPrecision().replace(**kwargs)
+
+
+@pytest.mark.parametrize("field", ["mode", "qk", "ds", "qat_backward"])
+def test_a_field_that_is_not_a_str_is_refused_where_it_is_set(field: str) -> None:
+    # An array passes ``in`` and ``==`` elementwise and would fail later, at hash (issue #17).
+    value = np.array(["int8"]) if field != "mode" else np.array(["sagebwd"])
+    for bad in (value, None):
+        with pytest.raises(TypeError) as info:
+            AttentionPrecision(**{field: bad})
+        assert field in str(info.value) and "must be a str" in str(info.value) and type(bad).__name__ in str(info.value)
