@@ -212,6 +212,8 @@ def load(folder: Path, only: set[str] | None = None) -> dict[str, Any]:
         except (OSError, json.JSONDecodeError):
             continue
         kind, rows = result.get("kind"), result.get("rows", [])
+        if result.get("diagnostic"):  # a run of code that is not main's (e.g. a known-broken kernel), kept for a note
+            continue
         if kind == "training" and result.get("matrix"):
             group = result["matrix"]["group"]
             if group not in matrix or (result["date"], path.name) >= (matrix[group][1]["date"], matrix[group][0].name):
@@ -888,8 +890,11 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
     lines += [
         "## Earlier runs (before the matrix)",
         "",
-        "Single-seed comparisons of `small.yaml` (32K tokens per step) on an H200. Differences are computed within one "
-        "file only (runs of one command); with no seed spread, differences under about 0.01 are not evidence.",
+        "Single-seed comparisons of `small.yaml` on one GPU; each file's command gives its tokens per step and its "
+        "line its device and commit (files before 2026-11-23 ran older kernels). Differences are computed within one "
+        "file only (runs of one command); with no seed spread, differences under about 0.01 are not evidence. The "
+        "`parity` runs are `benchmarks/gpu_verify.py`'s, beside its other checks on the same GPU: their tokens/s are "
+        "not speeds.",
         "",
     ]
     if not loaded["earlier"]:
