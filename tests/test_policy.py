@@ -294,7 +294,8 @@ def test_spikes(loss: float, grad_norm: float, action: str, armed: tuple[bool, b
     assert outcome.action == action
     assert policy.signals_wanted(17) == SignalRequest(*armed)
     if action == "skip":
-        assert "loss_hard_spike_z 20" in outcome.decisions[0].reason and "a one-off, skipped" in outcome.decisions[0].reason
+        reason = outcome.decisions[0].reason
+        assert "loss_hard_spike_z 20" in reason and "a one-off, skipped" in reason
         assert outcome.skip_cause == "loss_spike" and policy.rung(NAMES[0]) == "base"
 
 
@@ -617,4 +618,5 @@ def test_a_one_off_spike_is_skipped_a_repeated_one_rolls_back() -> None:
     assert [policy.decide(signals(s)).action for s in range(17, 27)] == ["step"] * 10
     assert policy.decide(signals(27, loss=200.0)).action == "skip"  # 11 steps later: another one-off
     outcome = policy.decide(signals(30, loss=200.0))  # 3 steps later: repeated
-    assert outcome.action == "rollback" and "again within spike_repeat_steps 10 of step 27" in outcome.decisions[0].reason
+    assert outcome.action == "rollback"
+    assert "again within spike_repeat_steps 10 of step 27" in outcome.decisions[0].reason

@@ -270,12 +270,13 @@ class PrecisionPolicy:
                     f"{self.config.loss_hard_spike_z:g} (window median {loss_reading.median:.4g})"
                 )
                 last, self._last_hard_spike = self._last_hard_spike, step
-                if last is not None and step - last <= self.config.spike_repeat_steps:
-                    divergence = f"{spike}, again within spike_repeat_steps {self.config.spike_repeat_steps} of step {last}"
+                repeat = self.config.spike_repeat_steps
+                if last is not None and step - last <= repeat:
+                    divergence = f"{spike}, again within spike_repeat_steps {repeat} of step {last}"
                 else:
                     # One spike is one bad batch: dropping its step costs one step, a rollback all since the snapshot.
                     action, skip_cause = "skip", "loss_spike"
-                    reason = f"{spike}: a one-off, skipped (another within {self.config.spike_repeat_steps} steps rolls back)"
+                    reason = f"{spike}: a one-off, skipped (another within {repeat} steps rolls back)"
                     decisions.append(Decision(step, None, "optimizer_step", "apply", "skip", reason))
                     self._arm(step + 1, "ds_stats")
             else:
@@ -300,7 +301,9 @@ class PrecisionPolicy:
                 action = "rollback"
                 decisions.append(Decision(step, None, "rollback", f"step {step}", "last snapshot", divergence))
                 decisions += escalations
-                self._tried += [f"step {d.step}: {d.layer or 'global'} {d.lever} {d.old} -> {d.new}" for d in escalations]
+                self._tried += [
+                    f"step {d.step}: {d.layer or 'global'} {d.lever} {d.old} -> {d.new}" for d in escalations
+                ]
                 self._arm(step + 1, "ds_stats", "probe")
         elif action == "step":
             self._count_progress()
