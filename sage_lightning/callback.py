@@ -582,7 +582,9 @@ class AdaptivePrecision(Callback):
         outcome = self._require_policy().decide(signals)
         decisions = list(outcome.decisions)
         action = outcome.action
-        skipped = outcome.action == "skip" and (not applied or record.skipped_on_device)
+        # On the device, a fused optimizer skipped the step only if its gradients were non-finite.
+        on_device = record.skipped_on_device and outcome.skip_cause == "nonfinite_gradients"
+        skipped = outcome.action == "skip" and (not applied or on_device)
         if outcome.action == "skip" and not skipped and outcome.skip_cause == "loss_spike":
             # Already applied and its gradients finite: undoing it would cost a rollback, more than the spike.
             action = "step"

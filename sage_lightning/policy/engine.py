@@ -324,8 +324,7 @@ class PrecisionPolicy:
         tried = "; ".join(self._tried) if self._tried else "nothing: no lever was left to turn"
         return (
             f"{divergence}; {self._rollbacks_without_progress} divergences without {cfg.progress_steps} good steps "
-            f"in between, over the budget of max_rollbacks {cfg.max_rollbacks}, and no lever left. Tried: {tried}. "
-            "The weights are the last good snapshot's"
+            f"in between, over the budget of max_rollbacks {cfg.max_rollbacks}, and no lever left. Tried: {tried}"
         )
 
     def _disarm_measured(self, layers: Mapping[str, LayerSignals], step: int) -> None:
