@@ -523,12 +523,13 @@ class AdaptivePrecision(Callback):
             loss_sum = self._loss_sum.to(torch.float64) * trainer.accumulate_grad_batches
             if scaler is not None:
                 loss_sum = loss_sum / scaler.get_scale()
-        ds_sums = None
+        ds_sums = qk_sums = None
         if self._request.ds_stats or self._discard_stats:
             # The sums stay on the device: no host sync for them, on this step or any.
             ds_sums = [layer.take_ds_stats_on_device() for layer in self._layers.values()]
+            qk_sums = [layer.take_forward_stats_on_device() for layer in self._layers.values()]
             if self._discard_stats:
-                ds_sums, self._discard_stats = None, False
+                ds_sums, qk_sums, self._discard_stats = None, None, False
         probes = [layer.take_probe() for layer in self._layers.values()] if self._request.probe else None
         packed = self._layout.pack(
             trainer.strategy.root_device,
@@ -537,6 +538,7 @@ class AdaptivePrecision(Callback):
             tokens=self._window_tokens,
             grads=[p.grad for p in pl_module.parameters() if p.grad is not None],
             ds_sums=ds_sums,
+            qk_sums=qk_sums,
             probes=probes,
         )
         return reduce(trainer, packed)

@@ -24,6 +24,10 @@ LAYER_FIELDS: tuple[str, ...] = (
     "ds_err2",
     "ds_norm2",
     "ranks_with_ds",
+    "qk_rel_q",
+    "qk_rows_q",
+    "qk_rel_k",
+    "qk_rows_k",
     "ranks_with_probe",
     *(f"{tensor}_{metric}" for tensor in PROBE_TENSORS for metric in ("cos", "rel_l2")),
 )
@@ -58,6 +62,7 @@ class SignalLayout:
         tokens: int,
         grads: Sequence[torch.Tensor],
         ds_sums: Sequence[torch.Tensor | None] | None,
+        qk_sums: Sequence[torch.Tensor | None] | None,
         probes: Sequence[Mapping[str, Mapping[str, float]] | None] | None,
     ) -> torch.Tensor:
         """The step's raw signals in one float64 vector on ``device``, without a host sync.
@@ -70,6 +75,8 @@ class SignalLayout:
             grads: the gradients about to be applied.
             ds_sums: per layer, ``[err2, norm2]`` on the device (``None`` where nothing was measured); ``None`` when
                 the dS statistics were not asked for.
+            qk_sums: per layer, the forward health's four sums on the device
+                (:func:`~sage_lightning.forward_health.qk_quant_error`); as ``ds_sums``.
             probes: per layer, the probe's metrics (``None`` where nothing was captured); ``None`` when not probed.
         """
         zero = torch.zeros((), device=device, dtype=torch.float64)
@@ -84,6 +91,8 @@ class SignalLayout:
         else:
             sums = torch.zeros(count, 2, dtype=torch.float64, device=device)
             has_ds = torch.zeros(count, 1, dtype=torch.float64, device=device)
+        none4 = torch.zeros(4, dtype=torch.float64, device=device)
+        qk = torch.stack([none4 if s is None else s.to(device, torch.float64) for s in (qk_sums or [None] * count)])
         if probes is not None:
             # The probe's metrics are host numbers (the probe itself waited for the device): one copy.
             rows = []
@@ -95,8 +104,8 @@ class SignalLayout:
                 rows.append(row)
             rest = torch.tensor(rows, dtype=torch.float64, device=device)
         else:
-            rest = torch.zeros(count, len(LAYER_FIELDS) - 3, dtype=torch.float64, device=device)
-        return torch.cat([head, torch.cat([sums, has_ds, rest], dim=1).flatten()])
+            rest = torch.zeros(count, len(LAYER_FIELDS) - 7, dtype=torch.float64, device=device)
+        return torch.cat([head, torch.cat([sums, has_ds, qk, rest], dim=1).flatten()])
 
     def unpack(self, total: Sequence[float]) -> tuple[dict[str, float], dict[str, LayerSignals]]:
         """The reduced vector as ``(head, layers)``: the head's fields by name (``loss`` and ``grad_norm`` divided
@@ -120,7 +129,10 @@ class SignalLayout:
                     tensor: {metric: row[f"{tensor}_{metric}"] / ranks for metric in ("cos", "rel_l2")}
                     for tensor in PROBE_TENSORS
                 }
-            layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe)
+            qk_rel_err = None
+            if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
+                qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
+            layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err)
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
         # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN).

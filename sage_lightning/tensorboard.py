@@ -7,9 +7,9 @@ decisions are identical on every rank, one copy is enough.
 
 Tags, all under ``sage/``:
 
-* per layer: ``sage/ds_rel_err/<layer>``, ``sage/probe/<tensor>_cos/<layer>`` and
-  ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV), ``sage/level/<layer>`` (0 at the
-  base, ``i + 1`` on the ladder's rung ``i``);
+* per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
+  ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
+  ``sage/level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``);
 * global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction``,
   ``sage/accumulate_grad_batches``, ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
   ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
@@ -48,6 +48,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         },
         "sage: signals": {
             "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
+            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
         },
@@ -95,6 +96,9 @@ def step_metrics(
     for name, layer in signals.layers.items():
         if layer.ds_rel_err is not None:
             metrics[f"sage/ds_rel_err/{name}"] = layer.ds_rel_err
+            measured = True
+        if layer.qk_rel_err is not None:
+            metrics[f"sage/qk_rel_err/{name}"] = layer.qk_rel_err
             measured = True
         if layer.probe is not None:
             for tensor, values in layer.probe.items():

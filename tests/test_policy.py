@@ -72,7 +72,7 @@ def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float
     else:
         assert steps == [escalated_at]
         assert policy.precision(NAMES[0]) == DS_BF16
-        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 2
+        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 3
         decision = policy.decide(signals(1000, l0=LayerSignals(ds_rel_err=0.5)))  # dS runs bf16: rule is moot
         assert decision.decisions == ()
 
@@ -92,8 +92,9 @@ def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float
         ([], {"probe": probe(dv=0.9), "ds_rel_err": 0.3}, "dv_bf16", "dV does not use dS"),
         ([], {"probe": probe()}, "base", None),
         ([], {"probe": probe(o=0.996, dq=0.971)}, "base", None),  # just inside both thresholds
-        # Already Q-smoothed and the forward still poor: the next rung that changes the forward is full.
-        ([{"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "full", "probe O cos"),
+        # Already Q-smoothed and the forward still poor: the scores' product in bf16, then full.
+        ([{"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "qk_bf16", "probe O cos"),
+        ([{"probe": probe(o=0.99)}, {"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "full", "probe O cos"),
         # dS already bf16 and dQ still poor: the forward's first rung.
         ([{"ds_rel_err": 0.3}, {"ds_rel_err": 0.3}], {"probe": probe(dq=0.9)}, "smooth_q", "already in high precision"),
         # Catastrophic readings (a wrong kernel, not noise) go straight to the rung that removes them.
@@ -114,10 +115,8 @@ def test_probe_points_at_forward_or_backward(path: list[dict], measured: dict, r
         assert reason in outcome.decisions[-1].reason
     if rung == "full" and path:
         # Only the rungs taken are on the path, in the order taken (none passed over): stepping down retraces them.
-        assert policy.state_dict()["layers"][NAMES[0]]["path"] == [
-            "smooth_q" if path[0]["probe"]["O"]["cos"] < 0.995 else "dv_bf16",
-            "full",
-        ]
+        expected = ["smooth_q", "qk_bf16", "full"] if path[0]["probe"]["O"]["cos"] < 0.995 else ["dv_bf16", "full"]
+        assert policy.state_dict()["layers"][NAMES[0]]["path"] == expected
 
 
 def test_layers_are_decided_independently() -> None:
@@ -343,8 +342,10 @@ def test_base_with_ds_bf16_skips_that_rung() -> None:
     policy.decide(signals(1, l0=LayerSignals(probe=probe(dk=0.5))))  # dS is bf16: the forward's error
     assert policy.precision(NAMES[0]) == DS_BF16.replace(smooth_q=True)
     policy.decide(signals(2, l0=LayerSignals(probe=probe(dk=0.5))))
+    assert policy.precision(NAMES[0]) == DS_BF16.replace(smooth_q=True, qk="bf16")
+    policy.decide(signals(3, l0=LayerSignals(probe=probe(dk=0.5))))
     assert policy.precision(NAMES[0]).mode == "full"
-    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "full"]
+    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "qk_bf16", "full"]
 
 
 def test_custom_ladder() -> None:
@@ -509,8 +510,8 @@ def test_attn_qat_layer_falls_back_to_full_on_its_probe(
         return
     (decision,) = outcome.decisions
     assert (decision.old, decision.new) == (base.short_name, "full") and reason in decision.reason
-    # smooth_q and ds_bf16 change nothing that runs in attn_qat mode: passed over, full is the only rung.
-    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 4
+    # smooth_q, qk_bf16, ds_bf16, dv_bf16 change nothing that runs in attn_qat mode: full is the only rung.
+    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 5
     assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["full"]
     # The calm period alone brings it back, to the very base (the drop-in variant stays the drop-in variant).
     (back,) = policy.decide(signals(CALM)).decisions
@@ -620,3 +621,19 @@ def test_a_one_off_spike_is_skipped_a_repeated_one_rolls_back() -> None:
     outcome = policy.decide(signals(30, loss=200.0))  # 3 steps later: repeated
     assert outcome.action == "rollback"
     assert "again within spike_repeat_steps 10 of step 27" in outcome.decisions[0].reason
+
+
+def test_an_outlier_in_q_escalates_the_scores_not_ds() -> None:
+    """Issue 16, case 6: one q entry of 300 spoils its block (O cosine 0.963) while ds_rel_err stays at 0.04;
+    qk_rel_err reads 0.17 (0.013 healthy): after the patience, the scores' product goes to bf16."""
+    policy = make()
+    outlier = LayerSignals(ds_rel_err=0.04, qk_rel_err=0.17)
+    assert policy.decide(signals(0, l0=outlier)).decisions == ()
+    (decision,) = policy.decide(signals(25, l0=outlier)).decisions
+    assert policy.rung(NAMES[0]) == "qk_bf16" and policy.precision(NAMES[0]) == BASE.replace(qk="bf16")
+    assert "qk_rel_err 0.17 > qk_rel_err_high 0.1 (2 measurements in a row)" in decision.reason
+    # Healthy readings leave it alone; the rung is left after calm and a low reading, measured in bf16 too.
+    assert policy.decide(signals(26, l0=LayerSignals(qk_rel_err=0.013, ds_rel_err=0.04))).decisions == ()
+    assert policy.decide(signals(25 + CALM, l0=LayerSignals(qk_rel_err=0.07))).decisions == ()  # hysteresis
+    (down,) = policy.decide(signals(26 + CALM, l0=LayerSignals(qk_rel_err=0.013))).decisions
+    assert down.new == BASE.short_name and "qk_rel_err 0.013 < qk_rel_err_low 0.05" in down.reason

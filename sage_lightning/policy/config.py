@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from sage_lightning.policy.vocabulary import Rung, check_int, is_number
 
-#: The design's rungs, one per cause and full precision for anything: Q-smoothing for the forward's scores, dS in
-#: bf16 for dQ and dK, dV's product in bf16 for dV, then full precision. A layer goes to the first rung, in this
-#: order, that fixes what it is blamed for; a catastrophic reading goes straight to ``full``.
+#: The design's rungs, one per cause and full precision for anything: Q-smoothing, then the scores' product in bf16
+#: for the forward (the latter also for a spoiled Q'/K' block scale, which smoothing cannot remove), dS in bf16 for
+#: dQ and dK, dV's product in bf16 for dV, then full precision. A layer goes to the first rung, in this order, that
+#: fixes what it is blamed for; a catastrophic reading goes straight to ``full``.
 DEFAULT_LADDER: tuple[Rung, ...] = (
     Rung("smooth_q", {"smooth_q": True}, scope="forward", fixes=("forward",)),
+    Rung("qk_bf16", {"qk": "bf16"}, scope="forward", fixes=("forward", "qk")),
     Rung("ds_bf16", {"ds": "bf16"}, scope="backward", fixes=("ds",)),
     Rung("dv_bf16", {"dv": "bf16"}, scope="backward", fixes=("dv",)),
     Rung("full", {"mode": "full"}, scope="both"),
@@ -34,6 +36,11 @@ class PolicyConfig:
         ds_rel_err_low: a rung that changed ``ds`` is left (stepping down) only when the latest ``ds_rel_err``
             is below this (hysteresis: below ``ds_rel_err_high``).
         ds_rel_err_patience: consecutive measurements above ``ds_rel_err_high`` needed to escalate.
+        qk_rel_err_high: a layer whose ``qk_rel_err`` (the INT8 error of the scores' operands, per row) exceeds
+            this, ``qk_rel_err_patience`` measurements in a row while its scores run in INT8, moves to the rung that
+            fixes ``"qk"`` (``qk_bf16``).
+        qk_rel_err_low: a rung that changed ``qk`` is left only when the latest ``qk_rel_err`` is below this.
+        qk_rel_err_patience: consecutive measurements above ``qk_rel_err_high`` needed to escalate.
         probe_o_cos_min: a probe whose O cosine is below this implicates the forward (its next rung that fixes
             ``"forward"``: ``smooth_q``, then ``full``).
         probe_grad_cos_min: a probe whose dQ, dK or dV cosine is below this escalates the layer: a poor dV to
@@ -84,6 +91,9 @@ class PolicyConfig:
     ds_rel_err_high: float = 0.2
     ds_rel_err_low: float = 0.1
     ds_rel_err_patience: int = 2
+    qk_rel_err_high: float = 0.1
+    qk_rel_err_low: float = 0.05
+    qk_rel_err_patience: int = 2
     probe_o_cos_min: float = 0.995
     probe_grad_cos_min: float = 0.97
     probe_catastrophic_cos: float = 0.5
@@ -116,6 +126,7 @@ class PolicyConfig:
             "ds_stats_every_n_steps",
             "probe_every_n_steps",
             "ds_rel_err_patience",
+            "qk_rel_err_patience",
             "calm_steps",
             "max_consecutive_skips",
             "spike_repeat_steps",
@@ -128,7 +139,15 @@ class PolicyConfig:
         check_int("spike_min_history", self.spike_min_history, minimum=3, maximum=self.spike_window)
         if self.min_accumulate_grad_batches is not None:
             check_int("min_accumulate_grad_batches", self.min_accumulate_grad_batches, minimum=1)
-        for name in ("ds_rel_err_high", "ds_rel_err_low", "loss_spike_z", "loss_hard_spike_z", "grad_norm_spike_z"):
+        for name in (
+            "ds_rel_err_high",
+            "ds_rel_err_low",
+            "qk_rel_err_high",
+            "qk_rel_err_low",
+            "loss_spike_z",
+            "loss_hard_spike_z",
+            "grad_norm_spike_z",
+        ):
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"PolicyConfig: {name} must be a positive finite number; received {value!r}.")
@@ -136,6 +155,11 @@ class PolicyConfig:
             raise ValueError(
                 f"PolicyConfig: ds_rel_err_low must be below ds_rel_err_high ({self.ds_rel_err_high}) so decisions "
                 f"do not flap; received {self.ds_rel_err_low!r}."
+            )
+        if self.qk_rel_err_low >= self.qk_rel_err_high:
+            raise ValueError(
+                f"PolicyConfig: qk_rel_err_low must be below qk_rel_err_high ({self.qk_rel_err_high}) so decisions "
+                f"do not flap; received {self.qk_rel_err_low!r}."
             )
         if self.loss_hard_spike_z <= self.loss_spike_z:
             raise ValueError(

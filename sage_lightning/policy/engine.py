@@ -36,6 +36,9 @@ class _LayerState:
     ds_high_streak: int = 0
     last_ds_rel_err: float | None = None
     last_ds_step: int | None = None
+    qk_high_streak: int = 0
+    last_qk_rel_err: float | None = None
+    last_qk_step: int | None = None
     # The step of the last escalation, until a probe after it has read the layer: a probe that still fails says so.
     unverified_since: int | None = None
 
@@ -48,7 +51,9 @@ class PrecisionPolicy:
 
     * ``ds_rel_err > ds_rel_err_high`` for ``ds_rel_err_patience`` measurements in a row, while the layer's dS
       runs in INT8: ``"ds"`` (``ds_bf16``);
-    * probe O cosine ``< probe_o_cos_min``: ``"forward"`` (``smooth_q``, then ``full``);
+    * ``qk_rel_err > qk_rel_err_high`` (the scores' INT8 operands, per row) for ``qk_rel_err_patience``
+      measurements in a row, while the layer's scores run in INT8: ``"qk"`` (``qk_bf16``);
+    * probe O cosine ``< probe_o_cos_min``: ``"forward"`` (``smooth_q``, then ``qk_bf16``, then ``full``);
     * probe dQ or dK cosine ``< probe_grad_cos_min``: ``"ds"`` when ``ds_rel_err`` explains it (at least
       ``ds_explains_ratio`` of their relative error, dS still INT8), ``"forward"`` otherwise; a poor dV is
       ``"dv"`` (``dv_bf16``: dV does not use dS);
@@ -232,9 +237,11 @@ class PrecisionPolicy:
         layers = {name: signals.layers.get(name, LayerSignals()) for name in self._layers}
         self._disarm_measured(layers, step)
         for name, measured in layers.items():
+            state = self._layers[name]
             if measured.ds_rel_err is not None and math.isfinite(measured.ds_rel_err):
-                state = self._layers[name]
                 state.last_ds_rel_err, state.last_ds_step = float(measured.ds_rel_err), step
+            if measured.qk_rel_err is not None and math.isfinite(measured.qk_rel_err):
+                state.last_qk_rel_err, state.last_qk_step = float(measured.qk_rel_err), step
 
         decisions: list[Decision] = []
         loss_reading: SpikeReading | None = None
@@ -357,6 +364,18 @@ class PrecisionPolicy:
                         )
                 elif math.isfinite(err):
                     state.ds_high_streak = 0
+            if cause is None and measured.qk_rel_err is not None and current.mode == "sagebwd" and current.qk == "int8":
+                err = measured.qk_rel_err
+                if math.isfinite(err) and err > cfg.qk_rel_err_high:
+                    state.qk_high_streak += 1
+                    if state.qk_high_streak >= cfg.qk_rel_err_patience:
+                        cause = "qk"
+                        reason = (
+                            f"qk_rel_err {err:.4g} > qk_rel_err_high {cfg.qk_rel_err_high:g} "
+                            f"({state.qk_high_streak} measurements in a row): an outlier spoils its block's INT8 scale"
+                        )
+                elif math.isfinite(err):
+                    state.qk_high_streak = 0
             if measured.probe:
                 probe_cause, probe_reason = self._probe_trigger(measured.probe, state, current)
                 if probe_cause is not None and (cause is None or probe_cause == "top"):
@@ -498,7 +517,7 @@ class PrecisionPolicy:
         if state.backoff.tighten(step):
             reason += f"; again within the calm period after a step down, calm period now {state.backoff.period}"
         state.path.append(target)
-        state.ds_high_streak = 0
+        state.ds_high_streak = state.qk_high_streak = 0
         state.unverified_since = step
         # Check the new rung on the next step: if it did not help, the probe escalates again.
         self._arm(step + 1, "ds_stats", "probe")
@@ -516,10 +535,15 @@ class PrecisionPolicy:
             if not measured_since or state.last_ds_rel_err >= self.config.ds_rel_err_low:
                 return None
             reason += f", ds_rel_err {state.last_ds_rel_err:.4g} < ds_rel_err_low {self.config.ds_rel_err_low:g}"
+        if "qk" in top.fields:
+            measured_since = state.last_qk_step is not None and state.last_qk_step > state.backoff.last_change
+            if not measured_since or state.last_qk_rel_err >= self.config.qk_rel_err_low:
+                return None
+            reason += f", qk_rel_err {state.last_qk_rel_err:.4g} < qk_rel_err_low {self.config.qk_rel_err_low:g}"
         old = self._precision_of(state.base, state.path)
         state.path.pop()
         state.backoff.relax(step)
-        state.ds_high_streak = 0
+        state.ds_high_streak = state.qk_high_streak = 0
         # Check the faster setting at once: a relapse is then caught on the next step, within the calm period,
         # where it doubles the layer's backoff.
         self._arm(step + 1, "ds_stats", "probe")
@@ -563,6 +587,9 @@ class PrecisionPolicy:
                     "ds_high_streak": state.ds_high_streak,
                     "last_ds_rel_err": state.last_ds_rel_err,
                     "last_ds_step": state.last_ds_step,
+                    "qk_high_streak": state.qk_high_streak,
+                    "last_qk_rel_err": state.last_qk_rel_err,
+                    "last_qk_step": state.last_qk_step,
                     "unverified_since": state.unverified_since,
                 }
                 for name, state in self._layers.items()
@@ -619,6 +646,9 @@ class PrecisionPolicy:
             target.ds_high_streak = int(layer_state["ds_high_streak"])
             target.last_ds_rel_err = layer_state["last_ds_rel_err"]
             target.last_ds_step = layer_state["last_ds_step"]
+            target.qk_high_streak = int(layer_state["qk_high_streak"])
+            target.last_qk_rel_err = layer_state["last_qk_rel_err"]
+            target.last_qk_step = layer_state["last_qk_step"]
             target.unverified_since = layer_state["unverified_since"]
         self._tokens.load_state_dict(state["tokens"])
         self._consecutive_skips = int(state["consecutive_skips"])
@@ -644,7 +674,17 @@ _POLICY_KEYS = (
     "loss_detector",
     "grad_norm_detector",
 )
-_LAYER_KEYS = ("path", "backoff", "ds_high_streak", "last_ds_rel_err", "last_ds_step", "unverified_since")
+_LAYER_KEYS = (
+    "path",
+    "backoff",
+    "ds_high_streak",
+    "last_ds_rel_err",
+    "last_ds_step",
+    "qk_high_streak",
+    "last_qk_rel_err",
+    "last_qk_step",
+    "unverified_since",
+)
 
 
 def _require_keys(state: object, keys: Sequence[str], where: str) -> None:

@@ -11,10 +11,11 @@ from sage_lightning.policy._precision import AttentionPrecision
 
 #: What part of attention a rung changes: the forward products, the backward ones, or both.
 SCOPES: tuple[str, ...] = ("forward", "backward", "both")
-#: What the policy can blame a layer's error on, i.e. what a rung can fix: the forward's INT8 scores and softmax
-#: (``"forward"``: the probe's O, or dQ/dK beyond dS's error), dS's INT8 error (``"ds"``: dQ and dK), or dV's INT8
-#: product (``"dv"``: it does not use dS).
-CAUSES: tuple[str, ...] = ("forward", "ds", "dv")
+#: What the policy can blame a layer's error on, i.e. what a rung can fix: the forward as a whole (``"forward"``:
+#: the probe's O, or dQ/dK beyond dS's error), the INT8 operands of the scores (``"qk"``: ``qk_rel_err``, an
+#: outlier spoiling its block's scale), dS's INT8 error (``"ds"``: dQ and dK), or dV's INT8 product (``"dv"``: it
+#: does not use dS).
+CAUSES: tuple[str, ...] = ("forward", "qk", "ds", "dv")
 #: What a :class:`Decision` changes.
 LEVERS: tuple[str, ...] = ("precision", "accumulate_grad_batches", "optimizer_step", "rollback", "stop")
 #: What the callback does with the optimizer step a :class:`StepOutcome` is about.
@@ -24,7 +25,7 @@ PROBE_GRADIENTS: tuple[str, ...] = ("dQ", "dK", "dV")
 #: Probe tensors in the order the callback packs them: the forward's output, then the gradients.
 PROBE_TENSORS: tuple[str, ...] = ("O", *PROBE_GRADIENTS)
 
-_SCOPE_FIXES = {"forward": ("forward",), "backward": ("ds", "dv"), "both": CAUSES}
+_SCOPE_FIXES = {"forward": ("forward", "qk"), "backward": ("ds", "dv"), "both": CAUSES}
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,8 @@ class Rung:
             tuple of pairs, so the rung stays immutable and hashable).
         scope: ``"forward"``, ``"backward"`` or ``"both"``: the part of attention the change affects.
         fixes: the causes of error (:data:`CAUSES`) the rung answers; a layer blamed for one goes to the first
-            rung, in ladder order, that fixes it. ``None``: from ``scope`` (forward: ``("forward",)``; backward:
-            ``("ds", "dv")``; both: every cause).
+            rung, in ladder order, that fixes it. ``None``: from ``scope`` (forward: ``("forward", "qk")``;
+            backward: ``("ds", "dv")``; both: every cause).
 
     Raises:
         ValueError: an empty name, an unknown scope or cause, or changes ``AttentionPrecision`` refuses.
@@ -109,11 +110,14 @@ class LayerSignals:
         probe: ``{"O": {"cos": .., "rel_l2": ..}, "dQ": {...}, "dK": {...}, "dV": {...}}`` against
             full-precision attention, or ``None`` when not probed this step.
         nonfinite: the layer returned a non-finite output from finite inputs (where a divergence starts).
+        qk_rel_err: the forward's quantization health: the INT8 error of the scores' operands Q' and K', per row
+            (:mod:`sage_lightning.forward_health`), or ``None`` when not measured this step.
     """
 
     ds_rel_err: float | None = None
     probe: Mapping[str, Mapping[str, float]] | None = None
     nonfinite: bool = False
+    qk_rel_err: float | None = None
 
 
 @dataclass(frozen=True)
