@@ -19,6 +19,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -545,7 +546,8 @@ class AdaptivePrecision(Callback):
 
     def _signals(self, trainer: pl.Trainer, record: StepRecord, total: list[float]) -> StepSignals:
         """The policy's view of one step, from the reduced vector."""
-        head, layers = self._layout.unpack(total)
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+        head, layers = self._layout.unpack(total, sharded_grads=sharded)
         self.tokens_per_step = int(head["tokens"])
         self.tokens_seen += int(head["tokens"])
         loss, grad_norm = head["loss"], head["grad_norm"]

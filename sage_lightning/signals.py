@@ -107,9 +107,17 @@ class SignalLayout:
             rest = torch.zeros(count, len(LAYER_FIELDS) - 7, dtype=torch.float64, device=device)
         return torch.cat([head, torch.cat([sums, has_ds, qk, rest], dim=1).flatten()])
 
-    def unpack(self, total: Sequence[float]) -> tuple[dict[str, float], dict[str, LayerSignals]]:
+    def unpack(
+        self, total: Sequence[float], *, sharded_grads: bool = False
+    ) -> tuple[dict[str, float], dict[str, LayerSignals]]:
         """The reduced vector as ``(head, layers)``: the head's fields by name (``loss`` and ``grad_norm`` divided
-        out, ``None`` where nothing was measured), and each layer's :class:`LayerSignals`."""
+        out, ``None`` where nothing was measured), and each layer's :class:`LayerSignals`.
+
+        Args:
+            total: the reduced vector, on the host.
+            sharded_grads: each rank holds a shard of the gradients (FSDP): the squared norms add up across
+                ranks. Otherwise (DDP) every rank holds the same all-reduced gradients and their mean is the norm.
+        """
         if len(total) != self.size:
             raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
         head = dict(zip(HEAD_FIELDS, total[: len(HEAD_FIELDS)], strict=True))
@@ -135,9 +143,10 @@ class SignalLayout:
             layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err)
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
-        # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN).
+        # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN). FSDP's shards add up.
         head["loss"] = head["loss_sum"] / micro_batches if micro_batches > 0 else None
-        head["grad_norm"] = math.sqrt(head["grad_norm2"] / ranks_with_grads) if ranks_with_grads > 0 else None
+        ranks = 1.0 if sharded_grads else ranks_with_grads
+        head["grad_norm"] = math.sqrt(head["grad_norm2"] / ranks) if ranks_with_grads > 0 else None
         return head, layers
 
 
