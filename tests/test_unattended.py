@@ -233,3 +233,60 @@ def test_a_malformed_controller_state_is_a_clear_error(tmp_path, corrupt, messag
         L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(verbose=False)]).fit(
             TinyLM(), token_loader(4), ckpt_path=str(tmp_path / "bad.ckpt")
         )
+
+
+# --------------------------------------------------------------------------- case 1: the rung that fixes it
+
+
+def test_a_wrong_dv_kernel_sends_every_layer_to_full_at_its_first_probe(tmp_path, monkeypatch) -> None:
+    """Main's wrong dV read cosine -0.90 in every layer at step 0 (H200); the controller went to smooth_q, which
+    cannot change dV. Here the probe's comparison is given that dV for every layer not yet in full precision."""
+    import sage_lightning.layer as layer_module
+
+    real = layer_module.compare_with_full_precision
+
+    def wrong_dv(*args, **kwargs):
+        metrics = real(*args, **kwargs)
+        if kwargs["precision"].mode != "full":
+            metrics["dV"] = {"cos": -0.9, "rel_l2": 1.9}
+        return metrics
+
+    monkeypatch.setattr(layer_module, "compare_with_full_precision", wrong_dv)
+    torch.manual_seed(0)
+    controller = AdaptivePrecision(PolicyConfig(**QUIET), verbose=False)
+    probed: list[int] = []
+
+    class Probes(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            probed.append(int(controller._request.probe))
+
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller, Probes()])
+    model = TinyLM()
+    trainer.fit(model, token_loader(3))
+
+    assert [(d.step, d.layer, d.new) for d in controller.history] == [(0, n, "full") for n in attention_layers(model)]
+    assert all(
+        "probe dV cos -0.90000 < probe_catastrophic_cos 0.5: catastrophic" in d.reason for d in controller.history
+    )
+    assert probed == [1, 1, 0]  # the escalation checked by a probe on the next step, which found it fixed
+
+
+# ----------------------------------------------------------------------------------- case 7: warm-up compile
+
+
+def test_the_first_step_of_a_resumed_fit_runs_the_ds_statistics_variant(tmp_path) -> None:
+    """The first dS-statistics step compiles and autotunes that kernel variant: it happens on the first step of the
+    fit, not as a stall in the middle of training (its sums are dropped, decisions unchanged)."""
+    torch.manual_seed(0)
+    path, _ = escalating_run(tmp_path, TinyLM())
+    collecting: list[bool] = []
+
+    class Spy(Callback):
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            collecting.append(attention_layers(pl_module)["blocks.0.attn"].collect_stats)
+
+    controller = AdaptivePrecision(PolicyConfig(**QUIET), verbose=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=6), callbacks=[controller, Spy()])
+    trainer.fit(TinyLM(), token_loader(6), ckpt_path=path)
+    assert collecting == [True, False, False]  # steps 3, 4, 5: only the first, which the policy did not ask for
+    assert controller.history == [d for d in controller.history if d.step < 3]  # nothing new decided from it
