@@ -7,7 +7,8 @@ Public API (more lands with the Lightning integration):
 * :class:`SageAttentionMixin`: a LightningModule mixin that swaps the model's attention to SageBwd.
 * :func:`convert_to_sage_attention`: the same swap for a plain PyTorch model.
 * :class:`AttentionLayerState` and :func:`attention_layers`: each swapped layer's precision and signals.
-* :class:`AdaptivePrecision`: the Lightning callback that adapts each layer's precision to training's signals.
+* :class:`AdaptivePrecision`: the Lightning callback that adapts each layer's precision to training's signals;
+  :class:`TrainingDiverged`, what it raises when a persistent fault spends its rollback budget.
 * :class:`PolicyConfig` and :class:`Rung`: its thresholds, cadences and precision ladder.
 """
 
@@ -17,7 +18,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sage_lightning.callback import AdaptivePrecision
+    from sage_lightning.callback import AdaptivePrecision, TrainingDiverged
     from sage_lightning.kernels import AttentionPrecision, sage_attention
     from sage_lightning.layer import AttentionLayerState, attention_layers
     from sage_lightning.mixin import SageAttentionMixin
@@ -33,6 +34,7 @@ _EXPORTS = {
     "PolicyConfig": "sage_lightning.policy",
     "Rung": "sage_lightning.policy",
     "SageAttentionMixin": "sage_lightning.mixin",
+    "TrainingDiverged": "sage_lightning.callback",
     "attention_layers": "sage_lightning.layer",
     "convert_to_sage_attention": "sage_lightning.swap",
     "sage_attention": "sage_lightning.kernels",
@@ -61,6 +63,7 @@ __all__ = [
     "PolicyConfig",
     "Rung",
     "SageAttentionMixin",
+    "TrainingDiverged",
     "__version__",
     "attention_layers",
     "convert_to_sage_attention",

@@ -637,3 +637,13 @@ def test_an_outlier_in_q_escalates_the_scores_not_ds() -> None:
     assert policy.decide(signals(25 + CALM, l0=LayerSignals(qk_rel_err=0.07))).decisions == ()  # hysteresis
     (down,) = policy.decide(signals(26 + CALM, l0=LayerSignals(qk_rel_err=0.013))).decisions
     assert down.new == BASE.short_name and "qk_rel_err 0.013 < qk_rel_err_low 0.05" in down.reason
+
+
+def test_an_arm_nothing_can_answer_expires_after_one_more_step() -> None:
+    """A layer in full precision has no dS to measure: the arm must not keep the statistics on forever."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    policy.decide(signals(3, loss=NAN, l0=LayerSignals(nonfinite=True)))  # to full; arms step 4
+    policy.decide(signals(4, l0=LayerSignals(probe=probe())))  # probed, no dS (full precision)
+    assert policy.signals_wanted(5) == SignalRequest(ds_stats=True, probe=False)  # a verdict may land a step late
+    policy.decide(signals(5))
+    assert policy.signals_wanted(6) == SignalRequest(ds_stats=False, probe=False)

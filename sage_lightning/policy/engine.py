@@ -340,7 +340,9 @@ class PrecisionPolicy:
             "probe": any(m.probe is not None for m in layers.values()),
         }
         for signal, seen in measured.items():
-            if seen and signal in self._armed and self._armed[signal] <= step:
+            # Measured, or the step after the armed one was decided without it (a layer in full precision has no dS
+            # to measure): a verdict lands at most one step late, so the arm has had its chance.
+            if signal in self._armed and (seen and self._armed[signal] <= step or self._armed[signal] < step):
                 del self._armed[signal]
 
     # ------------------------------------------------------------------ rules
