@@ -12,6 +12,7 @@ their own, and only the policy (:mod:`sage_lightning.policy`) authors decisions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,8 +38,10 @@ from sage_lightning.policy import (
     StepOutcome,
     StepSignals,
 )
-from sage_lightning.signals import HEAD_FIELDS, SignalLayout, StepRecord, reduce
+from sage_lightning.signals import HEAD_FIELDS, SignalLayout, StepRecord, count_tokens, reduce
 from sage_lightning.snapshots import Snapshots
+
+__all__ = ["AdaptivePrecision", "TrainingDiverged", "count_tokens"]
 
 #: The version of :meth:`AdaptivePrecision.state_dict`'s layout.
 STATE_VERSION = 2
@@ -66,6 +69,13 @@ class TrainingDiverged(RuntimeError):
     Attributes:
         decision: the stop decision (its reason lists what was tried).
         checkpoint: the path of the checkpoint holding the last good weights.
+
+    Example::
+
+        try:
+            trainer.fit(model)
+        except TrainingDiverged as stop:
+            model = MyModel.load_from_checkpoint(stop.checkpoint)   # the last good weights, and their precisions
     """
 
     def __init__(self, message: str, decision: Decision, checkpoint: str) -> None:
@@ -551,7 +561,7 @@ class AdaptivePrecision(Callback):
         self.tokens_per_step = int(head["tokens"])
         self.tokens_seen += int(head["tokens"])
         loss, grad_norm = head["loss"], head["grad_norm"]
-        if any(value is not None and not _finite(value) for value in (loss, grad_norm)):
+        if any(value is not None and not math.isfinite(value) for value in (loss, grad_norm)):
             # Where did it start? Each layer's flag costs a host sync, so they are read only when it matters;
             # every rank takes this branch (the reduced values agree), so the second all-reduce is matched.
             device = trainer.strategy.root_device
@@ -700,38 +710,6 @@ class AdaptivePrecision(Callback):
         return self._policy
 
 
-def count_tokens(batch: Any) -> int:
-    """The default ``tokens_fn``: elements of the batch's token-id tensor.
-
-    A tensor counts as itself; a mapping by ``"input_ids"`` or else its first tensor value; a list or tuple by
-    its first tensor.
-
-    Raises:
-        ValueError: no tensor found; pass ``AdaptivePrecision(tokens_fn=...)``.
-
-    Example::
-
-        count_tokens({"input_ids": torch.zeros(8, 1024, dtype=torch.long)})   # 8192
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.numel()
-    if isinstance(batch, Mapping):
-        if isinstance(batch.get("input_ids"), torch.Tensor):
-            return batch["input_ids"].numel()
-        values = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        values = list(batch)
-    else:
-        values = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.numel()
-    raise ValueError(
-        f"AdaptivePrecision: cannot count the tokens of a batch of type {type(batch).__name__}; pass "
-        "AdaptivePrecision(tokens_fn=lambda batch: ...) returning the tokens of one micro-batch."
-    )
-
-
 def _check_state(state: Mapping[str, Any]) -> None:
     """Raise a ``ValueError`` that says what is wrong with a checkpoint's controller state."""
     where = "AdaptivePrecision.load_state_dict"
@@ -764,10 +742,6 @@ def _check_state(state: Mapping[str, Any]) -> None:
             raise ValueError(f"{where}: {key!r} must be an int; received {state[key]!r}.")
     if not isinstance(state["history"], list) or not all(isinstance(d, Mapping) for d in state["history"]):
         raise ValueError(f"{where}: 'history' must be a list of decisions (dicts); received {state['history']!r}.")
-
-
-def _finite(value: float) -> bool:
-    return value == value and value not in (float("inf"), float("-inf"))
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -204,3 +204,35 @@ class StepRecord:
             ran_int8=state["ran_int8"],
             skipped_on_device=state["skipped_on_device"],
         )
+
+
+def count_tokens(batch: Any) -> int:
+    """The default ``tokens_fn``: elements of the batch's token-id tensor.
+
+    A tensor counts as itself; a mapping by ``"input_ids"`` or else its first tensor value; a list or tuple by
+    its first tensor.
+
+    Raises:
+        ValueError: no tensor found; pass ``AdaptivePrecision(tokens_fn=...)``.
+
+    Example::
+
+        count_tokens({"input_ids": torch.zeros(8, 1024, dtype=torch.long)})   # 8192
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return batch["input_ids"].numel()
+        values = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        values = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+    raise ValueError(
+        f"AdaptivePrecision: cannot count the tokens of a batch of type {type(batch).__name__}; pass "
+        "AdaptivePrecision(tokens_fn=lambda batch: ...) returning the tokens of one micro-batch."
+    )
