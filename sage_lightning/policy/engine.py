@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sage_lightning.detectors import SpikeDetector, SpikeReading
@@ -18,6 +18,7 @@ from sage_lightning.policy.vocabulary import (
     PROBE_TENSORS,
     Decision,
     LayerSignals,
+    Rung,
     SignalRequest,
     StepOutcome,
     StepSignals,
@@ -41,6 +42,30 @@ class _LayerState:
     last_qk_step: int | None = None
     # The step of the last escalation, until a probe after it has read the layer: a probe that still fails says so.
     unverified_since: int | None = None
+
+    def state_dict(self, ladder: Sequence[Rung]) -> dict[str, Any]:
+        """Every field but the base (the callback keeps the bases), the path by rung name, the backoff's counters."""
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("base", "backoff", "path")}
+        return {**state, "path": [ladder[i].name for i in self.path], "backoff": self.backoff.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any], ladder: Sequence[Rung], where: str) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` naming ``where`` for a malformed state."""
+        _require_keys(state, [f.name for f in fields(self) if f.name != "base"], where)
+        path = state["path"]
+        if not isinstance(path, (list, tuple)) or not all(isinstance(r, str) for r in path):
+            raise ValueError(f"{where} has path {path!r}; it must be a list of rung names, e.g. ['ds_bf16'].")
+        index = {rung.name: i for i, rung in enumerate(ladder)}
+        missing = [r for r in path if r not in index]
+        if missing:
+            raise ValueError(
+                f"{where} is on rungs {missing} that this ladder ({list(index)}) does not have; resume with the "
+                "ladder the checkpoint was saved with."
+            )
+        for f in fields(self):
+            if f.name not in ("base", "backoff", "path"):
+                setattr(self, f.name, state[f.name])
+        self.path = [index[r] for r in path]
+        self.backoff.load_state_dict(state["backoff"])
 
 
 class PrecisionPolicy:
@@ -582,20 +607,7 @@ class PrecisionPolicy:
         ladder = self.config.ladder
         return {
             "version": STATE_VERSION,
-            "layers": {
-                name: {
-                    "path": [ladder[i].name for i in state.path],
-                    "backoff": state.backoff.state_dict(),
-                    "ds_high_streak": state.ds_high_streak,
-                    "last_ds_rel_err": state.last_ds_rel_err,
-                    "last_ds_step": state.last_ds_step,
-                    "qk_high_streak": state.qk_high_streak,
-                    "last_qk_rel_err": state.last_qk_rel_err,
-                    "last_qk_step": state.last_qk_step,
-                    "unverified_since": state.unverified_since,
-                }
-                for name, state in self._layers.items()
-            },
+            "layers": {name: state.state_dict(ladder) for name, state in self._layers.items()},
             "tokens": self._tokens.state_dict(),
             "consecutive_skips": self._consecutive_skips,
             "last_hard_spike": self._last_hard_spike,
@@ -628,30 +640,8 @@ class PrecisionPolicy:
                 f"(missing from the model: {sorted(saved - known)}; new in the model: {sorted(known - saved)}); "
                 "resume with the model the checkpoint was saved from."
             )
-        index = {rung.name: i for i, rung in enumerate(self.config.ladder)}
         for name, layer_state in state["layers"].items():
-            _require_keys(layer_state, _LAYER_KEYS, f"{where}: layer {name!r}")
-            path = layer_state["path"]
-            if not isinstance(path, (list, tuple)) or not all(isinstance(r, str) for r in path):
-                raise ValueError(
-                    f"{where}: layer {name!r} has path {path!r}; it must be a list of rung names, e.g. ['ds_bf16']."
-                )
-            missing = [r for r in path if r not in index]
-            if missing:
-                raise ValueError(
-                    f"{where}: layer {name!r} is on rungs {missing} that this ladder ({list(index)}) does not "
-                    "have; resume with the ladder the checkpoint was saved with."
-                )
-            target = self._layers[name]
-            target.path = [index[r] for r in path]
-            target.backoff.load_state_dict(layer_state["backoff"])
-            target.ds_high_streak = int(layer_state["ds_high_streak"])
-            target.last_ds_rel_err = layer_state["last_ds_rel_err"]
-            target.last_ds_step = layer_state["last_ds_step"]
-            target.qk_high_streak = int(layer_state["qk_high_streak"])
-            target.last_qk_rel_err = layer_state["last_qk_rel_err"]
-            target.last_qk_step = layer_state["last_qk_step"]
-            target.unverified_since = layer_state["unverified_since"]
+            self._layers[name].load_state_dict(layer_state, self.config.ladder, f"{where}: layer {name!r}")
         self._tokens.load_state_dict(state["tokens"])
         self._consecutive_skips = int(state["consecutive_skips"])
         self._last_hard_spike = state["last_hard_spike"]
@@ -675,17 +665,6 @@ _POLICY_KEYS = (
     "tried",
     "loss_detector",
     "grad_norm_detector",
-)
-_LAYER_KEYS = (
-    "path",
-    "backoff",
-    "ds_high_streak",
-    "last_ds_rel_err",
-    "last_ds_step",
-    "qk_high_streak",
-    "last_qk_rel_err",
-    "last_qk_step",
-    "unverified_since",
 )
 
 
