@@ -42,16 +42,33 @@ from sage_lightning import AdaptivePrecision, attention_layers  # noqa: E402
 RUNS: dict[str, tuple[int, str]] = {"single": (1, "auto"), "ddp": (2, "ddp"), "fsdp": (2, "fsdp")}
 
 
-class NaNOnOneRank(Callback):
-    """Make the loss of the first micro-batch of optimizer step ``step`` NaN on global rank ``rank`` only."""
+class LossFault(Callback):
+    """Multiply the loss ``training_step`` returns by ``factor`` (NaN: a real NaN, in the loss and the gradients) on the
+    first micro-batch of optimizer step ``step`` (of every step from it with ``every_step``), on global rank ``rank``.
 
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank, self.fired = step, rank, False
+    Example::
 
-    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if trainer.global_step == self.step and trainer.global_rank == self.rank and not self.fired:
-            self.fired = True
-            loss.data.mul_(float("nan"))  # the backward then carries NaN into this rank's gradients
+        trainer = L.Trainer(callbacks=[LossFault(step=150, factor=float("nan"), rank=1), AdaptivePrecision()])
+    """
+
+    def __init__(self, step: int, factor: float, rank: int = 0, every_step: bool = False) -> None:
+        self.step, self.factor, self.rank, self.every_step = step, factor, rank, every_step
+        self.fired: set[int] = set()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        original = pl_module.training_step
+
+        def training_step(batch: Any, batch_idx: int) -> Any:
+            loss = original(batch, batch_idx)
+            step = trainer.global_step
+            due = step == self.step or (self.every_step and step > self.step)
+            if due and trainer.global_rank == self.rank and step not in self.fired:
+                self.fired.add(step)
+                return loss * self.factor
+            return loss
+
+        # An instance attribute: Lightning (and DDP's wrapper) call pl_module.training_step.
+        pl_module.training_step = training_step
 
 
 class RankRecord(Callback):
@@ -104,9 +121,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer = L.Trainer(
         **trainer_args,
         callbacks=[
-            # Before the controller, which reads the loss in the same hook: it sees the NaN, as when training_step
-            # returns one (tests/test_ddp.py).
-            NaNOnOneRank(args.nan_step, nan_rank),
+            LossFault(args.nan_step, float("nan"), rank=nan_rank),
             throughput,
             controller,
             RankRecord(args.out_dir, args.worker, throughput),
