@@ -30,6 +30,7 @@ from sage_lightning import AdaptivePrecision  # noqa: E402
 #: name -> (fault factor, controller's snapshot_every_n_steps or None for no controller).
 SCENARIOS: dict[str, tuple[float | None, int | None]] = {
     "no fault, no controller": (None, None),
+    "no fault, controller": (None, 100),
     "spike x100, no controller": (100.0, None),
     "spike x100, controller (snapshots every 100)": (100.0, 100),
     "NaN, controller (snapshots every 100)": (float("nan"), 100),
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=180)
     parser.add_argument("--fault-step", type=int, default=30)
     parser.add_argument("--val-batches", type=int, default=16)
+    parser.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios only")
     args = parser.parse_args(argv)
     config = pretrain_compare.load_config(args.config, [])
     data = TextDataModule(**(config.get("data") or {}))
@@ -85,13 +87,15 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---:|---:|---:|")
     notes = []
     for name, (factor, every) in SCENARIOS.items():
+        if args.only and name not in args.only:
+            continue
         result = run(config, data, factor, every, args)
         print(
             f"| {name} | {result['val_loss']:.4f} | {result['rollbacks'] if result['rollbacks'] is not None else ''} | "
             f"{result['skipped'] if result['skipped'] is not None else ''} |",
             flush=True,
         )
-        notes += [f"- {name}: {d}" for d in result["decisions"] if "precision" not in d]
+        notes += [f"- {name}: {d}" for d in result["decisions"]]
     print("\n" + "\n".join(notes))
 
 
