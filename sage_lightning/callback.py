@@ -29,6 +29,7 @@ from typing_extensions import override
 from sage_lightning import tensorboard
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers
+from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import (
     Decision,
@@ -240,6 +241,7 @@ class AdaptivePrecision(Callback):
         self._layout = SignalLayout(())
         self._bases: dict[str, AttentionPrecision] = {}
         self._pending_state: dict[str, Any] | None = None
+        self._module_warned = False
         self._applied_accumulate: int | None = None
         self._snapshots = Snapshots()
         self._check_first = True
@@ -497,11 +499,12 @@ class AdaptivePrecision(Callback):
             )
         bases = {name: AttentionPrecision(**state["bases"][name]) for name in known}
         if isinstance(pl_module, SageAttentionMixin):
-            # The mixin restored the layers from the checkpoint: what was configured is sage_precision.
+            # The mixin restored the layers from the checkpoint (and warned, where it found its entry): what was
+            # configured is sage_precision.
             configured = dict.fromkeys(known, pl_module.sage_precision or AttentionPrecision())
         else:
             configured = {name: layer.precision for name, layer in self._layers.items()}
-        differ = [name for name in known if configured[name] != bases[name]]
+        differ = [name for name in known if configured[name] != bases[name] and not self._module_warned]
         if differ:
             first = differ[0]
             rank_zero_warn(
@@ -511,6 +514,13 @@ class AdaptivePrecision(Callback):
                 "and load the weights alone."
             )
         return bases
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # The mixin restores the layers from its own entry and warns about a changed sage_precision itself.
+        self._module_warned = isinstance(pl_module, SageAttentionMixin) and CHECKPOINT_KEY in checkpoint
 
     # ---------------------------------------------------------------------------------------------- signals
 

@@ -205,11 +205,20 @@ def test_a_changed_starting_precision_on_resume_is_warned_about(tmp_path) -> Non
     path, controller = escalating_run(tmp_path, TinyLM())
     model = TinyLM(precision=AttentionPrecision(mode="full"))
     resumed = AdaptivePrecision(PolicyConfig(**QUIET), verbose=False)
-    with pytest.warns(UserWarning, match="sage_precision is full, the checkpoint was trained from sagebwd"):
+    with pytest.warns(UserWarning, match="sage_precision is full, the checkpoint was trained from sagebwd") as warned:
         L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[resumed]).fit(
             model, token_loader(4), ckpt_path=path
         )
     assert resumed.precisions() == controller.precisions()  # the checkpoint's, as the warning says
+    assert not [w for w in warned if "configured starting precision" in str(w.message)]  # said once, not twice
+    # A checkpoint without the module's entry (written before the mixin kept it): the controller says it.
+    checkpoint = torch.load(path, weights_only=False)
+    del checkpoint[CHECKPOINT_KEY]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with pytest.warns(UserWarning, match=r"configured starting precision of .* \(full for 'blocks.0.attn'\) differs"):
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(verbose=False)]).fit(
+            TinyLM(precision=AttentionPrecision(mode="full")), token_loader(4), ckpt_path=str(tmp_path / "old.ckpt")
+        )
 
 
 @pytest.mark.parametrize(
