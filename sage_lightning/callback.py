@@ -3,7 +3,9 @@ Adaptive Precision
 ^^^^^^^^^^^^^^^^^^
 
 Watch the signals that predict trouble in SageBwd attention training and turn the precision levers per layer,
-between optimizer steps.
+between optimizer steps. The hooks live here; the signals' vector (:mod:`sage_lightning.signals`), the snapshots
+(:mod:`sage_lightning.snapshots`) and every TensorBoard tag (:mod:`sage_lightning.tensorboard`) have modules of
+their own, and only the policy (:mod:`sage_lightning.policy`) authors decisions.
 
 """
 
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -25,23 +29,60 @@ from typing_extensions import override
 from sage_lightning import tensorboard
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers
+from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
+from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import (
-    PROBE_GRADIENTS,
     Decision,
-    LayerSignals,
     PolicyConfig,
     PrecisionPolicy,
     SignalRequest,
     StepOutcome,
     StepSignals,
 )
+from sage_lightning.signals import HEAD_FIELDS, SignalLayout, StepRecord, count_tokens, reduce
+from sage_lightning.snapshots import Snapshots
 
-#: Probe tensors, in the order they are packed for the cross-rank reduction.
-_PROBE_TENSORS: tuple[str, ...] = ("O", *PROBE_GRADIENTS)
-#: Per layer: err2, norm2, has_ds, (unused), has_probe, then (cos, rel_l2) per probe tensor.
-_LAYER_WIDTH = 5 + 2 * len(_PROBE_TENSORS)
-#: Head of the packed vector: loss sum, micro-batches, tokens, squared gradient norm, has_grads.
-_HEAD_WIDTH = 5
+__all__ = ["AdaptivePrecision", "TrainingDiverged", "count_tokens"]
+
+#: The version of :meth:`AdaptivePrecision.state_dict`'s layout.
+STATE_VERSION = 2
+_STATE_KEYS = (
+    "version",
+    "policy",
+    "bases",
+    "accumulate_grad_batches",
+    "history",
+    "tokens_seen",
+    "tokens_per_step",
+    "layer_steps",
+    "int8_layer_steps",
+    "skipped_steps",
+    "rollbacks",
+    "pending",
+    "snapshots",
+)
+
+
+class TrainingDiverged(RuntimeError):
+    """``AdaptivePrecision`` stopped training: a divergence persisted after the rollback budget was spent and no
+    lever was left. The message says what was tried and where the last good weights were saved.
+
+    Attributes:
+        decision: the stop decision (its reason lists what was tried).
+        checkpoint: the path of the checkpoint holding the last good weights.
+
+    Example::
+
+        try:
+            trainer.fit(model)
+        except TrainingDiverged as stop:
+            model = MyModel.load_from_checkpoint(stop.checkpoint)   # the last good weights, and their precisions
+    """
+
+    def __init__(self, message: str, decision: Decision, checkpoint: str) -> None:
+        super().__init__(message)
+        self.decision = decision
+        self.checkpoint = checkpoint
 
 
 class AdaptivePrecision(Callback):
@@ -53,21 +94,28 @@ class AdaptivePrecision(Callback):
     ranks with one all-reduce, and asks a :class:`~sage_lightning.policy.PrecisionPolicy` what to do. Between
     optimizer steps it then:
 
-    * moves layers up or down their precision ladder (``smooth_q`` -> ``ds="bf16"`` -> ``mode="full"``);
+    * moves each layer to the rung that fixes what its signals blame (``smooth_q`` for the forward, ``ds="bf16"``
+      for dS, ``dv="bf16"`` for dV, ``mode="full"`` for anything and straight away for a catastrophic probe
+      reading), checks every escalation with a probe on the next step, and steps down after calm periods;
     * skips an optimizer step whose gradients are non-finite (the gradients are dropped, so the optimizer
       leaves parameters and its state alone; with fp16 AMP the ``GradScaler`` already does this and the
       callback lets it);
-    * on a non-finite loss or a hard loss spike, restores the last in-memory snapshot of model and optimizer
-      (taken every ``snapshot_every_n_steps`` on CPU), skips the step, and escalates where the divergence
-      started;
+    * skips the step of a one-off hard loss spike; on a non-finite loss or repeated hard spikes, restores the
+      last in-memory snapshot of model and optimizer (taken every ``snapshot_every_n_steps`` on CPU), skips the
+      step, and escalates where the divergence started;
+    * when the rollback budget is spent (``PolicyConfig.max_rollbacks`` rollbacks without progress) and no lever
+      is left, restores the last snapshot, saves it as a checkpoint (``last_good_checkpoint``) and stops training
+      with :class:`TrainingDiverged`, whose message says what was tried;
     * changes ``trainer.accumulate_grad_batches`` (tokens per step) at the first batch where the old and the
       new accumulation windows both start, so no step mixes gradients of two settings.
 
     Every decision is kept in :attr:`history`, logged with its reason as a TensorBoard text event
     (``sage/decisions``) and the signals as ``sage/`` scalars (see :mod:`sage_lightning.tensorboard`); the
     progress bar shows ``int8_share`` and ``tokens_per_step``. The state (every layer's precision, the policy's
-    counters and detectors, the tokens setting) is saved in checkpoints, so a resumed run decides as the
-    uninterrupted one would.
+    counters and detectors, the tokens setting, the snapshot a rollback returns to and its step) is saved in
+    checkpoints, so a resumed run decides, and rolls back, as the uninterrupted one would. Each layer's precision is
+    also saved with the module (``SageAttentionMixin``'s checkpoint hooks), so it survives a resume without the
+    callback.
 
     The model must have SageBwd attention layers (``SageAttentionMixin`` or ``convert_to_sage_attention``) and
     use automatic optimization.
@@ -77,6 +125,11 @@ class AdaptivePrecision(Callback):
             when ``None`` (``docs/controller.md`` gives the measurement behind each).
         snapshot_every_n_steps: optimizer steps between in-memory snapshots (model and optimizer state, on CPU)
             a divergence rolls back to. One is also taken when training starts.
+        snapshot_in_checkpoint: save the snapshot in checkpoints (one more copy of the model and optimizer state
+            in each file), so a resumed run rolls back to the same weights as the uninterrupted one. ``False``:
+            smaller checkpoints, and a resumed run's first snapshot is taken when it starts.
+        last_good_checkpoint: where to save the last good weights when the controller stops a run; ``None``:
+            ``<trainer.default_root_dir>/sage-last-good.ckpt``.
         tokens_fn: ``tokens_fn(batch) -> int``, the tokens in one micro-batch on one rank. The default counts
             the elements of the batch if it is a tensor, of ``batch["input_ids"]`` or the first tensor value of
             a mapping, or of the first tensor of a list or tuple (token ids shaped ``[batch, seq]``).
@@ -97,9 +150,11 @@ class AdaptivePrecision(Callback):
 
     Raises:
         ValueError: an argument of the wrong type or out of range; the message names it, the value received
-            and what works.
+            and what works. From ``load_state_dict``: a checkpoint state this callback did not write.
         MisconfigurationException: at the start of training, when the model has no SageBwd attention layer,
-            uses manual optimization, or the Trainer also has a ``GradientAccumulationScheduler``.
+            uses manual optimization, the Trainer also has a ``GradientAccumulationScheduler``, or the checkpoint's
+            attention layers are not the model's.
+        TrainingDiverged: the rollback budget is spent and no lever is left.
 
     Example::
 
@@ -128,6 +183,8 @@ class AdaptivePrecision(Callback):
         progress_bar: bool = True,
         verbose: bool = True,
         check_before_step: bool | None = None,
+        snapshot_in_checkpoint: bool = True,
+        last_good_checkpoint: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if config is not None and not isinstance(config, PolicyConfig):
@@ -146,6 +203,7 @@ class AdaptivePrecision(Callback):
         for name, value in (
             ("progress_bar", progress_bar),
             ("verbose", verbose),
+            ("snapshot_in_checkpoint", snapshot_in_checkpoint),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"AdaptivePrecision: {name} must be True or False; received {value!r}.")
@@ -154,6 +212,11 @@ class AdaptivePrecision(Callback):
                 "AdaptivePrecision: check_before_step must be True, False or None (decide from the optimizers); "
                 f"received {check_before_step!r}."
             )
+        if last_good_checkpoint is not None and not isinstance(last_good_checkpoint, (str, os.PathLike)):
+            raise ValueError(
+                "AdaptivePrecision: last_good_checkpoint must be a path (str or os.PathLike) or None; "
+                f"received {type(last_good_checkpoint).__name__}."
+            )
         self.config = config or PolicyConfig()
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.tokens_fn = tokens_fn or count_tokens
@@ -161,6 +224,8 @@ class AdaptivePrecision(Callback):
         self.progress_bar = progress_bar
         self.verbose = verbose
         self.check_before_step = check_before_step
+        self.snapshot_in_checkpoint = snapshot_in_checkpoint
+        self.last_good_checkpoint = None if last_good_checkpoint is None else os.fspath(last_good_checkpoint)
 
         #: Every decision taken, oldest first (restored from checkpoints).
         self.history: list[Decision] = []
@@ -173,25 +238,25 @@ class AdaptivePrecision(Callback):
 
         self._policy: PrecisionPolicy | None = None
         self._layers: dict[str, AttentionLayerState] = {}
+        self._layout = SignalLayout(())
         self._bases: dict[str, AttentionPrecision] = {}
         self._pending_state: dict[str, Any] | None = None
+        self._module_warned = False
         self._applied_accumulate: int | None = None
-        self._snapshot: dict[str, Any] | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
-        self._snapshot_copied: torch.cuda.Event | None = None
-        # Without the check before the step: the snapshot taken ahead of its step's verdict, and the host buffers
-        # of the one it replaced or would have replaced (reused by the next).
-        self._candidate: dict[str, Any] | None = None
-        self._spare: dict[str, Any] | None = None
+        self._snapshots = Snapshots()
         self._check_first = True
         # The optimizer step being accumulated: opened by its first micro-batch, closed by the optimizer step.
         self._window_open = False
         self._request = SignalRequest(ds_stats=False, probe=False)
+        # The first step of a fit runs the dS-statistics kernel variant even when the policy does not ask, so its
+        # compilation and autotuning happen with the first step's, not as a stall later (its sums are dropped).
+        self._warm_up = False
+        self._discard_stats = False
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0
         self._window_tokens = 0
         self._last_action: str | None = None
-        self._pending: _StepRecord | None = None
+        self._pending: StepRecord | None = None
 
     # ---------------------------------------------------------------------------------------------- reading
 
@@ -206,6 +271,11 @@ class AdaptivePrecision(Callback):
         and every product it runs in INT8 still did. A layer whose base precision is full counts as not low-bit
         (a run that starts in ``mode="full"`` shows 0). 1 before the first step."""
         return self._int8_layer_steps / self._layer_steps if self._layer_steps else 1.0
+
+    @property
+    def snapshot_step(self) -> int | None:
+        """The optimizer step of the snapshot a rollback would restore now; ``None`` before training starts."""
+        return self._snapshots.step
 
     def precisions(self) -> dict[str, AttentionPrecision]:
         """Every controlled layer's current precision, by name (empty before training starts)."""
@@ -241,34 +311,42 @@ class AdaptivePrecision(Callback):
             )
             config = dataclasses.replace(config, min_accumulate_grad_batches=None)
         self._layers = layers
+        self._layout = SignalLayout(tuple(layers))
         state, self._pending_state = self._pending_state, None
         if state is None:
             self._bases = {name: layer.precision for name, layer in layers.items()}
-            start_accumulate = trainer.accumulate_grad_batches
         else:
-            self._bases = {name: AttentionPrecision(**fields) for name, fields in state["bases"].items()}
-            start_accumulate = state["policy"]["start_accumulate"]
-        self._policy = PrecisionPolicy(self._bases, accumulate_grad_batches=start_accumulate, config=config)
+            self._bases = self._checkpoint_bases(state, pl_module)
+        self._policy = PrecisionPolicy(
+            self._bases, accumulate_grad_batches=trainer.accumulate_grad_batches, config=config
+        )
         if state is not None:
-            self._policy.load_state_dict(state["policy"])
+            try:
+                self._policy.load_state_dict(state["policy"])
+            except ValueError as error:
+                raise ValueError(f"AdaptivePrecision: the checkpoint's controller state is refused: {error}") from error
             trainer.accumulate_grad_batches = state["accumulate_grad_batches"]
         self._applied_accumulate = trainer.accumulate_grad_batches
         self._apply_precisions()
         self._window_open = False
-        self._pending = None if state is None else _StepRecord.from_state(state.get("pending"))
+        self._warm_up = True
+        self._pending = None if state is None else StepRecord.from_state(state.get("pending"))
         self._check_first = self.check_before_step
         if self._check_first is None:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             self._check_first = scaler is not None or not all(
                 getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in trainer.optimizers
             )
-        self._candidate = None
-        self._take_snapshot(trainer, pl_module)
+        if state is not None and state.get("snapshots") is not None:
+            # The uninterrupted run's snapshot (and candidate): a rollback lands where it would have.
+            self._snapshots.load_state_dict(state["snapshots"])
+        else:
+            self._snapshots.candidate = None
+            self._snapshots.take(trainer, pl_module)
         if not self._check_first:
-            # The second set of host buffers, allocated now rather than in the middle of training (pinning a
-            # gigabyte of host memory takes a while).
-            self._take_snapshot(trainer, pl_module, candidate=True)
-            self._spare, self._candidate = self._candidate, None
+            candidate = self._snapshots.candidate
+            self._snapshots.allocate_spare(trainer, pl_module)
+            self._snapshots.candidate = candidate
         tensorboard.log_layout(trainer)
 
     @override
@@ -300,12 +378,11 @@ class AdaptivePrecision(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         self._require_policy()
-        if self._snapshot_copied is not None:
+        if trainer.strategy.root_device.type == "cuda":
             # The snapshot's copies must read the parameters before this step writes them.
-            torch.cuda.current_stream(trainer.strategy.root_device).wait_event(self._snapshot_copied)
-            self._snapshot_copied = None
+            self._snapshots.wait_before_write(trainer.strategy.root_device)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        step = _StepRecord(
+        step = StepRecord(
             step=trainer.global_step,
             packed=self._pack(trainer, pl_module, scaler),
             request=self._request,
@@ -323,7 +400,8 @@ class AdaptivePrecision(Callback):
             # Fused optimizers skip a step on the device when told so (as a GradScaler tells them): a step with
             # non-finite gradients is skipped without waiting for its verdict.
             # A 0-dim float32 flag, as GradScaler hands it (fused Adam/AdamW subtract it from their 0-dim steps).
-            optimizer.found_inf = (~torch.isfinite(step.packed[3])).to(torch.float32).reshape(())
+            grad_norm2 = step.packed[HEAD_FIELDS.index("grad_norm2")]
+            optimizer.found_inf = (~torch.isfinite(grad_norm2)).to(torch.float32).reshape(())
             step.skipped_on_device = True
         step.start_copy()
         previous, self._pending = self._pending, step
@@ -334,7 +412,7 @@ class AdaptivePrecision(Callback):
             self._pending = None
             for parameter in pl_module.parameters():
                 parameter.grad = None
-            self.tokens_seen += int(step.host_values()[2])
+            self.tokens_seen += int(step.host_values()[HEAD_FIELDS.index("tokens")])
             self._layer_steps += len(self._layers)
             self._int8_layer_steps += step.ran_int8
 
@@ -350,10 +428,10 @@ class AdaptivePrecision(Callback):
                 del optimizer.found_inf  # used by this step only
         if trainer.global_step % self.snapshot_every_n_steps == 0:
             if action == "step":
-                self._take_snapshot(trainer, pl_module)
+                self._snapshots.take(trainer, pl_module)
             elif action == "pending" and self._pending is not None:
                 # Ahead of the step's verdict (next step): kept apart until the verdict says the step was good.
-                self._take_snapshot(trainer, pl_module, candidate=True)
+                self._snapshots.take(trainer, pl_module, candidate=True)
         if self.progress_bar:
             pl_module.log("int8_share", self.int8_fraction, prog_bar=True, logger=False)
             pl_module.log("tokens_per_step", float(self.tokens_per_step), prog_bar=True, logger=False)
@@ -371,6 +449,7 @@ class AdaptivePrecision(Callback):
         if self._policy is None:
             return dict(self._pending_state or {})
         return {
+            "version": STATE_VERSION,
             "policy": self._policy.state_dict(),
             "bases": {name: dataclasses.asdict(base) for name, base in self._bases.items()},
             "accumulate_grad_batches": self._applied_accumulate,
@@ -384,30 +463,73 @@ class AdaptivePrecision(Callback):
             # Without the check before the step, the last step's verdict is still on its way: the resumed run
             # concludes it first, as the uninterrupted one would have.
             "pending": None if self._pending is None else self._pending.state(),
+            # What a rollback returns to, and its step: without it a resumed run would roll back to where it resumed.
+            "snapshots": self._snapshots.state_dict() if self.snapshot_in_checkpoint else None,
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        _check_state(state_dict)
         self.history = [Decision(**decision) for decision in state_dict["history"]]
-        self.tokens_seen = state_dict["tokens_seen"]
-        self.tokens_per_step = state_dict["tokens_per_step"]
-        self._layer_steps = state_dict["layer_steps"]
-        self._int8_layer_steps = state_dict["int8_layer_steps"]
-        self.skipped_steps = state_dict["skipped_steps"]
-        self.rollbacks = state_dict["rollbacks"]
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        self.tokens_per_step = int(state_dict["tokens_per_step"])
+        self._layer_steps = int(state_dict["layer_steps"])
+        self._int8_layer_steps = int(state_dict["int8_layer_steps"])
+        self.skipped_steps = int(state_dict["skipped_steps"])
+        self.rollbacks = int(state_dict["rollbacks"])
         # The layers are known only once training starts (the mixin swaps them in configure_model): the policy
         # state is applied then, before the first step.
         self._pending_state = dict(state_dict)
         self._policy = None
 
+    def _checkpoint_bases(
+        self, state: Mapping[str, Any], pl_module: pl.LightningModule
+    ) -> dict[str, AttentionPrecision]:
+        """The checkpoint's base precisions, checked against the model's layers; a warning where the configured start
+        differs (the checkpoint's is kept, so the resumed run decides as the uninterrupted one)."""
+        saved, known = list(state["bases"]), list(self._layers)
+        if set(saved) != set(known):
+            raise MisconfigurationException(
+                f"AdaptivePrecision: the checkpoint's controller state is for attention layers {saved}, this model "
+                f"has {known} (only in the checkpoint: {sorted(set(saved) - set(known))}; only in the model: "
+                f"{sorted(set(known) - set(saved))}). Resume with the model the checkpoint was saved from, or fit "
+                "this model without ckpt_path (load the weights with model.load_state_dict(..., strict=False))."
+            )
+        bases = {name: AttentionPrecision(**state["bases"][name]) for name in known}
+        if isinstance(pl_module, SageAttentionMixin):
+            # The mixin restored the layers from the checkpoint (and warned, where it found its entry): what was
+            # configured is sage_precision.
+            configured = dict.fromkeys(known, pl_module.sage_precision or AttentionPrecision())
+        else:
+            configured = {name: layer.precision for name, layer in self._layers.items()}
+        differ = [name for name in known if configured[name] != bases[name] and not self._module_warned]
+        if differ:
+            first = differ[0]
+            rank_zero_warn(
+                f"AdaptivePrecision: the configured starting precision of {differ} ({configured[first].short_name} "
+                f"for {first!r}) differs from the checkpoint's ({bases[first].short_name}); the run resumes from the "
+                "checkpoint's, with its escalations. To start from the configured precision, fit without ckpt_path "
+                "and load the weights alone."
+            )
+        return bases
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # The mixin restores the layers from its own entry and warns about a changed sage_precision itself.
+        self._module_warned = isinstance(pl_module, SageAttentionMixin) and CHECKPOINT_KEY in checkpoint
+
     # ---------------------------------------------------------------------------------------------- signals
 
     def _open_window(self, step: int) -> None:
         self._request = self._require_policy().signals_wanted(step)
+        self._discard_stats = self._warm_up and not self._request.ds_stats
+        self._warm_up = False
         for layer in self._layers.values():
-            layer.collect_stats = self._request.ds_stats
+            layer.collect_stats = self._request.ds_stats or self._discard_stats
             if self._request.probe:
                 layer.arm_probe()
         self._loss_sum = None
@@ -417,82 +539,44 @@ class AdaptivePrecision(Callback):
 
     def _pack(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any) -> torch.Tensor:
         """The step's raw signals in one float64 vector on the device, summed across ranks (one all-reduce)."""
-        device = trainer.strategy.root_device
-        zero = torch.zeros((), device=device, dtype=torch.float64)
-        if self._loss_sum is None:
-            loss_sum = zero
-        else:
+        loss_sum = None
+        if self._loss_sum is not None:
             loss_sum = self._loss_sum.to(torch.float64) * trainer.accumulate_grad_batches
             if scaler is not None:
                 loss_sum = loss_sum / scaler.get_scale()
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-        grad_norm2 = torch.nn.utils.get_total_norm(grads).to(torch.float64).square() if grads else zero
-        head = torch.stack(
-            [
-                loss_sum.to(device),
-                zero + self._micro_batches,
-                zero + self._window_tokens,
-                grad_norm2.to(device),
-                zero + (1.0 if grads else 0.0),
-            ]
-        )
-        count = len(self._layers)
-        if self._request.ds_stats:
+        ds_sums = qk_sums = None
+        if self._request.ds_stats or self._discard_stats:
             # The sums stay on the device: no host sync for them, on this step or any.
-            none = torch.zeros(2, dtype=torch.float32, device=device)
-            taken = [layer.take_ds_stats_on_device() for layer in self._layers.values()]
-            sums = torch.stack([none if t is None else t.to(device) for t in taken]).to(torch.float64)
-            has_ds = (sums != 0).any(dim=1, keepdim=True).to(torch.float64)
-        else:
-            sums = torch.zeros(count, 2, dtype=torch.float64, device=device)
-            has_ds = torch.zeros(count, 1, dtype=torch.float64, device=device)
-        if self._request.probe:
-            # The probe's metrics are host numbers (the probe itself waited for the device): one copy.
-            rows: list[list[float]] = []
-            for layer in self._layers.values():
-                probe = layer.take_probe()
-                row = [0.0, float(probe is not None)]
-                for tensor in _PROBE_TENSORS:
-                    metrics = probe.get(tensor, {}) if probe is not None else {}
-                    row += [float(metrics.get("cos", 0.0)), float(metrics.get("rel_l2", 0.0))]
-                rows.append(row)
-            rest = torch.tensor(rows, dtype=torch.float64, device=device)
-        else:
-            rest = torch.zeros(count, _LAYER_WIDTH - 3, dtype=torch.float64, device=device)
-        block = torch.cat([sums, has_ds, rest], dim=1).flatten()
-        return trainer.strategy.reduce(torch.cat([head, block]), reduce_op="sum")
+            ds_sums = [layer.take_ds_stats_on_device() for layer in self._layers.values()]
+            qk_sums = [layer.take_forward_stats_on_device() for layer in self._layers.values()]
+            if self._discard_stats:
+                ds_sums, qk_sums, self._discard_stats = None, None, False
+        probes = [layer.take_probe() for layer in self._layers.values()] if self._request.probe else None
+        packed = self._layout.pack(
+            trainer.strategy.root_device,
+            loss_sum=loss_sum,
+            micro_batches=self._micro_batches,
+            tokens=self._window_tokens,
+            grads=[p.grad for p in pl_module.parameters() if p.grad is not None],
+            ds_sums=ds_sums,
+            qk_sums=qk_sums,
+            probes=probes,
+        )
+        return reduce(trainer, packed)
 
-    def _signals(self, trainer: pl.Trainer, record: _StepRecord, total: list[float]) -> StepSignals:
-        """The policy's view of one step, from the reduced vector (raw sums divided here)."""
-        loss_total, micro_batches, tokens, grad_norm2_total, grad_ranks = total[:_HEAD_WIDTH]
-        self.tokens_per_step = int(tokens)
-        self.tokens_seen += int(tokens)
-        layers: dict[str, LayerSignals] = {}
-        for i, name in enumerate(self._layers):
-            row = total[_HEAD_WIDTH + i * _LAYER_WIDTH : _HEAD_WIDTH + (i + 1) * _LAYER_WIDTH]
-            err2, norm2, ds_ranks, _, probe_ranks = row[:5]
-            ds_rel_err = None
-            if ds_ranks > 0:
-                ds_rel_err = math.sqrt(err2 / norm2) if norm2 > 0 else (0.0 if err2 == 0 else math.nan)
-                if not (math.isfinite(err2) and math.isfinite(norm2)):
-                    ds_rel_err = math.nan
-            probe_mean = None
-            if probe_ranks > 0:
-                probe_mean = {
-                    tensor: {"cos": row[5 + 2 * j] / probe_ranks, "rel_l2": row[6 + 2 * j] / probe_ranks}
-                    for j, tensor in enumerate(_PROBE_TENSORS)
-                }
-            layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe_mean)
-        # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
-        # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN).
-        grad_norm = math.sqrt(grad_norm2_total / grad_ranks) if grad_ranks > 0 else None
-        loss = loss_total / micro_batches if micro_batches > 0 else None
+    def _signals(self, trainer: pl.Trainer, record: StepRecord, total: list[float]) -> StepSignals:
+        """The policy's view of one step, from the reduced vector."""
+        sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+        head, layers = self._layout.unpack(total, sharded_grads=sharded)
+        self.tokens_per_step = int(head["tokens"])
+        self.tokens_seen += int(head["tokens"])
+        loss, grad_norm = head["loss"], head["grad_norm"]
         if any(value is not None and not math.isfinite(value) for value in (loss, grad_norm)):
             # Where did it start? Each layer's flag costs a host sync, so they are read only when it matters;
             # every rank takes this branch (the reduced values agree), so the second all-reduce is matched.
             device = trainer.strategy.root_device
             flags = torch.tensor([float(layer.take_nonfinite()) for layer in self._layers.values()], device=device)
-            flags = trainer.strategy.reduce(flags, reduce_op="sum").tolist()
+            flags = reduce(trainer, flags).tolist()
             layers = {
                 name: dataclasses.replace(signals, nonfinite=flag > 0)
                 for (name, signals), flag in zip(layers.items(), flags, strict=True)
@@ -506,23 +590,43 @@ class AdaptivePrecision(Callback):
             step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
         )
 
+    # ---------------------------------------------------------------------------------------------- actions
+
     def _conclude(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: _StepRecord, *, applied: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, record: StepRecord, *, applied: bool
     ) -> StepOutcome:
         """Decide about one step and carry it out.
 
         ``applied=False``: before the step's optimizer step (``check_before_step``): a skip or a rollback drops
         its gradients. ``applied=True``: one step later; a step that should not have been applied is undone by
-        restoring the snapshot, unless the device already skipped it. The returned action is then ``"undone"``.
+        restoring the snapshot, unless the device already skipped it or it is harmless to keep (a one-off loss
+        spike with finite gradients). The returned action is then ``"undone"``.
         """
         signals = self._signals(trainer, record, record.host_values())
         outcome = self._require_policy().decide(signals)
         decisions = list(outcome.decisions)
         action = outcome.action
-        skipped = outcome.action == "skip" and (not applied or record.skipped_on_device)
-        if outcome.action == "rollback" or (outcome.action == "skip" and not skipped):
-            self._restore_snapshot(trainer, pl_module)
-            self.rollbacks += 1
+        # On the device, a fused optimizer skipped the step only if its gradients were non-finite.
+        on_device = record.skipped_on_device and outcome.skip_cause == "nonfinite_gradients"
+        skipped = outcome.action == "skip" and (not applied or on_device)
+        if outcome.action == "skip" and not skipped and outcome.skip_cause == "loss_spike":
+            # Already applied and its gradients finite: undoing it would cost a rollback, more than the spike.
+            action = "step"
+            decisions.append(
+                Decision(
+                    record.step,
+                    None,
+                    "optimizer_step",
+                    "skip",
+                    "kept",
+                    "applied before its verdict (check_before_step=False) with finite gradients: kept, since a "
+                    "rollback would cost more than the one-off spike",
+                )
+            )
+        elif outcome.action in ("rollback", "stop") or (outcome.action == "skip" and not skipped):
+            self._snapshots.restore(trainer, pl_module)
+            if outcome.action != "stop":
+                self.rollbacks += 1
             if outcome.action == "skip":
                 decisions.append(
                     Decision(
@@ -535,8 +639,9 @@ class AdaptivePrecision(Callback):
                         "cannot skip on the device)",
                     )
                 )
-            action = "undone" if applied else "rollback"
-        if not applied and outcome.action in ("skip", "rollback"):
+            if applied and outcome.action != "stop":
+                action = "undone"
+        if not applied and outcome.action in ("skip", "rollback", "stop"):
             # No gradient, no update: torch optimizers skip parameters whose .grad is None (moments, step
             # counters and weight decay included); a GradScaler, if any, already recorded its inf checks.
             for parameter in pl_module.parameters():
@@ -549,16 +654,26 @@ class AdaptivePrecision(Callback):
         if self.verbose:
             for decision in decisions:
                 rank_zero_info(f"AdaptivePrecision: {decision}")
-        self._log_step(trainer, signals, dataclasses.replace(outcome, decisions=tuple(decisions)))
-        if self._candidate is not None and self._candidate["step"] == record.step + 1:
-            # The snapshot taken after this step: good where the step stands, dropped where it was undone.
-            if action == "undone":
-                self._spare, self._candidate = self._candidate, None
-            else:
-                self._spare, self._snapshot, self._candidate = self._snapshot, self._candidate, None
-        return dataclasses.replace(outcome, action=action, decisions=tuple(decisions))
+        final = dataclasses.replace(outcome, action=action, decisions=tuple(decisions))
+        self._log_step(trainer, signals, final)
+        self._snapshots.settle(record.step, undone=action in ("undone", "stop"))
+        if outcome.action == "stop":
+            self._stop(trainer, decisions[-1])
+        return final
 
-    # ---------------------------------------------------------------------------------------------- actions
+    def _stop(self, trainer: pl.Trainer, decision: Decision) -> None:
+        """Save the last good weights (restored already) and end training with :class:`TrainingDiverged`."""
+        path = self.last_good_checkpoint or os.path.join(trainer.default_root_dir, "sage-last-good.ckpt")
+        self._pending = None
+        trainer.save_checkpoint(path)  # every rank calls it (the decision is the same on all): it synchronises
+        raise TrainingDiverged(
+            f"AdaptivePrecision stopped training at step {decision.step}: {decision.reason}. The last good weights "
+            f"(the snapshot of step {self._snapshots.step}) are saved in {path}. Look for the cause in the data or "
+            "the model (the decisions are in AdaptivePrecision.history and TensorBoard's sage/decisions), or give the "
+            "controller more room: PolicyConfig(max_rollbacks=...), a longer ladder, min_accumulate_grad_batches.",
+            decision,
+            path,
+        )
 
     def _apply_precisions(self) -> None:
         policy = self._require_policy()
@@ -577,106 +692,27 @@ class AdaptivePrecision(Callback):
         """Whether the layer runs low-bit now: a base precision with low-bit work, still on its fast path."""
         return self._bases[name].mode != "full" and self._on_fast_path(name)
 
-    def _take_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, candidate: bool = False) -> None:
-        """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.
-
-        ``candidate``: keep it apart from the last good snapshot (in the spare buffers) until its step's verdict.
-        """
-        if candidate:
-            previous = self._spare or {}
-            self._spare = None
-        else:
-            previous = self._snapshot or {}
-        device = trainer.strategy.root_device
-
-        def copy() -> dict[str, Any]:
-            # Into the previous snapshot's buffers (pinned host memory for CUDA tensors), without waiting:
-            # allocating and page-faulting fresh host memory each time cost more than the copies.
-            return {
-                "step": trainer.global_step,
-                "model": _copy_to_host(pl_module.state_dict(), previous.get("model")),
-                "optimizers": _copy_to_host(
-                    [optimizer.state_dict() for optimizer in trainer.optimizers], previous.get("optimizers")
-                ),
-            }
-
-        if device.type != "cuda":
-            self._keep_snapshot(copy(), candidate)
-            return
-        # On a side stream, the copies overlap the next forward and backward (which only read the parameters);
-        # the next optimizer step, the first writer, waits for them (on_before_optimizer_step).
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device)
-        self._copy_stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self._copy_stream):
-            self._keep_snapshot(copy(), candidate)
-        self._snapshot_copied = torch.cuda.Event()
-        self._snapshot_copied.record(self._copy_stream)
-
-    def _keep_snapshot(self, snapshot: dict[str, Any], candidate: bool) -> None:
-        if candidate:
-            self._candidate = snapshot
-        else:
-            self._snapshot = snapshot
-
-    def _restore_snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        snapshot = self._snapshot
-        assert snapshot is not None, "on_train_start takes the first snapshot"
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the snapshot's copies to host memory were not waited for
-        pl_module.load_state_dict(snapshot["model"])
-        for optimizer, saved in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
-            # Keep the schedule's current hyperparameters (lr, ...): only parameters and moments go back.
-            hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-            # A fresh copy: load_state_dict keeps tensors already on the right device as the optimizer's own
-            # state (CPU training) and would update the snapshot in place, spoiling it for the next rollback.
-            optimizer.load_state_dict(_copy_to_host(saved, None))
-            for group, values in zip(optimizer.param_groups, hyper, strict=True):
-                group.update(values)
-
     # ---------------------------------------------------------------------------------------------- logging
 
     def _log_step(self, trainer: pl.Trainer, signals: StepSignals, outcome: StepOutcome) -> None:
-        step = signals.step
-        every = self.log_every_n_steps or max(1, trainer.log_every_n_steps)
-        metrics: dict[str, float] = {}
-        measured = False
-        for name, layer in signals.layers.items():
-            if layer.ds_rel_err is not None:
-                metrics[f"sage/ds_rel_err/{name}"] = layer.ds_rel_err
-                measured = True
-            if layer.probe is not None:
-                for tensor, values in layer.probe.items():
-                    metrics[f"sage/probe/{tensor}_cos/{name}"] = values["cos"]
-                    metrics[f"sage/probe/{tensor}_rel_l2/{name}"] = values["rel_l2"]
-                measured = True
-        spiking = (outcome.loss is not None and outcome.loss.level != "none") or (
-            outcome.grad_norm is not None and outcome.grad_norm.level != "none"
+        policy = self._require_policy()
+        metrics = tensorboard.step_metrics(
+            signals,
+            outcome,
+            levels={name: policy.level(name) for name in self._layers},
+            counters={
+                "tokens_per_step": self.tokens_per_step,
+                "tokens_seen": self.tokens_seen,
+                "int8_fraction": self.int8_fraction,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "skipped_steps": self.skipped_steps,
+                "rollbacks": self.rollbacks,
+                "rollbacks_without_progress": policy.rollbacks_without_progress,
+            },
+            every=self.log_every_n_steps or max(1, trainer.log_every_n_steps),
         )
-        if measured or spiking or outcome.decisions or step % every == 0:
-            policy = self._require_policy()
-            for name in self._layers:
-                metrics[f"sage/level/{name}"] = float(policy.level(name))
-            metrics["sage/tokens_per_step"] = float(self.tokens_per_step)
-            metrics["sage/tokens_seen"] = float(self.tokens_seen)
-            metrics["sage/int8_fraction"] = self.int8_fraction
-            metrics["sage/accumulate_grad_batches"] = float(trainer.accumulate_grad_batches)
-            metrics["sage/skipped_steps"] = float(self.skipped_steps)
-            metrics["sage/rollbacks"] = float(self.rollbacks)
-            if signals.loss is not None:
-                metrics["sage/loss"] = signals.loss
-            if signals.grad_norm is not None:
-                metrics["sage/grad_norm"] = signals.grad_norm
-            if outcome.loss is not None:
-                metrics["sage/spike/loss"] = float(("none", "soft", "hard").index(outcome.loss.level))
-                if outcome.loss.z is not None:
-                    metrics["sage/spike/loss_z"] = outcome.loss.z
-            if outcome.grad_norm is not None:
-                metrics["sage/spike/grad_norm"] = float(outcome.grad_norm.level != "none")
-                if outcome.grad_norm.z is not None:
-                    metrics["sage/spike/grad_norm_z"] = outcome.grad_norm.z
-        tensorboard.log_scalars(trainer, metrics, step)
-        tensorboard.log_decisions(trainer, outcome.decisions, step)
+        tensorboard.log_scalars(trainer, metrics, signals.step)
+        tensorboard.log_decisions(trainer, outcome.decisions, signals.step)
 
     def _require_policy(self) -> PrecisionPolicy:
         if self._policy is None:
@@ -684,111 +720,38 @@ class AdaptivePrecision(Callback):
         return self._policy
 
 
-@dataclasses.dataclass
-class _StepRecord:
-    """One optimizer step's reduced signals on their way to the host, with what its verdict needs."""
-
-    step: int
-    packed: torch.Tensor
-    request: SignalRequest
-    grad_scaler: bool
-    ran_int8: int
-    skipped_on_device: bool = False
-    _copied: torch.cuda.Event | None = None
-
-    def start_copy(self) -> None:
-        """Copy the signals to (pinned) host memory without waiting; :meth:`host_values` waits if needed."""
-        if self.packed.is_cuda:
-            self.packed = self.packed.to("cpu", non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of a step whose verdict is pending (waits for its signals)."""
-        return {
-            "step": self.step,
-            "values": self.host_values(),
-            "request": dataclasses.asdict(self.request),
-            "grad_scaler": self.grad_scaler,
-            "ran_int8": self.ran_int8,
-            "skipped_on_device": self.skipped_on_device,
-        }
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any] | None) -> _StepRecord | None:
-        """The record :meth:`state` kept, or ``None``."""
-        if state is None:
-            return None
-        return cls(
-            step=state["step"],
-            packed=torch.tensor(state["values"], dtype=torch.float64),
-            request=SignalRequest(**state["request"]),
-            grad_scaler=state["grad_scaler"],
-            ran_int8=state["ran_int8"],
-            skipped_on_device=state["skipped_on_device"],
+def _check_state(state: Mapping[str, Any]) -> None:
+    """Raise a ``ValueError`` that says what is wrong with a checkpoint's controller state."""
+    where = "AdaptivePrecision.load_state_dict"
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where}: the state must be a dict from state_dict(); received {type(state).__name__}.")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"{where}: the checkpoint's controller state has version {state.get('version')!r}; this version of "
+            f"sage-lightning reads version {STATE_VERSION}. Resume with the version that saved it, or fit without "
+            "ckpt_path and load the weights alone."
         )
-
-    def host_values(self) -> list[float]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self.packed.tolist()
-
-
-def count_tokens(batch: Any) -> int:
-    """The default ``tokens_fn``: elements of the batch's token-id tensor.
-
-    A tensor counts as itself; a mapping by ``"input_ids"`` or else its first tensor value; a list or tuple by
-    its first tensor.
-
-    Raises:
-        ValueError: no tensor found; pass ``AdaptivePrecision(tokens_fn=...)``.
-
-    Example::
-
-        count_tokens({"input_ids": torch.zeros(8, 1024, dtype=torch.long)})   # 8192
-    """
-    if isinstance(batch, torch.Tensor):
-        return batch.numel()
-    if isinstance(batch, Mapping):
-        if isinstance(batch.get("input_ids"), torch.Tensor):
-            return batch["input_ids"].numel()
-        values = list(batch.values())
-    elif isinstance(batch, (list, tuple)):
-        values = list(batch)
-    else:
-        values = []
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value.numel()
-    raise ValueError(
-        f"AdaptivePrecision: cannot count the tokens of a batch of type {type(batch).__name__}; pass "
-        "AdaptivePrecision(tokens_fn=lambda batch: ...) returning the tokens of one micro-batch."
-    )
-
-
-def _copy_to_host(value: Any, buffers: Any) -> Any:
-    """A copy of ``value`` with every tensor copied to host memory, reusing ``buffers`` (a previous result of
-    the same structure) where shapes and dtypes match. Copies from CUDA go to pinned memory and do not block.
-    """
-    if isinstance(value, torch.Tensor):
-        source = value.detach()
-        reusable = isinstance(buffers, torch.Tensor) and buffers.shape == source.shape
-        if reusable and buffers.dtype == source.dtype:
-            target = buffers
-        else:
-            target = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
-        target.copy_(source, non_blocking=source.is_cuda)
-        return target
-    if isinstance(value, dict):
-        buffers = buffers if isinstance(buffers, dict) else {}
-        return {key: _copy_to_host(item, buffers.get(key)) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        buffers = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(value) else [None] * len(value)
-        items = [_copy_to_host(item, buffer) for item, buffer in zip(value, buffers, strict=True)]
-        if isinstance(value, list):
-            return items
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
+    missing = [key for key in _STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(
+            f"{where}: the checkpoint's controller state lacks {missing} (it has {sorted(state)}); it was not "
+            "written by AdaptivePrecision.state_dict()."
+        )
+    bases = state["bases"]
+    if not isinstance(bases, Mapping) or not bases or not all(isinstance(b, Mapping) for b in bases.values()):
+        raise ValueError(
+            f"{where}: 'bases' must map each layer name to its AttentionPrecision fields; received {bases!r}."
+        )
+    for name, fields in bases.items():
+        try:
+            AttentionPrecision(**fields)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: the base precision of layer {name!r} is refused: {error}") from None
+    for key in ("tokens_seen", "tokens_per_step", "layer_steps", "int8_layer_steps", "skipped_steps", "rollbacks"):
+        if isinstance(state[key], bool) or not isinstance(state[key], int):
+            raise ValueError(f"{where}: {key!r} must be an int; received {state[key]!r}.")
+    if not isinstance(state["history"], list) or not all(isinstance(d, Mapping) for d in state["history"]):
+        raise ValueError(f"{where}: 'history' must be a list of decisions (dicts); received {state['history']!r}.")
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from sage_lightning.forward_health import qk_quant_error
 from sage_lightning.interception import bind_sdpa_arguments
 from sage_lightning.kernels import AttentionPrecision, sage_attention
 from sage_lightning.kernels.reference import exact_attention
@@ -114,6 +115,8 @@ class AttentionLayerState:
             into :attr:`stats`.
         stats: float32 ``(2,)`` = ``[sum (dS - deq(psi(dS)))^2, sum dS^2]``, created on the first call that
             collects, on that call's device; ``None`` before.
+        forward_stats: float64 ``(4,)``, the forward's quantization health summed over the calls that collect
+            (:func:`~sage_lightning.forward_health.qk_quant_error`); ``None`` before.
         calls: attention calls seen (served and sent to SDPA); a host-side counter.
         fallback_calls: calls sent to SDPA because the kernel cannot serve them.
         fallback_reasons: reason -> number of calls sent to SDPA for it.
@@ -146,6 +149,7 @@ class AttentionLayerState:
         self.precision = AttentionPrecision() if precision is None else precision
         self.collect_stats = collect_stats
         self.stats: torch.Tensor | None = None
+        self.forward_stats: torch.Tensor | None = None
         self.calls = 0
         self.fallback_calls = 0
         self.fallback_reasons: dict[str, int] = {}
@@ -234,6 +238,9 @@ class AttentionLayerState:
             return self._fallback(reason, bound, args, kwargs)
         record(self, self.ledger_key, SERVED)
         self._stats_given = self._stats_given or stats is not None
+        if stats is not None and self.precision.mode == "sagebwd":
+            health = qk_quant_error(q, k, smooth_q=self.precision.smooth_q, smooth_k=self.precision.smooth_k)
+            self.forward_stats = health if self.forward_stats is None else self.forward_stats + health
         self._record_finiteness(q, k, v, out)
         if self._probe_armed and torch.is_grad_enabled() and out.requires_grad:
             self._capture_for_probe(q, k, v, out, bound)
@@ -467,6 +474,20 @@ class AttentionLayerState:
         sums = self.stats.clone()
         self.stats.zero_()
         self._stats_given = False
+        return sums
+
+    def take_forward_stats_on_device(self) -> torch.Tensor | None:
+        """The forward's quantization health summed since the last take (four float64 sums on their device, see
+        :func:`~sage_lightning.forward_health.qk_quant_error`), then clears them; ``None`` when nothing was
+        measured. No host sync.
+
+        Example::
+
+            layer.collect_stats = True
+            model(batch)
+            sums = layer.take_forward_stats_on_device()
+        """
+        sums, self.forward_stats = self.forward_stats, None
         return sums
 
     def arm_probe(self) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import attention_layers, check_precision
+from sage_lightning.layer_checkpoint import CHECKPOINT_KEY, load_layers, save_layers
 from sage_lightning.swap import NoAttentionLayerError, convert_to_sage_attention, is_attention_module
 
 # Where Lightning's own no-op ``configure_model`` lives; a mixin listed after it would never run.
@@ -32,13 +33,16 @@ class SageAttentionMixin:
       picks the innermost modules whose class name contains "Attention" or "Attn".
 
     The swapped layers are then ``sage_lightning.attention_layers(self)``; ``AdaptivePrecision`` reads and
-    steers them.
+    steers them. Their precisions are saved in checkpoints (``on_save_checkpoint``, under ``"sage_attention"``) and
+    restored on load (``on_load_checkpoint``), so a resume keeps the controller's escalations even without the
+    callback; if you override these hooks, call ``super()``.
 
     Raises:
         TypeError: at class creation, when the mixin comes after ``LightningModule`` in the bases (Lightning's
             ``configure_model`` would hide it); in ``configure_model``, when ``sage_precision`` is not an
             ``AttentionPrecision`` or the filter returns a non-bool.
-        ValueError: in ``configure_model``, when no attention layer is found.
+        ValueError: in ``configure_model``, when no attention layer is found; in ``on_load_checkpoint``, when the
+            checkpoint's attention layers are not the model's.
 
     Example::
 
@@ -142,3 +146,25 @@ class SageAttentionMixin:
         for layer in attention_layers(self).values():
             if layer.calls == 0:
                 layer.warn_if_silent("it made no attention call in the first training batch")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning's hook: the parent's, then every attention layer's precision into the checkpoint."""
+        parent = getattr(super(), "on_save_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        checkpoint[CHECKPOINT_KEY] = save_layers(self, self.sage_precision)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning's hook: the parent's, then every attention layer back at the checkpoint's precision (a warning
+        when ``sage_precision`` differs from the one the checkpoint was trained from).
+
+        Raises:
+            ValueError: the checkpoint's attention layers are not the model's.
+        """
+        parent = getattr(super(), "on_load_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        if CHECKPOINT_KEY in checkpoint:  # absent from checkpoints written before the mixin saved it
+            load_layers(
+                self, checkpoint[CHECKPOINT_KEY], self.sage_precision, owner=f"{type(self).__name__}.on_load_checkpoint"
+            )

@@ -7,13 +7,14 @@ decisions are identical on every rank, one copy is enough.
 
 Tags, all under ``sage/``:
 
-* per layer: ``sage/ds_rel_err/<layer>``, ``sage/probe/<tensor>_cos/<layer>`` and
-  ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV), ``sage/level/<layer>`` (0 at the
-  base, ``i + 1`` on the ladder's rung ``i``);
+* per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
+  ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
+  ``sage/level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``);
 * global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction``,
   ``sage/accumulate_grad_batches``, ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
   ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
-  ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``;
+  ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``, ``sage/rollbacks_without_progress``
+  (the rollback budget's count);
 * text: ``sage/decisions``, one event per step with decisions, a line per decision.
 """
 
@@ -24,7 +25,8 @@ from collections.abc import Iterable, Mapping
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from sage_lightning.policy import Decision
+from sage_lightning.detectors import LEVELS
+from sage_lightning.policy import Decision, StepOutcome, StepSignals
 
 #: The text tag every decision is written under.
 DECISIONS_TAG = "sage/decisions"
@@ -46,6 +48,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         },
         "sage: signals": {
             "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
+            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
         },
@@ -53,13 +56,77 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
             "loss per optimizer step": ["Multiline", [r"sage/loss$"]],
             "gradient norm": ["Multiline", [r"sage/grad_norm$"]],
             "spikes": ["Multiline", [r"sage/spike/.*"]],
-            "skipped steps and rollbacks": ["Multiline", [r"sage/skipped_steps", r"sage/rollbacks"]],
+            "skipped steps and rollbacks": [
+                "Multiline",
+                [r"sage/skipped_steps", r"sage/rollbacks$", r"sage/rollbacks_without_progress"],
+            ],
         },
         "sage: tokens": {
             "tokens per step": ["Multiline", [r"sage/tokens_per_step", r"sage/accumulate_grad_batches"]],
             "tokens seen": ["Multiline", [r"sage/tokens_seen"]],
         },
     }
+
+
+def step_metrics(
+    signals: StepSignals,
+    outcome: StepOutcome,
+    *,
+    levels: Mapping[str, int],
+    counters: Mapping[str, float],
+    every: int,
+) -> dict[str, float]:
+    """The scalars of one optimizer step, by tag: measurements always; the levels, counters and the step's loss,
+    gradient norm and spike readings on steps with a measurement, a spike or a decision, and every ``every`` steps.
+
+    Args:
+        signals: the step's reduced signals.
+        outcome: the policy's verdict on it.
+        levels: every layer's ladder level.
+        counters: ``tokens_per_step``, ``tokens_seen``, ``int8_fraction``, ``accumulate_grad_batches``,
+            ``skipped_steps``, ``rollbacks``, ``rollbacks_without_progress`` (logged as ``sage/<name>``).
+        every: the cadence of the quiet steps' logs.
+
+    Example::
+
+        tensorboard.log_scalars(trainer, step_metrics(signals, outcome, levels=..., counters=..., every=50), step)
+    """
+    metrics: dict[str, float] = {}
+    measured = False
+    for name, layer in signals.layers.items():
+        if layer.ds_rel_err is not None:
+            metrics[f"sage/ds_rel_err/{name}"] = layer.ds_rel_err
+            measured = True
+        if layer.qk_rel_err is not None:
+            metrics[f"sage/qk_rel_err/{name}"] = layer.qk_rel_err
+            measured = True
+        if layer.probe is not None:
+            for tensor, values in layer.probe.items():
+                metrics[f"sage/probe/{tensor}_cos/{name}"] = values["cos"]
+                metrics[f"sage/probe/{tensor}_rel_l2/{name}"] = values["rel_l2"]
+            measured = True
+    spiking = (outcome.loss is not None and outcome.loss.level != "none") or (
+        outcome.grad_norm is not None and outcome.grad_norm.level != "none"
+    )
+    if not (measured or spiking or outcome.decisions or signals.step % every == 0):
+        return metrics
+    for name, level in levels.items():
+        metrics[f"sage/level/{name}"] = float(level)
+    for name, value in counters.items():
+        metrics[f"sage/{name}"] = float(value)
+    if signals.loss is not None:
+        metrics["sage/loss"] = signals.loss
+    if signals.grad_norm is not None:
+        metrics["sage/grad_norm"] = signals.grad_norm
+    if outcome.loss is not None:
+        metrics["sage/spike/loss"] = float(LEVELS.index(outcome.loss.level))
+        if outcome.loss.z is not None:
+            metrics["sage/spike/loss_z"] = outcome.loss.z
+    if outcome.grad_norm is not None:
+        metrics["sage/spike/grad_norm"] = float(outcome.grad_norm.level != "none")
+        if outcome.grad_norm.z is not None:
+            metrics["sage/spike/grad_norm_z"] = outcome.grad_norm.z
+    return metrics
 
 
 def decisions_markdown(decisions: Iterable[Decision]) -> str:

@@ -60,7 +60,7 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
     ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
     assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
-    assert [e.value for e in accumulator.Scalars("sage/level/blocks.0.attn")][-1] == 2.0
+    assert [e.value for e in accumulator.Scalars("sage/level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
     assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
     # int8 share: 2 layers x 3 steps on INT8 dS, then 2 x 3 with dS in bf16.
     assert [e.value for e in accumulator.Scalars("sage/int8_fraction")][-1] == pytest.approx(0.5)

@@ -81,3 +81,36 @@ def test_both_ranks_take_the_same_decisions(tmp_path) -> None:
     assert any("precision" in d and "probe" in d for d in decisions)
     assert [w[2] for w in rank0["windows"]] == [4, 4, 4, 2, 2, 2, 2, 4]
     assert rank0["tokens_seen"] == 2 * (4 * 4 + 2 * 4) * 2 * 33  # both ranks' tokens, counted once
+
+
+class NaNFromStep(TinyLM):
+    """A NaN loss on every step from ``nan_from``, on rank 1 only."""
+
+    def __init__(self, nan_from: int) -> None:
+        super().__init__()
+        self.nan_from = nan_from
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step >= self.nan_from and self.global_rank == 1:
+            return loss * float("nan")
+        return loss
+
+
+def test_a_persistent_nan_on_one_rank_stops_both_with_the_last_good_weights(tmp_path) -> None:
+    torch.manual_seed(0)
+    controller = AdaptivePrecision(
+        PolicyConfig(max_rollbacks=1, ds_stats_every_n_steps=1000, probe_every_n_steps=1000), verbose=False
+    )
+    trainer = L.Trainer(
+        **trainer_kwargs(
+            tmp_path, devices=2, strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"), max_steps=20
+        ),
+        callbacks=[controller],
+    )
+    with pytest.raises(Exception, match="AdaptivePrecision stopped training at step 3"):
+        trainer.fit(NaNFromStep(nan_from=2), token_loader(64))
+    saved = torch.load(tmp_path / "sage-last-good.ckpt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+    (key,) = [k for k in saved["callbacks"] if k.startswith("AdaptivePrecision")]
+    assert [d["lever"] for d in saved["callbacks"][key]["history"]][-1] == "stop"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float
     else:
         assert steps == [escalated_at]
         assert policy.precision(NAMES[0]) == DS_BF16
-        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 2
+        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 3
         decision = policy.decide(signals(1000, l0=LayerSignals(ds_rel_err=0.5)))  # dS runs bf16: rule is moot
         assert decision.decisions == ()
 
@@ -86,15 +88,19 @@ def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float
         ([], {"probe": probe(dk=0.9), "ds_rel_err": 0.02}, "smooth_q", "beyond dS's INT8 error"),
         ([], {"probe": probe(dq=0.96, dk=0.95), "ds_rel_err": 0.25}, "ds_bf16", "probe dK cos 0.95000"),
         ([], {"probe": probe(dk=0.9)}, "ds_bf16", "ds_rel_err not measured"),  # no evidence: dS, the usual suspect
-        ([], {"probe": probe(dv=0.9), "ds_rel_err": 0.3}, "smooth_q", "dV does not use dS"),
+        # dV does not use dS: its own product goes to bf16, nothing else changes.
+        ([], {"probe": probe(dv=0.9), "ds_rel_err": 0.3}, "dv_bf16", "dV does not use dS"),
         ([], {"probe": probe()}, "base", None),
         ([], {"probe": probe(o=0.996, dq=0.971)}, "base", None),  # just inside both thresholds
-        # Already Q-smoothed and the forward still poor: the next rung that changes the forward is full.
-        ([{"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "full", "probe O cos"),
-        # dS already bf16 and dQ still poor: only the forward is left.
-        ([{"ds_rel_err": 0.3}, {"ds_rel_err": 0.3}], {"probe": probe(dq=0.9)}, "full", "already in high precision"),
-        # A non-finite probe (cos NaN) counts as the worst cosine.
-        ([], {"probe": probe(dq=NAN), "ds_rel_err": 0.3}, "ds_bf16", "probe dQ cos -1.00000"),
+        # Already Q-smoothed and the forward still poor: the scores' product in bf16, then full.
+        ([{"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "qk_bf16", "probe O cos"),
+        ([{"probe": probe(o=0.99)}, {"probe": probe(o=0.99)}], {"probe": probe(o=0.99)}, "full", "probe O cos"),
+        # dS already bf16 and dQ still poor: the forward's first rung.
+        ([{"ds_rel_err": 0.3}, {"ds_rel_err": 0.3}], {"probe": probe(dq=0.9)}, "smooth_q", "already in high precision"),
+        # Catastrophic readings (a wrong kernel, not noise) go straight to the rung that removes them.
+        ([], {"probe": probe(dq=NAN), "ds_rel_err": 0.3}, "full", "probe dQ cos non-finite < probe_catastrophic_cos"),
+        ([], {"probe": probe(dv=-0.9)}, "full", "probe dV cos -0.90000 < probe_catastrophic_cos 0.5: catastrophic"),
+        ([{"probe": probe(dv=0.9)}], {"probe": probe(o=0.2)}, "full", "probe O cos 0.20000"),
     ],
 )
 def test_probe_points_at_forward_or_backward(path: list[dict], measured: dict, rung: str, reason: str | None) -> None:
@@ -107,9 +113,10 @@ def test_probe_points_at_forward_or_backward(path: list[dict], measured: dict, r
         assert outcome.decisions == ()
     else:
         assert reason in outcome.decisions[-1].reason
-    if rung == "full" and path[0].get("probe"):
-        # Passing ds_bf16 on the way keeps it on the path, so stepping down retraces it.
-        assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "ds_bf16", "full"]
+    if rung == "full" and path:
+        # Only the rungs taken are on the path, in the order taken (none passed over): stepping down retraces them.
+        expected = ["smooth_q", "qk_bf16", "full"] if path[0]["probe"]["O"]["cos"] < 0.995 else ["dv_bf16", "full"]
+        assert policy.state_dict()["layers"][NAMES[0]]["path"] == expected
 
 
 def test_layers_are_decided_independently() -> None:
@@ -176,7 +183,7 @@ def test_backoff_doubles_the_calm_period_after_a_quick_relapse() -> None:
         policy.decide(signals(start + 3 + 4 * CALM, l0=LayerSignals(ds_rel_err=0.3)))
         policy.decide(signals(start + 3 + 8 * CALM, l0=LayerSignals(ds_rel_err=0.05)))
         assert policy.rung(NAMES[0]) == "base"
-    assert policy.state_dict()["layers"][NAMES[0]]["backoff"] == 2
+    assert policy.state_dict()["layers"][NAMES[0]]["backoff"]["level"] == 2
 
 
 def test_full_rung_steps_down_on_time_alone() -> None:
@@ -186,7 +193,8 @@ def test_full_rung_steps_down_on_time_alone() -> None:
     assert policy.rung(NAMES[0]) == "full"
     assert policy.decide(signals(CALM - 1)).decisions == ()
     (decision,) = policy.decide(signals(CALM)).decisions
-    assert decision.new == DS_BF16.short_name and policy.rung(NAMES[0]) == "ds_bf16"
+    # Straight to full, no rung passed over on the way: one step down is back at the base.
+    assert decision.new == BASE.short_name and policy.rung(NAMES[0]) == "base"
 
 
 # ------------------------------------------------------------------------------------ divergence and skipped steps
@@ -275,7 +283,7 @@ def calm_losses(policy: PrecisionPolicy, count: int = 16) -> None:
         (2.1, 1.0, "step", (True, False)),  # soft loss spike (z 6.7): measure dS next step
         (2.0, 1.2, "step", (True, False)),  # soft gradient-norm spike (z 13.5)
         (2.0, 1.1, "step", (False, False)),  # z 6.7: below grad_norm_spike_z 10
-        (2.4, 1.0, "rollback", (True, True)),  # hard loss spike (z 27): after a rollback, everything
+        (2.4, 1.0, "skip", (True, False)),  # hard loss spike (z 27), a one-off: skip the step, measure dS next
     ],
 )
 def test_spikes(loss: float, grad_norm: float, action: str, armed: tuple[bool, bool]) -> None:
@@ -284,9 +292,10 @@ def test_spikes(loss: float, grad_norm: float, action: str, armed: tuple[bool, b
     outcome = policy.decide(signals(16, loss=loss, grad_norm=grad_norm))
     assert outcome.action == action
     assert policy.signals_wanted(17) == SignalRequest(*armed)
-    if action == "rollback":
-        assert "loss_hard_spike_z 20" in outcome.decisions[0].reason
-        assert policy.rung(NAMES[0]) == "ds_bf16"
+    if action == "skip":
+        reason = outcome.decisions[0].reason
+        assert "loss_hard_spike_z 20" in reason and "a one-off, skipped" in reason
+        assert outcome.skip_cause == "loss_spike" and policy.rung(NAMES[0]) == "base"
 
 
 def test_non_finite_gradients_skip_then_roll_back() -> None:
@@ -333,8 +342,10 @@ def test_base_with_ds_bf16_skips_that_rung() -> None:
     policy.decide(signals(1, l0=LayerSignals(probe=probe(dk=0.5))))  # dS is bf16: the forward's error
     assert policy.precision(NAMES[0]) == DS_BF16.replace(smooth_q=True)
     policy.decide(signals(2, l0=LayerSignals(probe=probe(dk=0.5))))
+    assert policy.precision(NAMES[0]) == DS_BF16.replace(smooth_q=True, qk="bf16")
+    policy.decide(signals(3, l0=LayerSignals(probe=probe(dk=0.5))))
     assert policy.precision(NAMES[0]).mode == "full"
-    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "full"]
+    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "qk_bf16", "full"]
 
 
 def test_custom_ladder() -> None:
@@ -451,11 +462,21 @@ def test_decision_reads_as_a_sentence() -> None:
 
 def test_policy_module_is_pure() -> None:
     """The policy takes numbers and returns decisions: no torch, Lightning or Triton import in it."""
-    for module in ("policy.py", "detectors.py"):
-        tree = ast.parse((Path(__file__).resolve().parent.parent / "sage_lightning" / module).read_text())
+    package = Path(__file__).resolve().parent.parent / "sage_lightning"
+    for path in [*sorted((package / "policy").glob("*.py")), package / "detectors.py"]:
+        tree = ast.parse(path.read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not imported & {"torch", "lightning", "pytorch_lightning", "triton"}, module
+        assert not imported & {"torch", "lightning", "pytorch_lightning", "triton"}, path.name
+
+
+def test_importing_the_policy_imports_neither_torch_nor_lightning() -> None:
+    code = (
+        "import sys, sage_lightning.policy as p; p.PrecisionPolicy({'a': p.vocabulary.AttentionPrecision()}); "
+        "print(sorted(m for m in ('torch', 'lightning', 'triton') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ------------------------------------------------------------------------------------------- attn_qat layers
@@ -489,8 +510,8 @@ def test_attn_qat_layer_falls_back_to_full_on_its_probe(
         return
     (decision,) = outcome.decisions
     assert (decision.old, decision.new) == (base.short_name, "full") and reason in decision.reason
-    # smooth_q and ds_bf16 change nothing that runs in attn_qat mode: passed over, full is the only rung.
-    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 3
+    # smooth_q, qk_bf16, ds_bf16, dv_bf16 change nothing that runs in attn_qat mode: full is the only rung.
+    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 5
     assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["full"]
     # The calm period alone brings it back, to the very base (the drop-in variant stays the drop-in variant).
     (back,) = policy.decide(signals(CALM)).decisions
@@ -519,3 +540,110 @@ def test_attn_qat_thresholds_are_validated() -> None:
         PolicyConfig(attn_qat_probe_o_cos_min=1.5)
     with pytest.raises(ValueError, match="attn_qat_probe_grad_cos_min"):
         PolicyConfig(attn_qat_probe_grad_cos_min=0)
+
+
+# ------------------------------------------------------------------- issue 16: response, budget, proportion
+
+
+def test_a_wrong_dv_goes_straight_to_full_and_every_escalation_is_checked_by_a_probe() -> None:
+    """Issue 16, case 1: main's wrong dV read cosine -0.90 in every layer; the controller moved each layer to
+    smooth_q (which cannot change dV) and reached full only 500 steps later."""
+    policy = make(layers=3)
+    wrong = LayerSignals(probe=probe(dv=-0.9), ds_rel_err=0.05)
+    outcome = policy.decide(signals(0, l0=wrong, l1=wrong, l2=wrong))
+    assert [policy.rung(name) for name in NAMES] == ["full"] * 3
+    assert all("catastrophic" in d.reason for d in outcome.decisions)
+
+    # A dV that is poor but not broken goes to the rung that fixes dV, and is checked on the very next step ...
+    policy = make()
+    (first,) = policy.decide(signals(7, l0=LayerSignals(probe=probe(dv=0.9)))).decisions
+    assert policy.rung(NAMES[0]) == "dv_bf16" and "dV does not use dS" in first.reason
+    assert policy.signals_wanted(8) == SignalRequest(ds_stats=True, probe=True)
+    # ... where, still poor, it escalates further, saying the first rung did not help.
+    (second,) = policy.decide(signals(8, l0=LayerSignals(probe=probe(dv=0.9)))).decisions
+    assert policy.rung(NAMES[0]) == "full" and "the escalation at step 7 did not fix it" in second.reason
+    # Fixed: the check passes, nothing more happens and nothing stays armed.
+    assert policy.decide(signals(9, l0=LayerSignals(probe=probe(), ds_rel_err=0.05))).decisions == ()
+    assert policy.signals_wanted(10) == SignalRequest(ds_stats=False, probe=False)
+
+
+def test_an_armed_signal_waits_for_a_step_that_measures_it() -> None:
+    """With check_before_step=False the verdict of step s lands after step s + 1 started: the arm must survive."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    policy.decide(signals(3, l0=LayerSignals(probe=probe(o=0.99))))  # escalates, arms step 4
+    policy.decide(signals(4))  # step 4 was already running without the probe
+    assert policy.signals_wanted(5) == SignalRequest(ds_stats=True, probe=True)
+    policy.decide(signals(5, l0=LayerSignals(probe=probe(), ds_rel_err=0.05)))
+    assert policy.signals_wanted(6) == SignalRequest(ds_stats=False, probe=False)
+
+
+def test_a_persistent_fault_stops_after_a_bounded_number_of_rollbacks() -> None:
+    """Issue 16, case 2: a NaN loss on every step from step 30 rolled back on every step until max_steps."""
+    policy = make(layers=2, accumulate=4, max_rollbacks=3)
+    calm_losses(policy, 30)
+    actions = []
+    for step in range(30, 60):
+        outcome = policy.decide(signals(step, loss=NAN, grad_norm=NAN))
+        actions.append(outcome.action)
+        if outcome.action == "stop":
+            break
+    # Rollback 1 moves dS to bf16, 2 and 3 halve the tokens per step; the 4th finds nothing left: stop.
+    assert actions == ["rollback", "rollback", "rollback", "stop"]
+    (stop,) = outcome.decisions
+    assert (stop.lever, stop.old, stop.new) == ("stop", "training", "stopped")
+    assert "max_rollbacks 3" in stop.reason and "loss is nan" in stop.reason
+    assert "blocks.0.attn precision" in stop.reason and "accumulate_grad_batches 4 -> 2" in stop.reason
+    assert "2 -> 1" in stop.reason
+
+
+def test_progress_between_rollbacks_refills_the_budget() -> None:
+    policy = make(layers=1, base=DS_BF16, max_rollbacks=1, progress_steps=5, min_accumulate_grad_batches=None)
+    assert policy.decide(signals(0, loss=NAN)).action == "rollback"
+    for step in range(1, 6):
+        assert policy.decide(signals(step)).action == "step"
+    assert policy.rollbacks_without_progress == 0
+    # Budget full again: one more rollback is allowed; the next, with no lever left and no progress, stops.
+    assert [policy.decide(signals(s, loss=NAN)).action for s in (6, 7)] == ["rollback", "stop"]
+
+
+def test_a_budget_of_zero_stops_at_the_first_divergence_no_lever_answers() -> None:
+    policy = make(base=DS_BF16.replace(mode="full"), max_rollbacks=0, min_accumulate_grad_batches=None)
+    assert policy.decide(signals(0, loss=NAN)).action == "stop"
+
+
+def test_a_one_off_spike_is_skipped_a_repeated_one_rolls_back() -> None:
+    """Issue 16, case 3: one loss spike x100 rolled back ~31 steps; the run without the callback ended better."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000, spike_repeat_steps=10)
+    calm_losses(policy)
+    assert policy.decide(signals(16, loss=200.0)).action == "skip"
+    assert [policy.decide(signals(s)).action for s in range(17, 27)] == ["step"] * 10
+    assert policy.decide(signals(27, loss=200.0)).action == "skip"  # 11 steps later: another one-off
+    outcome = policy.decide(signals(30, loss=200.0))  # 3 steps later: repeated
+    assert outcome.action == "rollback"
+    assert "again within spike_repeat_steps 10 of step 27" in outcome.decisions[0].reason
+
+
+def test_an_outlier_in_q_escalates_the_scores_not_ds() -> None:
+    """Issue 16, case 6: one q entry of 300 spoils its block (O cosine 0.963) while ds_rel_err stays at 0.04;
+    qk_rel_err reads 0.17 (0.013 healthy): after the patience, the scores' product goes to bf16."""
+    policy = make()
+    outlier = LayerSignals(ds_rel_err=0.04, qk_rel_err=0.17)
+    assert policy.decide(signals(0, l0=outlier)).decisions == ()
+    (decision,) = policy.decide(signals(25, l0=outlier)).decisions
+    assert policy.rung(NAMES[0]) == "qk_bf16" and policy.precision(NAMES[0]) == BASE.replace(qk="bf16")
+    assert "qk_rel_err 0.17 > qk_rel_err_high 0.1 (2 measurements in a row)" in decision.reason
+    # Healthy readings leave it alone; the rung is left after calm and a low reading, measured in bf16 too.
+    assert policy.decide(signals(26, l0=LayerSignals(qk_rel_err=0.013, ds_rel_err=0.04))).decisions == ()
+    assert policy.decide(signals(25 + CALM, l0=LayerSignals(qk_rel_err=0.07))).decisions == ()  # hysteresis
+    (down,) = policy.decide(signals(26 + CALM, l0=LayerSignals(qk_rel_err=0.013))).decisions
+    assert down.new == BASE.short_name and "qk_rel_err 0.013 < qk_rel_err_low 0.05" in down.reason
+
+
+def test_an_arm_nothing_can_answer_expires_after_one_more_step() -> None:
+    """A layer in full precision has no dS to measure: the arm must not keep the statistics on forever."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    policy.decide(signals(3, loss=NAN, l0=LayerSignals(nonfinite=True)))  # to full; arms step 4
+    policy.decide(signals(4, l0=LayerSignals(probe=probe())))  # probed, no dS (full precision)
+    assert policy.signals_wanted(5) == SignalRequest(ds_stats=True, probe=False)  # a verdict may land a step late
+    policy.decide(signals(5))
+    assert policy.signals_wanted(6) == SignalRequest(ds_stats=False, probe=False)

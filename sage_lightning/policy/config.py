@@ -1,0 +1,186 @@
+"""The policy's thresholds, cadences, budgets and ladder: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sage_lightning.policy.vocabulary import Rung, check_int, is_number
+
+#: The design's rungs, one per cause and full precision for anything: Q-smoothing, then the scores' product in bf16
+#: for the forward (the latter also for a spoiled Q'/K' block scale, which smoothing cannot remove), dS in bf16 for
+#: dQ and dK, dV's product in bf16 for dV, then full precision. A layer goes to the first rung, in this order, that
+#: fixes what it is blamed for; a catastrophic reading goes straight to ``full``.
+DEFAULT_LADDER: tuple[Rung, ...] = (
+    Rung("smooth_q", {"smooth_q": True}, scope="forward", fixes=("forward",)),
+    Rung("qk_bf16", {"qk": "bf16"}, scope="forward", fixes=("forward", "qk")),
+    Rung("ds_bf16", {"ds": "bf16"}, scope="backward", fixes=("ds",)),
+    Rung("dv_bf16", {"dv": "bf16"}, scope="backward", fixes=("dv",)),
+    Rung("full", {"mode": "full"}, scope="both"),
+)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds and cadences of :class:`PrecisionPolicy`; ``docs/controller.md`` gives the measurement behind
+    every default.
+
+    Args:
+        ladder: the rungs a layer can take, in the order they are tried for a cause (:data:`CAUSES`).
+        ds_stats_every_n_steps: measure every layer's dS quantization error on optimizer steps that are a
+            multiple of this (free on the others).
+        probe_every_n_steps: compare every layer with full-precision attention on one micro-batch of the
+            optimizer steps that are a multiple of this.
+        ds_rel_err_high: a layer whose ``ds_rel_err`` exceeds this, ``ds_rel_err_patience`` measurements in a
+            row while its dS runs in INT8, moves to the next backward rung.
+        ds_rel_err_low: a rung that changed ``ds`` is left (stepping down) only when the latest ``ds_rel_err``
+            is below this (hysteresis: below ``ds_rel_err_high``).
+        ds_rel_err_patience: consecutive measurements above ``ds_rel_err_high`` needed to escalate.
+        qk_rel_err_high: a layer whose ``qk_rel_err`` (the INT8 error of the scores' operands, per row) exceeds
+            this, ``qk_rel_err_patience`` measurements in a row while its scores run in INT8, moves to the rung that
+            fixes ``"qk"`` (``qk_bf16``).
+        qk_rel_err_low: a rung that changed ``qk`` is left only when the latest ``qk_rel_err`` is below this.
+        qk_rel_err_patience: consecutive measurements above ``qk_rel_err_high`` needed to escalate.
+        probe_o_cos_min: a probe whose O cosine is below this implicates the forward (its next rung that fixes
+            ``"forward"``: ``smooth_q``, then ``full``).
+        probe_grad_cos_min: a probe whose dQ, dK or dV cosine is below this escalates the layer: a poor dV to
+            the rung that fixes dV (``dv_bf16``), a poor dQ or dK to the one that fixes dS when dS's INT8 error
+            explains it, to the forward's otherwise.
+        probe_catastrophic_cos: a probe cosine (any tensor) below this, or a non-finite one, is catastrophic (a
+            wrong kernel, not quantization noise): the layer goes straight to the top rung (``full``).
+        ds_explains_ratio: dS's INT8 error explains a poor dQ or dK when ``ds_rel_err`` is at least this
+            fraction of their relative L2 error (dQ and dK inherit dS's error one for one).
+        attn_qat_probe_o_cos_min: ``probe_o_cos_min`` for a layer in ``mode="attn_qat"``, whose simulated FP4
+            is meant to differ from full precision (quantization-aware training absorbs it): the O cosine below
+            which FP4 has lost the layer's attention, and the layer goes to full precision.
+        attn_qat_probe_grad_cos_min: ``probe_grad_cos_min`` for a layer in ``mode="attn_qat"``.
+        calm_steps: optimizer steps a layer stays on a rung, with no trigger, before stepping down one rung;
+            each re-escalation soon after a step down doubles it (backoff).
+        max_backoff: the calm period grows to at most ``calm_steps * 2**max_backoff``.
+        spike_window: values the loss and gradient-norm spike detectors look back over.
+        spike_min_history: values they need before flagging anything.
+        loss_spike_z: robust z-score of the per-step loss above which it is a (soft) spike: the next step
+            measures the dS statistics.
+        loss_hard_spike_z: robust z-score above which the loss is a hard spike: roll back and escalate.
+        grad_norm_spike_z: robust z-score of the gradient norm above which it is a (soft) spike.
+        spike_rel_floor: the detectors' spread is at least this fraction of the median.
+        max_consecutive_skips: non-finite gradients this many steps in a row count as a divergence (roll back
+            and escalate) instead of one more skipped step.
+        spike_repeat_steps: a hard loss spike is skipped as a one-off, unless another came within this many steps
+            before it: then it is a divergence (roll back and escalate).
+        max_rollbacks: rollbacks without progress the run may take; one more divergence, with no lever left to
+            turn, stops training (the callback keeps the last good weights in a checkpoint and raises).
+        progress_steps: applied optimizer steps in a row after a rollback that count as progress: the rollback
+            budget is then full again.
+        min_accumulate_grad_batches: the lowest ``accumulate_grad_batches`` the tokens-per-step lever may set;
+            ``None`` turns the lever off.
+
+    Raises:
+        ValueError: a value out of range; the message names the argument, the value and what works.
+
+    Example::
+
+        from sage_lightning.policy import PolicyConfig
+
+        config = PolicyConfig(ds_rel_err_high=0.15, ds_rel_err_low=0.08, calm_steps=1000)
+    """
+
+    ladder: tuple[Rung, ...] = DEFAULT_LADDER
+    ds_stats_every_n_steps: int = 25
+    probe_every_n_steps: int = 5000
+    ds_rel_err_high: float = 0.2
+    ds_rel_err_low: float = 0.1
+    ds_rel_err_patience: int = 2
+    qk_rel_err_high: float = 0.1
+    qk_rel_err_low: float = 0.05
+    qk_rel_err_patience: int = 2
+    probe_o_cos_min: float = 0.995
+    probe_grad_cos_min: float = 0.97
+    probe_catastrophic_cos: float = 0.5
+    ds_explains_ratio: float = 0.5
+    attn_qat_probe_o_cos_min: float = 0.95
+    attn_qat_probe_grad_cos_min: float = 0.9
+    calm_steps: int = 1000
+    max_backoff: int = 4
+    spike_window: int = 64
+    spike_min_history: int = 16
+    loss_spike_z: float = 6.0
+    loss_hard_spike_z: float = 20.0
+    grad_norm_spike_z: float = 10.0
+    spike_rel_floor: float = 0.005
+    max_consecutive_skips: int = 3
+    spike_repeat_steps: int = 10
+    max_rollbacks: int = 3
+    progress_steps: int = 50
+    min_accumulate_grad_batches: int | None = 1
+
+    def __post_init__(self) -> None:
+        ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
+        if not isinstance(ladder, tuple) or not ladder or not all(isinstance(r, Rung) for r in ladder):
+            raise ValueError(f"PolicyConfig: ladder must be a non-empty sequence of Rung; received {self.ladder!r}.")
+        names = [r.name for r in ladder]
+        if len(set(names)) != len(names):
+            raise ValueError(f"PolicyConfig: ladder rung names must be unique; received {names}.")
+        object.__setattr__(self, "ladder", ladder)
+        for name in (
+            "ds_stats_every_n_steps",
+            "probe_every_n_steps",
+            "ds_rel_err_patience",
+            "qk_rel_err_patience",
+            "calm_steps",
+            "max_consecutive_skips",
+            "spike_repeat_steps",
+            "progress_steps",
+        ):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("max_backoff", self.max_backoff, minimum=0, maximum=30)
+        check_int("max_rollbacks", self.max_rollbacks, minimum=0)
+        check_int("spike_window", self.spike_window, minimum=3)
+        check_int("spike_min_history", self.spike_min_history, minimum=3, maximum=self.spike_window)
+        if self.min_accumulate_grad_batches is not None:
+            check_int("min_accumulate_grad_batches", self.min_accumulate_grad_batches, minimum=1)
+        for name in (
+            "ds_rel_err_high",
+            "ds_rel_err_low",
+            "qk_rel_err_high",
+            "qk_rel_err_low",
+            "loss_spike_z",
+            "loss_hard_spike_z",
+            "grad_norm_spike_z",
+        ):
+            value = getattr(self, name)
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"PolicyConfig: {name} must be a positive finite number; received {value!r}.")
+        if self.ds_rel_err_low >= self.ds_rel_err_high:
+            raise ValueError(
+                f"PolicyConfig: ds_rel_err_low must be below ds_rel_err_high ({self.ds_rel_err_high}) so decisions "
+                f"do not flap; received {self.ds_rel_err_low!r}."
+            )
+        if self.qk_rel_err_low >= self.qk_rel_err_high:
+            raise ValueError(
+                f"PolicyConfig: qk_rel_err_low must be below qk_rel_err_high ({self.qk_rel_err_high}) so decisions "
+                f"do not flap; received {self.qk_rel_err_low!r}."
+            )
+        if self.loss_hard_spike_z <= self.loss_spike_z:
+            raise ValueError(
+                f"PolicyConfig: loss_hard_spike_z must be above loss_spike_z ({self.loss_spike_z}); "
+                f"received {self.loss_hard_spike_z!r}."
+            )
+        for name in (
+            "probe_o_cos_min",
+            "probe_grad_cos_min",
+            "probe_catastrophic_cos",
+            "ds_explains_ratio",
+            "attn_qat_probe_o_cos_min",
+            "attn_qat_probe_grad_cos_min",
+        ):
+            value = getattr(self, name)
+            if not is_number(value) or not 0 < value <= 1:
+                raise ValueError(f"PolicyConfig: {name} must be in (0, 1]; received {value!r}.")
+        if self.probe_catastrophic_cos >= min(self.probe_grad_cos_min, self.probe_o_cos_min):
+            raise ValueError(
+                "PolicyConfig: probe_catastrophic_cos must be below probe_grad_cos_min and probe_o_cos_min "
+                f"({self.probe_grad_cos_min}, {self.probe_o_cos_min}); received {self.probe_catastrophic_cos!r}."
+            )
+        if not is_number(self.spike_rel_floor) or not 0 <= self.spike_rel_floor < 1:
+            raise ValueError(f"PolicyConfig: spike_rel_floor must be in [0, 1); received {self.spike_rel_floor!r}.")

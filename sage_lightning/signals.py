@@ -1,0 +1,238 @@
+"""One optimizer step's signals as one float64 vector: a named layout, packed on the device, summed across ranks
+with one all-reduce, unpacked into the policy's :class:`~sage_lightning.policy.StepSignals`.
+
+Raw sums travel, divisions happen after the reduction: the loss sum and the micro-batch count, the dS error and
+norm sums, flags (any rank's counts), probe metrics summed with the count of ranks that probed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from sage_lightning.policy import PROBE_TENSORS, LayerSignals, SignalRequest
+
+#: The head of the vector: the step's global numbers.
+HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "micro_batches", "tokens", "grad_norm2", "ranks_with_grads")
+#: Per layer, in module order: the dS sums, whether they were measured, whether the layer was probed, the probe.
+LAYER_FIELDS: tuple[str, ...] = (
+    "ds_err2",
+    "ds_norm2",
+    "ranks_with_ds",
+    "qk_rel_q",
+    "qk_rows_q",
+    "qk_rel_k",
+    "qk_rows_k",
+    "ranks_with_probe",
+    *(f"{tensor}_{metric}" for tensor in PROBE_TENSORS for metric in ("cos", "rel_l2")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalLayout:
+    """Where each number of the packed vector lives, for a model's attention layers.
+
+    Args:
+        layers: the layer names, in module order.
+
+    Example::
+
+        layout = SignalLayout(("blocks.0.attn", "blocks.1.attn"))
+        layout.size   # 5 + 2 * 12
+    """
+
+    layers: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        """The vector's length."""
+        return len(HEAD_FIELDS) + len(self.layers) * len(LAYER_FIELDS)
+
+    def pack(
+        self,
+        device: torch.device,
+        *,
+        loss_sum: torch.Tensor | None,
+        micro_batches: int,
+        tokens: int,
+        grads: Sequence[torch.Tensor],
+        ds_sums: Sequence[torch.Tensor | None] | None,
+        qk_sums: Sequence[torch.Tensor | None] | None,
+        probes: Sequence[Mapping[str, Mapping[str, float]] | None] | None,
+    ) -> torch.Tensor:
+        """The step's raw signals in one float64 vector on ``device``, without a host sync.
+
+        Args:
+            loss_sum: the sum of the step's micro-batch losses as ``training_step`` returned them (a device
+                scalar), ``None`` when none returned a loss.
+            micro_batches: the micro-batches that returned a loss.
+            tokens: the step's tokens on this rank.
+            grads: the gradients about to be applied.
+            ds_sums: per layer, ``[err2, norm2]`` on the device (``None`` where nothing was measured); ``None`` when
+                the dS statistics were not asked for.
+            qk_sums: per layer, the forward health's four sums on the device
+                (:func:`~sage_lightning.forward_health.qk_quant_error`); as ``ds_sums``.
+            probes: per layer, the probe's metrics (``None`` where nothing was captured); ``None`` when not probed.
+        """
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        loss = zero if loss_sum is None else loss_sum.to(device=device, dtype=torch.float64)
+        grad_norm2 = torch.nn.utils.get_total_norm(list(grads)).to(device, torch.float64).square() if grads else zero
+        head = torch.stack([loss, zero + micro_batches, zero + tokens, grad_norm2, zero + (1.0 if grads else 0.0)])
+        count = len(self.layers)
+        if ds_sums is not None:
+            none = torch.zeros(2, dtype=torch.float32, device=device)
+            sums = torch.stack([none if s is None else s.to(device) for s in ds_sums]).to(torch.float64)
+            has_ds = (sums != 0).any(dim=1, keepdim=True).to(torch.float64)
+        else:
+            sums = torch.zeros(count, 2, dtype=torch.float64, device=device)
+            has_ds = torch.zeros(count, 1, dtype=torch.float64, device=device)
+        none4 = torch.zeros(4, dtype=torch.float64, device=device)
+        qk = torch.stack([none4 if s is None else s.to(device, torch.float64) for s in (qk_sums or [None] * count)])
+        if probes is not None:
+            # The probe's metrics are host numbers (the probe itself waited for the device): one copy.
+            rows = []
+            for probe in probes:
+                row = [float(probe is not None)]
+                for tensor in PROBE_TENSORS:
+                    metrics = probe.get(tensor, {}) if probe is not None else {}
+                    row += [float(metrics.get("cos", 0.0)), float(metrics.get("rel_l2", 0.0))]
+                rows.append(row)
+            rest = torch.tensor(rows, dtype=torch.float64, device=device)
+        else:
+            rest = torch.zeros(count, len(LAYER_FIELDS) - 7, dtype=torch.float64, device=device)
+        return torch.cat([head, torch.cat([sums, has_ds, qk, rest], dim=1).flatten()])
+
+    def unpack(
+        self, total: Sequence[float], *, sharded_grads: bool = False
+    ) -> tuple[dict[str, float], dict[str, LayerSignals]]:
+        """The reduced vector as ``(head, layers)``: the head's fields by name (``loss`` and ``grad_norm`` divided
+        out, ``None`` where nothing was measured), and each layer's :class:`LayerSignals`.
+
+        Args:
+            total: the reduced vector, on the host.
+            sharded_grads: each rank holds a shard of the gradients (FSDP): the squared norms add up across
+                ranks. Otherwise (DDP) every rank holds the same all-reduced gradients and their mean is the norm.
+        """
+        if len(total) != self.size:
+            raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
+        head = dict(zip(HEAD_FIELDS, total[: len(HEAD_FIELDS)], strict=True))
+        layers: dict[str, LayerSignals] = {}
+        for i, name in enumerate(self.layers):
+            start = len(HEAD_FIELDS) + i * len(LAYER_FIELDS)
+            row = dict(zip(LAYER_FIELDS, total[start : start + len(LAYER_FIELDS)], strict=True))
+            ds_rel_err = None
+            if row["ranks_with_ds"] > 0:
+                err2, norm2 = row["ds_err2"], row["ds_norm2"]
+                ds_rel_err = math.sqrt(err2 / norm2) if norm2 > 0 else (0.0 if err2 == 0 else math.nan)
+                if not (math.isfinite(err2) and math.isfinite(norm2)):
+                    ds_rel_err = math.nan
+            probe = None
+            if (ranks := row["ranks_with_probe"]) > 0:
+                probe = {
+                    tensor: {metric: row[f"{tensor}_{metric}"] / ranks for metric in ("cos", "rel_l2")}
+                    for tensor in PROBE_TENSORS
+                }
+            qk_rel_err = None
+            if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
+                qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
+            layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err)
+        micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
+        # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
+        # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN). FSDP's shards add up.
+        head["loss"] = head["loss_sum"] / micro_batches if micro_batches > 0 else None
+        ranks = 1.0 if sharded_grads else ranks_with_grads
+        head["grad_norm"] = math.sqrt(head["grad_norm2"] / ranks) if ranks_with_grads > 0 else None
+        return head, layers
+
+
+def reduce(trainer: pl.Trainer, values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed across ranks (one all-reduce; the identity on one process)."""
+    return trainer.strategy.reduce(values, reduce_op="sum")
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One optimizer step's reduced signals on their way to the host, with what its verdict needs."""
+
+    step: int
+    packed: torch.Tensor
+    request: SignalRequest
+    grad_scaler: bool
+    ran_int8: int
+    skipped_on_device: bool = False
+    _copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        """Copy the signals to (pinned) host memory without waiting; :meth:`host_values` waits if needed."""
+        if self.packed.is_cuda:
+            self.packed = self.packed.to("cpu", non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def host_values(self) -> list[float]:
+        """The reduced vector on the host (waits for its copy)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.packed.tolist()
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of a step whose verdict is pending (waits for its signals)."""
+        return {
+            "step": self.step,
+            "values": self.host_values(),
+            "request": dataclasses.asdict(self.request),
+            "grad_scaler": self.grad_scaler,
+            "ran_int8": self.ran_int8,
+            "skipped_on_device": self.skipped_on_device,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any] | None) -> StepRecord | None:
+        """The record :meth:`state` kept, or ``None``."""
+        if state is None:
+            return None
+        return cls(
+            step=state["step"],
+            packed=torch.tensor(state["values"], dtype=torch.float64),
+            request=SignalRequest(**state["request"]),
+            grad_scaler=state["grad_scaler"],
+            ran_int8=state["ran_int8"],
+            skipped_on_device=state["skipped_on_device"],
+        )
+
+
+def count_tokens(batch: Any) -> int:
+    """The default ``tokens_fn``: elements of the batch's token-id tensor.
+
+    A tensor counts as itself; a mapping by ``"input_ids"`` or else its first tensor value; a list or tuple by
+    its first tensor.
+
+    Raises:
+        ValueError: no tensor found; pass ``AdaptivePrecision(tokens_fn=...)``.
+
+    Example::
+
+        count_tokens({"input_ids": torch.zeros(8, 1024, dtype=torch.long)})   # 8192
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return batch["input_ids"].numel()
+        values = list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        values = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value.numel()
+    raise ValueError(
+        f"AdaptivePrecision: cannot count the tokens of a batch of type {type(batch).__name__}; pass "
+        "AdaptivePrecision(tokens_fn=lambda batch: ...) returning the tokens of one micro-batch."
+    )

@@ -1,0 +1,161 @@
+"""Host-memory snapshots of model and optimizer state, what a rollback restores.
+
+A snapshot is taken into reused (pinned, for CUDA tensors) host buffers on a side stream, so on a GPU it overlaps
+the next forward and backward; the next optimizer step, the first writer of the parameters, waits for it
+(:meth:`Snapshots.wait_before_write`). Without the check before each step (``check_before_step=False``) a
+snapshot is taken ahead of its step's verdict: it stays a *candidate* until the verdict, then becomes the good
+one (:meth:`Snapshots.settle`) or is dropped. The good snapshot and its step go into checkpoints, so a resumed run
+rolls back to the same weights as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+
+class Snapshots:
+    """The last good snapshot, a candidate awaiting its verdict, and spare buffers for the next one.
+
+    Example::
+
+        snapshots = Snapshots()
+        snapshots.take(trainer, pl_module)          # at the start of training
+        ...
+        snapshots.restore(trainer, pl_module)       # a divergence: back to it
+    """
+
+    def __init__(self) -> None:
+        self.good: dict[str, Any] | None = None
+        self.candidate: dict[str, Any] | None = None
+        self._spare: dict[str, Any] | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    @property
+    def step(self) -> int | None:
+        """The optimizer step the good snapshot was taken at (``trainer.global_step`` then)."""
+        return None if self.good is None else self.good["step"]
+
+    def take(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, candidate: bool = False) -> None:
+        """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.
+
+        Args:
+            candidate: keep it apart from the good snapshot (in the spare buffers) until :meth:`settle`.
+        """
+        if candidate:
+            previous, self._spare = self._spare or {}, None
+        else:
+            previous = self.good or {}
+        device = trainer.strategy.root_device
+
+        def copy() -> dict[str, Any]:
+            # Into the previous snapshot's buffers (pinned host memory for CUDA tensors), without waiting:
+            # allocating and page-faulting fresh host memory each time cost more than the copies.
+            return {
+                "step": trainer.global_step,
+                "model": copy_to_host(pl_module.state_dict(), previous.get("model")),
+                "optimizers": copy_to_host(
+                    [optimizer.state_dict() for optimizer in trainer.optimizers], previous.get("optimizers")
+                ),
+            }
+
+        if device.type != "cuda":
+            self._keep(copy(), candidate)
+            return
+        # On a side stream, the copies overlap the next forward and backward (which only read the parameters);
+        # the next optimizer step, the first writer, waits for them (wait_before_write).
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._copy_stream):
+            self._keep(copy(), candidate)
+        self._copied = torch.cuda.Event()
+        self._copied.record(self._copy_stream)
+
+    def allocate_spare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Allocate the candidate's buffers now rather than in the middle of training (pinning a gigabyte of host
+        memory takes a while)."""
+        self.take(trainer, pl_module, candidate=True)
+        self._spare, self.candidate = self.candidate, None
+
+    def wait_before_write(self, device: torch.device) -> None:
+        """Make the current stream wait for the last snapshot's copies (call before the optimizer step)."""
+        if self._copied is not None:
+            torch.cuda.current_stream(device).wait_event(self._copied)
+            self._copied = None
+
+    def settle(self, step: int, undone: bool) -> None:
+        """The verdict of ``step`` is in: the candidate taken after it becomes the good snapshot, unless the step was
+        undone."""
+        if self.candidate is None or self.candidate["step"] != step + 1:
+            return
+        if undone:
+            self._spare, self.candidate = self.candidate, None
+        else:
+            self._spare, self.good, self.candidate = self.good, self.candidate, None
+
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Load the good snapshot into the model and the optimizers (keeping their current hyperparameters)."""
+        snapshot = self.good
+        if snapshot is None:
+            raise RuntimeError("Snapshots.restore: no snapshot was taken; take() one when training starts.")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the snapshot's copies to host memory were not waited for
+        pl_module.load_state_dict(snapshot["model"])
+        for optimizer, saved in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
+            # Keep the schedule's current hyperparameters (lr, ...): only parameters and moments go back.
+            hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            # A fresh copy: load_state_dict keeps tensors already on the right device as the optimizer's own
+            # state (CPU training) and would update the snapshot in place, spoiling it for the next rollback.
+            optimizer.load_state_dict(copy_to_host(saved, None))
+            for group, values in zip(optimizer.param_groups, hyper, strict=True):
+                group.update(values)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The good snapshot and the candidate (host tensors, waited for), for a checkpoint."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return {"good": self.good, "candidate": self.candidate}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s snapshots."""
+        self.good, self.candidate = state["good"], state["candidate"]
+
+    def _keep(self, snapshot: dict[str, Any], candidate: bool) -> None:
+        if candidate:
+            self.candidate = snapshot
+        else:
+            self.good = snapshot
+
+
+def copy_to_host(value: Any, buffers: Any) -> Any:
+    """A copy of ``value`` with every tensor copied to host memory, reusing ``buffers`` (a previous result of
+    the same structure) where shapes and dtypes match. Copies from CUDA go to pinned memory and do not block.
+
+    Example::
+
+        saved = copy_to_host(model.state_dict(), None)
+        saved = copy_to_host(model.state_dict(), saved)   # into the same buffers
+    """
+    if isinstance(value, torch.Tensor):
+        source = value.detach()
+        reusable = isinstance(buffers, torch.Tensor) and buffers.shape == source.shape
+        if reusable and buffers.dtype == source.dtype:
+            target = buffers
+        else:
+            target = torch.empty(source.shape, dtype=source.dtype, pin_memory=source.is_cuda)
+        target.copy_(source, non_blocking=source.is_cuda)
+        return target
+    if isinstance(value, dict):
+        buffers = buffers if isinstance(buffers, dict) else {}
+        return {key: copy_to_host(item, buffers.get(key)) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        buffers = buffers if isinstance(buffers, (list, tuple)) and len(buffers) == len(value) else [None] * len(value)
+        items = [copy_to_host(item, buffer) for item, buffer in zip(value, buffers, strict=True)]
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
