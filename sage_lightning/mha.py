@@ -156,3 +156,48 @@ def _served_forward(
     out = F.linear(out, module.out_proj.weight, module.out_proj.bias)
     out = out.view(tgt_len, bsz, out.size(1))
     return out.transpose(1, 0) if module.batch_first else out
+
+
+#: Why a ``nn.TransformerEncoderLayer`` call made no call of its swapped ``self_attn``.
+FAST_PATH_REASON = (
+    "nn.TransformerEncoderLayer's inference fast path, which never calls self_attn "
+    "(torch.backends.mha.set_fastpath_enabled(False) sends it through self_attn)"
+)
+
+
+def watch_encoder_layers(model: nn.Module) -> None:
+    """Count the calls of ``nn.TransformerEncoderLayer`` that bypass their swapped ``self_attn``.
+
+    In inference (``eval()`` without gradients) PyTorch's encoder layer can run a fused kernel with the attention's
+    weights instead of calling ``self_attn``, which would leave the layer looking served. A pair of forward hooks on
+    the encoder layer counts each call that made no call of ``self_attn`` as one not served, with
+    :data:`FAST_PATH_REASON` (warned once). PyTorch (2.11 to 2.13) does not take that fast path for a layer with
+    hooks, so in practice the hooks send inference through ``self_attn``, served like training; the count is there
+    for a PyTorch that would. Installed once per encoder layer; calls under ``torch.compile`` are not watched.
+
+    Args:
+        model: the converted model.
+
+    Example::
+
+        model = convert_to_sage_attention(nn.TransformerEncoder(layer, 2))   # watched by the conversion
+    """
+    for module in model.modules():
+        if not isinstance(module, nn.TransformerEncoderLayer) or getattr(module, "_sage_fast_path_watched", False):
+            continue
+        state = module.self_attn.__dict__.get(STATE_ATTRIBUTE)
+        if state is None:
+            continue
+        before: list[int] = []
+
+        def start(_module: nn.Module, _args: object, state: AttentionLayerState = state, before: list = before) -> None:
+            if not torch.compiler.is_compiling():
+                before.append(state.calls)
+
+        def end(_module: nn.Module, _args: object, _out: object, state=state, before=before) -> None:  # noqa: ANN001
+            if before and not torch.compiler.is_compiling() and state.calls == before.pop():
+                state.count_unserved(FAST_PATH_REASON)
+
+        module.register_forward_pre_hook(start)
+        module.register_forward_hook(end)
+        module._sage_fast_path_watched = True

@@ -34,7 +34,7 @@ from sage_lightning.interception import SDPAInterceptor
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import STATE_ATTRIBUTE, AttentionLayerState, attention_layers, check_precision
 from sage_lightning.ledger import FORWARD_END, FORWARD_START, record
-from sage_lightning.mha import MultiheadAttentionForward
+from sage_lightning.mha import MultiheadAttentionForward, watch_encoder_layers
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -214,6 +214,7 @@ def convert_to_sage_attention(
             continue
         wrapper = MultiheadAttentionForward if isinstance(module, nn.MultiheadAttention) else _InterceptedForward
         module.__dict__["forward"] = wrapper(module, module.__dict__.get("forward"))
+    watch_encoder_layers(model)
 
     if not attention_layers(model):
         raise NoAttentionLayerError(

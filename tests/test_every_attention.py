@@ -68,6 +68,20 @@ def test_transformer_encoder_layers_in_full_precision_are_bit_identical() -> Non
     assert counts(model) == [(1, 0), (1, 0)]
 
 
+def test_encoder_inference_is_served_and_a_call_that_bypasses_self_attn_is_counted() -> None:
+    # eval() without gradients: PyTorch's fused encoder fast path would never call self_attn. A converted layer
+    # carries hooks (PyTorch then takes the ordinary path, served), which also count any call that bypasses it.
+    model = convert_to_sage_attention(encoder()).eval()
+    x = torch.randn(2, 24, 64)
+    with torch.no_grad():
+        model(x)
+    assert counts(model) == [(1, 0), (1, 0)]
+    model.layers[0].forward = lambda src, *args, **kwargs: src  # what the fused fast path amounts to here
+    with torch.no_grad(), pytest.warns(AttentionFallbackWarning, match="inference fast path"):
+        model(x)
+    assert counts(model) == [(2, 1), (2, 0)]
+
+
 def test_multihead_attention_calls_it_cannot_serve_run_pytorch_counted() -> None:
     torch.manual_seed(0)
     reference = nn.MultiheadAttention(32, 4, batch_first=True)
