@@ -39,6 +39,7 @@ from sage_lightning.policy import (
     StepOutcome,
     StepSignals,
 )
+from sage_lightning.precision_image import LevelHistory
 from sage_lightning.signals import HEAD_FIELDS, SignalLayout, StepRecord, count_tokens, reduce
 from sage_lightning.snapshots import Snapshots
 
@@ -238,6 +239,7 @@ class AdaptivePrecision(Callback):
 
         self._policy: PrecisionPolicy | None = None
         self._layers: dict[str, AttentionLayerState] = {}
+        self._level_history: LevelHistory | None = None
         self._layout = SignalLayout(())
         self._bases: dict[str, AttentionPrecision] = {}
         self._pending_state: dict[str, Any] | None = None
@@ -348,6 +350,12 @@ class AdaptivePrecision(Callback):
             self._snapshots.allocate_spare(trainer, pl_module)
             self._snapshots.candidate = candidate
         tensorboard.log_layout(trainer)
+        # The picture starts at this fit's first step (a resumed fit draws from its checkpoint's step on).
+        policy = self._require_policy()
+        self._level_history = LevelHistory(list(self._layers), start=trainer.global_step)
+        self._level_history.record(trainer.global_step, {name: policy.level(name) for name in self._layers})
+        tensorboard.log_precision_legend(trainer, [rung.name for rung in policy.config.ladder], self._layers)
+        tensorboard.log_precision_image(trainer, self._level_history, trainer.global_step, self._levels())
 
     @override
     def on_train_batch_start(
@@ -713,6 +721,13 @@ class AdaptivePrecision(Callback):
         )
         tensorboard.log_scalars(trainer, metrics, signals.step)
         tensorboard.log_decisions(trainer, outcome.decisions, signals.step)
+        levels = {name: policy.level(name) for name in self._layers}
+        if self._level_history is not None and self._level_history.record(signals.step, levels):
+            tensorboard.log_precision_image(trainer, self._level_history, signals.step, self._levels())
+
+    def _levels(self) -> int:
+        """How many levels the picture colours: the base and each rung of the ladder."""
+        return len(self._require_policy().config.ladder) + 1
 
     def _require_policy(self) -> PrecisionPolicy:
         if self._policy is None:

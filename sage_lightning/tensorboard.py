@@ -15,7 +15,10 @@ Tags, all under ``sage/``:
   ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
   ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``, ``sage/rollbacks_without_progress``
   (the rollback budget's count);
-* text: ``sage/decisions``, one event per step with decisions, a line per decision.
+* text: ``sage/decisions``, one event per step with decisions, a line per decision; ``sage/precision_legend``
+  once, what the picture's colours mean;
+* image: ``sage/precision``, every layer's level over the steps (layers by steps, coloured by rung,
+  :mod:`sage_lightning.precision_image`), at the start and at each step where a level changed.
 """
 
 from __future__ import annotations
@@ -27,9 +30,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from sage_lightning.detectors import LEVELS
 from sage_lightning.policy import Decision, StepOutcome, StepSignals
+from sage_lightning.precision_image import LevelHistory, legend, precision_image
 
 #: The text tag every decision is written under.
 DECISIONS_TAG = "sage/decisions"
+#: The image of every layer's precision over the steps, and the text that explains its colours.
+PRECISION_IMAGE_TAG, PRECISION_LEGEND_TAG = "sage/precision", "sage/precision_legend"
 
 
 def custom_scalars_layout() -> dict[str, dict[str, list]]:
@@ -172,3 +178,20 @@ def log_layout(trainer: pl.Trainer) -> None:
     """Write :func:`custom_scalars_layout` once per TensorBoard logger (rank 0)."""
     for writer in tensorboard_writers(trainer):
         writer.add_custom_scalars(custom_scalars_layout())
+
+
+def log_precision_legend(trainer: pl.Trainer, rungs: Iterable[str], layers: Iterable[str]) -> None:
+    """What the precision picture's colours and rows mean, once, as a text event (rank 0, TensorBoard loggers)."""
+    text = legend(list(rungs), list(layers))
+    for writer in tensorboard_writers(trainer):
+        writer.add_text(PRECISION_LEGEND_TAG, text, global_step=0)
+
+
+def log_precision_image(trainer: pl.Trainer, history: LevelHistory, step: int, levels: int) -> None:
+    """The picture of every layer's level up to ``step`` under :data:`PRECISION_IMAGE_TAG` (rank 0, TensorBoard)."""
+    writers = tensorboard_writers(trainer)
+    if not writers:
+        return
+    image = precision_image(history, step, levels)
+    for writer in writers:
+        writer.add_image(PRECISION_IMAGE_TAG, image, global_step=step, dataformats="CHW")

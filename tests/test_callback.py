@@ -4,26 +4,30 @@ surviving a NaN, skipping a step, resuming, and its argument checks."""
 from __future__ import annotations
 
 import glob
+import io
 import math
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.callback import count_tokens
+from sage_lightning.precision_image import PALETTE, color_for
 
 LAYERS = ("blocks.0.attn", "blocks.1.attn")
 
 
 def events(root) -> EventAccumulator:
     (path,) = glob.glob(f"{root}/**/events.out.tfevents.*", recursive=True)
-    accumulator = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
+    accumulator = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     accumulator.Reload()
     return accumulator
 
@@ -68,6 +72,14 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
+    # The picture of every layer's precision: at the start, then at step 2, where both layers went to ds_bf16.
+    images = accumulator.Images("sage/precision")
+    assert [image.step for image in images] == [0, 2] and (images[-1].width, images[-1].height) == (3, 24)
+    picture = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)).convert("RGB"))
+    assert tuple(picture[0, 0]) == tuple(PALETTE[0]) and tuple(picture[0, 2]) == tuple(color_for(3, 6))
+    assert tuple(picture[12, 2]) == tuple(color_for(3, 6))  # the second layer's band
+    legend = accumulator.Tensors("sage/precision_legend/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "level 3, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
     assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
     assert trainer.progress_bar_metrics["tokens_per_step"] == 66
 
