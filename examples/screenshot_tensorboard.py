@@ -1,4 +1,5 @@
-"""Screenshots of a run's TensorBoard: the sage/ dashboard (Custom Scalars) and the decisions (Text).
+"""Screenshots of a run's TensorBoard: the sage/ dashboard (Custom Scalars), the decisions (Text) and the
+precision picture (Images).
 
 Starts a real ``tensorboard --logdir`` on localhost, waits until it has loaded the runs, points headless Chromium
 at it, saves the PNGs and stops the server. This is how the README's pictures were made; run it again after
@@ -17,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +28,7 @@ from pathlib import Path
 PAGES: tuple[tuple[str, str, int, int], ...] = (
     ("tensorboard-sage-dashboard.png", "#custom_scalars&_smoothingWeight=0", 1400, 2250),
     ("tensorboard-sage-decisions.png", "#text", 1400, 760),
+    ("tensorboard-sage-precision.png", "#images", 1400, 760),
 )
 
 
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         stderr=subprocess.DEVNULL,
     )
     shots = []
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
     try:
         print("runs:", ", ".join(wait_for_runs(url)))
         for name, page, width, height in PAGES:
@@ -116,6 +120,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     "--no-sandbox",
                     "--disable-gpu",
                     "--hide-scrollbars",
+                    # No calls home (this may run where only localhost answers) and a profile of its own.
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    "--no-first-run",
+                    f"--user-data-dir={profile}",
                     f"--window-size={width},{height}",
                     # The dashboard loads its data after the page: let the page's clock run on before the shot.
                     "--virtual-time-budget=15000",
@@ -129,6 +139,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             print(f"wrote {path} ({path.stat().st_size // 1024} KB)")
             shots.append(path)
     finally:
+        shutil.rmtree(profile, ignore_errors=True)
         server.terminate()
         try:
             server.wait(timeout=15)

@@ -449,6 +449,9 @@ class AdaptivePrecision(Callback):
         if self._pending is not None:  # the last step's verdict, still on its way
             pending, self._pending = self._pending, None
             self._conclude(trainer, pl_module, pending, applied=True)
+        if self._level_history is not None and self._policy is not None:  # the picture to the run's last step
+            last = max(trainer.global_step - 1, self._level_history.start)
+            tensorboard.log_precision_image(trainer, self._level_history, last, self._levels())
 
     # ----------------------------------------------------------------------------------------- checkpoints
 

@@ -72,12 +72,12 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
-    # The picture of every layer's precision: at the start, then at step 2, where both layers went to ds_bf16.
     images = accumulator.Images("sage/precision")
-    assert [image.step for image in images] == [0, 2] and (images[-1].width, images[-1].height) == (3, 24)
+    # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
+    assert [image.step for image in images] == [0, 2, 5] and (images[-1].width, images[-1].height) == (6, 24)
     picture = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)).convert("RGB"))
-    assert tuple(picture[0, 0]) == tuple(PALETTE[0]) and tuple(picture[0, 2]) == tuple(color_for(3, 6))
-    assert tuple(picture[12, 2]) == tuple(color_for(3, 6))  # the second layer's band
+    assert [tuple(picture[0, step]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [tuple(color_for(3, 6))] * 2
+    assert tuple(picture[12, 5]) == tuple(color_for(3, 6))  # the second layer's band
     legend = accumulator.Tensors("sage/precision_legend/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "level 3, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
     assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
