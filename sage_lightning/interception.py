@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
@@ -105,3 +106,26 @@ MULTI_HEAD_FORWARD_REASON = (
     "torch.nn.functional.multi_head_attention_forward called inside the layer (its attention cannot be caught; "
     "swap the nn.MultiheadAttention module itself, which is served)"
 )
+
+
+class WrappedForward:
+    """The base of a swapped module's instance ``forward``: the module and the ``forward`` it replaces.
+
+    An object rather than a closure so a converted model deep-copies (the module reference maps to the copy)
+    and pickles.
+
+    Args:
+        module: the swapped module.
+        original: an instance-level ``forward`` someone installed before (another wrapper), kept and called; ``None``
+            for the class's.
+    """
+
+    def __init__(self, module: nn.Module, original: Callable | None) -> None:
+        self.module = module
+        self.original = original
+
+    def _target(self) -> Callable:
+        """The ``forward`` this one replaced."""
+        if self.original is not None:
+            return self.original
+        return type(self.module).forward.__get__(self.module)

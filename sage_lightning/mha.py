@@ -13,16 +13,16 @@ layers pass ``False``), a ``key_padding_mask``, an ``attn_mask`` without the ``i
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sage_lightning.interception import WrappedForward
 from sage_lightning.layer import STATE_ATTRIBUTE, AttentionLayerState
 
 
-class MultiheadAttentionForward:
+class MultiheadAttentionForward(WrappedForward):
     """A swapped ``nn.MultiheadAttention``'s ``forward``: PyTorch's computation, its attention step served.
 
     Same arguments and return value as ``nn.MultiheadAttention.forward``; a served call returns ``(output,
@@ -40,15 +40,6 @@ class MultiheadAttentionForward:
         convert_to_sage_attention(layer)            # swaps layer.self_attn through this adapter
         layer(x, src_mask=causal, is_causal=True)   # served with is_causal=True
     """
-
-    def __init__(self, module: nn.MultiheadAttention, original: Callable | None) -> None:
-        self.module = module
-        self.original = original
-
-    def _target(self) -> Callable:
-        if self.original is not None:
-            return self.original
-        return type(self.module).forward.__get__(self.module)
 
     def __call__(
         self,

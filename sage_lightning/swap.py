@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sage_lightning.interception import SDPAInterceptor
+from sage_lightning.interception import SDPAInterceptor, WrappedForward
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import STATE_ATTRIBUTE, AttentionLayerState, attention_layers, check_precision
 from sage_lightning.ledger import FORWARD_END, FORWARD_START, record
@@ -46,23 +46,9 @@ class NoAttentionLayerError(ValueError):
     """:func:`convert_to_sage_attention` found nothing to swap (a ``ValueError``; callers may reword it)."""
 
 
-class _InterceptedForward:
-    """A swapped module's ``forward``: the original one, run inside the layer's :class:`SDPAInterceptor`.
-
-    An object rather than a closure so a converted model deep-copies (the module reference maps to the copy)
-    and pickles. The state is read from the module at each call, so a copy uses its own.
-    """
-
-    def __init__(self, module: nn.Module, original: Callable | None) -> None:
-        self.module = module
-        # An instance-level forward someone installed before us (another wrapper) is kept and called;
-        # ``None`` means the class's forward.
-        self.original = original
-
-    def _target(self) -> Callable:
-        if self.original is not None:
-            return self.original
-        return type(self.module).forward.__get__(self.module)
+class _InterceptedForward(WrappedForward):
+    """A swapped module's ``forward``: the original one, run inside the layer's :class:`SDPAInterceptor`. The state
+    is read from the module at each call, so a copy uses its own."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state: AttentionLayerState = self.module.__dict__[STATE_ATTRIBUTE]
