@@ -707,10 +707,11 @@ class AdaptivePrecision(Callback):
 
     def _log_step(self, trainer: pl.Trainer, signals: StepSignals, outcome: StepOutcome) -> None:
         policy = self._require_policy()
+        levels = {name: policy.level(name) for name in self._layers}
         metrics = tensorboard.step_metrics(
             signals,
             outcome,
-            levels={name: policy.level(name) for name in self._layers},
+            levels=levels,
             counters={
                 "tokens_per_step": self.tokens_per_step,
                 "tokens_seen": self.tokens_seen,
@@ -724,7 +725,6 @@ class AdaptivePrecision(Callback):
         )
         tensorboard.log_scalars(trainer, metrics, signals.step)
         tensorboard.log_decisions(trainer, outcome.decisions, signals.step)
-        levels = {name: policy.level(name) for name in self._layers}
         if self._level_history is not None and self._level_history.record(signals.step, levels):
             tensorboard.log_precision_image(trainer, self._level_history, signals.step, self._levels())
 

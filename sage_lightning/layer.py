@@ -611,19 +611,15 @@ class AttentionLayerState:
 
 
 def check_precision(precision: object, argument: str) -> None:
-    """Refuse anything but an ``AttentionPrecision`` whose fields are plain Python ``str`` and ``bool`` values.
-
-    ``AttentionPrecision`` checks its fields with ``in`` and ``==``, which a numpy array or scalar passes
-    (``numpy.array("int8") == "int8"``); such a precision fails later, far from where it was made (at ``hash``, in
-    a kernel's constexpr). Here it fails where it is set.
+    """Refuse anything but an ``AttentionPrecision`` where it is set, naming where (its fields are checked when it is
+    made: ``AttentionPrecision`` refuses a field that is not a ``str`` or ``bool``).
 
     Args:
         precision: the value given.
         argument: how the caller names it in the message, e.g. ``"convert_to_sage_attention: precision"``.
 
     Raises:
-        TypeError: not an ``AttentionPrecision``, or a field of another type than ``str`` (formats, ``mode``,
-            ``qat_backward``) or ``bool`` (``smooth_k``, ``smooth_q``).
+        TypeError: not an ``AttentionPrecision``.
 
     Example::
 
@@ -631,14 +627,6 @@ def check_precision(precision: object, argument: str) -> None:
     """
     if not isinstance(precision, AttentionPrecision):
         raise TypeError(f"{argument} must be a sage_lightning.AttentionPrecision; received {type(precision).__name__}.")
-    for field in dataclasses.fields(precision):
-        value = getattr(precision, field.name)
-        wanted = bool if isinstance(field.default, bool) else str
-        if not isinstance(value, wanted):
-            raise TypeError(
-                f"{argument}: AttentionPrecision.{field.name} must be a Python {wanted.__name__}, e.g. "
-                f"{field.default!r}; received {value!r} of type {type(value).__module__}.{type(value).__name__}."
-            )
 
 
 def attention_layers(module: torch.nn.Module) -> dict[str, AttentionLayerState]:

@@ -67,14 +67,19 @@ class LevelHistory:
         return changed
 
 
-def color_for(level: int, levels: int) -> np.ndarray:
-    """The RGB colour of ``level`` out of ``levels`` (0 = base): green at 0, red at the top, warmer between."""
+def palette_index(level: int, levels: int) -> int:
+    """Where ``level`` of ``levels`` (0 = base) is in :data:`PALETTE`: green at 0, red at the top, warmer between."""
     if level <= 0:
-        return PALETTE[0]
+        return 0
     if level >= levels - 1:
-        return PALETTE[-1]
+        return len(PALETTE) - 1
     inner = len(PALETTE) - 2  # the colours between base and top
-    return PALETTE[1 + min(inner - 1, (level - 1) * inner // max(1, levels - 2))]
+    return 1 + min(inner - 1, (level - 1) * inner // max(1, levels - 2))
+
+
+def color_for(level: int, levels: int) -> np.ndarray:
+    """The RGB colour of ``level`` out of ``levels`` (0 = base)."""
+    return PALETTE[palette_index(level, levels)]
 
 
 def precision_image(
@@ -128,7 +133,6 @@ def legend(rungs: Sequence[str], layers: Sequence[str]) -> str:
         "",
     ]
     for level, name in enumerate(names):
-        colour = PALETTE_NAMES[list(map(tuple, PALETTE)).index(tuple(color_for(level, len(names))))]
-        lines.append(f"- level {level}, `{name}`: {colour}")
+        lines.append(f"- level {level}, `{name}`: {PALETTE_NAMES[palette_index(level, len(names))]}")
     lines += ["", "Layers: " + ", ".join(f"`{name}`" for name in layers)]
     return "  \n".join(lines)

@@ -380,29 +380,12 @@ class PrecisionPolicy:
             current = self.precision(name)
             cause, reason = None, ""
             if measured.ds_rel_err is not None and current.mode == "sagebwd" and current.ds == "int8":
-                err = measured.ds_rel_err
-                if math.isfinite(err) and err > cfg.ds_rel_err_high:
-                    state.ds_high_streak += 1
-                    if state.ds_high_streak >= cfg.ds_rel_err_patience:
-                        cause = "ds"
-                        reason = (
-                            f"ds_rel_err {err:.4g} > ds_rel_err_high {cfg.ds_rel_err_high:g} "
-                            f"({state.ds_high_streak} measurements in a row)"
-                        )
-                elif math.isfinite(err):
-                    state.ds_high_streak = 0
+                reason = _streak(state, "ds", measured.ds_rel_err, cfg.ds_rel_err_high, cfg.ds_rel_err_patience, "")
+                cause = "ds" if reason else None
             if cause is None and measured.qk_rel_err is not None and current.mode == "sagebwd" and current.qk == "int8":
-                err = measured.qk_rel_err
-                if math.isfinite(err) and err > cfg.qk_rel_err_high:
-                    state.qk_high_streak += 1
-                    if state.qk_high_streak >= cfg.qk_rel_err_patience:
-                        cause = "qk"
-                        reason = (
-                            f"qk_rel_err {err:.4g} > qk_rel_err_high {cfg.qk_rel_err_high:g} "
-                            f"({state.qk_high_streak} measurements in a row): an outlier spoils its block's INT8 scale"
-                        )
-                elif math.isfinite(err):
-                    state.qk_high_streak = 0
+                note = ": an outlier spoils its block's INT8 scale"
+                reason = _streak(state, "qk", measured.qk_rel_err, cfg.qk_rel_err_high, cfg.qk_rel_err_patience, note)
+                cause = "qk" if reason else None
             if measured.probe:
                 probe_cause, probe_reason = self._probe_trigger(measured.probe, state, current)
                 if probe_cause is not None and (cause is None or probe_cause == "top"):
@@ -699,3 +682,20 @@ def _probe_rel_l2(probe: Mapping[str, Mapping[str, float]], tensor: str) -> floa
 
 def _fmt(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.4g}"
+
+
+def _streak(state: _LayerState, signal: str, err: float, high: float, patience: int, note: str) -> str:
+    """Count one reading of ``<signal>_rel_err`` into the layer's streak of readings over ``high`` (a finite reading
+    at or under it ends the streak; a non-finite one leaves it); the reason to escalate once the streak reaches
+    ``patience``, else ``""``."""
+    attribute = f"{signal}_high_streak"
+    if not math.isfinite(err):
+        return ""
+    if err <= high:
+        setattr(state, attribute, 0)
+        return ""
+    streak = getattr(state, attribute) + 1
+    setattr(state, attribute, streak)
+    if streak < patience:
+        return ""
+    return f"{signal}_rel_err {err:.4g} > {signal}_rel_err_high {high:g} ({streak} measurements in a row){note}"
