@@ -25,6 +25,12 @@ turn, ``--repeats`` rounds, the order reversed every other round. Identical runs
 one to the next (the machine, not the code), so each row reports the median over rounds (``step_ms``,
 ``baseline_step_ms``) and ``overhead``, the median over rounds of the ratio to the baseline run of the same
 round (paired, so slow drifts of the machine cancel); ``round_step_ms`` keeps every round.
+``round_median_step_ms`` is each round's median step (a cost paid on every step moves it, one paid on rare
+steps does not), and ``round_decisions`` each round's decisions of the callback, warm-up included: the overhead
+is that of a calm run, and a run that escalates a layer runs another kernel afterwards and a verification probe
+(float64 attention per layer) on the next step, which the breakdown does not account for (the H100 run of
+2026-11-23 measured +20% with the defaults against +3.7% rebuilt from the breakdown, without a record of its
+decisions).
 
 Example::
 
@@ -36,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import logging
 import shlex
@@ -180,6 +187,12 @@ class StepTimer(Callback):
         ends = self.ends[skip:]
         return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
 
+    def median_step_ms(self, skip: int) -> float:
+        """Median milliseconds of one step after the first ``skip`` steps: a cost paid on every step moves it, one
+        paid on rare steps (dS statistics, snapshots, probes) does not."""
+        ends = self.ends[skip:]
+        return 1000 * statistics.median(later - earlier for earlier, later in zip(ends, ends[1:], strict=False))
+
 
 #: A period that never comes within a benchmark run: turns one signal off.
 NEVER = 10**9
@@ -216,8 +229,20 @@ SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
 }
 
 
-def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> tuple[float, int]:
-    """Train one setting for ``--warmup`` plus its measured steps; return its ``step_ms`` and the step count.
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One setting's run: mean and median milliseconds per measured step, the measured steps, and the callback's
+    decisions over the whole fit, warm-up included (a decision changes what the next steps run, and each
+    escalation arms a probe: a run that decides is not the calm run the overhead is meant to measure)."""
+
+    step_ms: float
+    median_step_ms: float
+    steps: int
+    decisions: list[str]
+
+
+def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
+    """Train one setting for ``--warmup`` plus its measured steps; return its times, step count and decisions.
 
     Example::
 
@@ -228,7 +253,8 @@ def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> tuple[
     timer = StepTimer()
     factory, main_setting = SETTINGS[label]
     steps = args.steps if main_setting else args.breakdown_steps
-    callbacks = [timer] if factory is None else [factory(), timer]
+    controller = None if factory is None else factory()
+    callbacks = [timer] if controller is None else [controller, timer]
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
@@ -244,7 +270,8 @@ def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> tuple[
     loader = DataLoader(TensorDataset(data), batch_size=args.batch, shuffle=False, num_workers=0)
     with use_backend(args.backend):
         trainer.fit(model, loader)
-    return timer.step_ms(skip=args.warmup), steps
+    decisions = [] if controller is None else [str(decision) for decision in controller.history]
+    return Run(timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup), steps, decisions)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -291,15 +318,18 @@ def format_table(result: dict) -> str:
         print(format_table(main([...])))
     """
     lines = [
-        "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms) |",
-        "|---|---:|---:|---:|---:|---|",
+        "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms) | median step, rounds (ms) "
+        "| decisions, rounds |",
+        "|---|---:|---:|---:|---:|---|---|---|",
     ]
     by_label = {row["what"]: row for row in result["rows"]}
     for row in result["rows"]:
         each = ", ".join(f"{ms:.2f}" for ms in row["round_step_ms"])
+        medians = ", ".join(f"{ms:.2f}" for ms in row.get("round_median_step_ms", [])) or "-"
+        decided = ", ".join(str(len(made)) for made in row.get("round_decisions", [])) or "-"
         lines.append(
             f"| {row['what']} | {row['steps']} | {row['step_ms']:.2f} | {row['baseline_step_ms']:.2f} | "
-            f"{row['overhead']:+.2%} | {each} |"
+            f"{row['overhead']:+.2%} | {each} | {medians} | {decided} |"
         )
     base = by_label["no callback"]["step_ms"]
     off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
@@ -340,13 +370,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("overhead.py: --device cuda needs a GPU; pass --device cpu (with small sizes) to try it")
     data = markov_tokens(args.batch * (args.warmup + max(args.steps, args.breakdown_steps)), args.seq, seed=args.seed)
-    rounds: dict[str, list[float]] = {label: [] for label in SETTINGS}
-    steps: dict[str, int] = {}
+    rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
     for repeat in range(args.repeats):
         for label in list(SETTINGS)[:: 1 if repeat % 2 == 0 else -1]:
-            step_ms, steps[label] = run_once(args, label, data)
-            rounds[label].append(step_ms)
-            print(f"{label}: {step_ms:.2f} ms/step", flush=True)
+            run = run_once(args, label, data)
+            rounds[label].append(run)
+            print(
+                f"{label}: {run.step_ms:.2f} ms/step (median {run.median_step_ms:.2f}), {len(run.decisions)} decisions",
+                flush=True,
+            )
+            for decision in run.decisions:
+                print(f"  {decision}", flush=True)
     shape = {
         "layers": args.layers,
         "d_model": args.d_model,
@@ -356,19 +390,23 @@ def main(argv: list[str] | None = None) -> dict:
         "precision": args.precision,
         "backend": args.backend,
     }
-    baseline = rounds["no callback"]
-    rows = [
-        {
-            "what": label,
-            "step_ms": statistics.median(rounds[label]),
-            "baseline_step_ms": statistics.median(baseline),
-            "overhead": statistics.median(ms / base - 1 for ms, base in zip(rounds[label], baseline, strict=True)),
-            "steps": steps[label],
-            "round_step_ms": rounds[label],
-            **shape,
-        }
-        for label in SETTINGS
-    ]
+    baseline = [run.step_ms for run in rounds["no callback"]]
+    rows = []
+    for label in SETTINGS:
+        means = [run.step_ms for run in rounds[label]]
+        rows.append(
+            {
+                "what": label,
+                "step_ms": statistics.median(means),
+                "baseline_step_ms": statistics.median(baseline),
+                "overhead": statistics.median(ms / base - 1 for ms, base in zip(means, baseline, strict=True)),
+                "steps": rounds[label][0].steps,
+                "round_step_ms": means,
+                "round_median_step_ms": [run.median_step_ms for run in rounds[label]],
+                "round_decisions": [run.decisions for run in rounds[label]],
+                **shape,
+            }
+        )
     name, today = accuracy.device_name(args.device), datetime.date.today()
     out = args.out or REPO / "benchmarks" / "results" / f"overhead-{accuracy.device_slug(name)}-{today:%Y%m%d}.json"
     result = {

@@ -41,3 +41,25 @@ def test_controller_thresholds_runs_small(tmp_path) -> None:
     assert len(calm["rows"]) == 20 and all(r["train_loss"] > 0 for r in calm["rows"])
     names = sorted(p.name for p in tmp_path.iterdir())
     assert len(names) == 4 and all(n.startswith(("accuracy-cpu-", "training-cpu-")) for n in names)
+
+
+def test_overhead_records_each_round_s_median_step_and_decisions(tmp_path, monkeypatch) -> None:
+    """A run that escalates is not a calm run: its decisions are in the row, as is each round's median step."""
+    from sage_lightning import AdaptivePrecision, PolicyConfig
+
+    impossible = PolicyConfig(probe_every_n_steps=1, probe_grad_cos_min=0.999999, probe_o_cos_min=0.999999)
+    settings = {
+        "no callback": overhead.SETTINGS["no callback"],
+        "callback, defaults": (lambda: AdaptivePrecision(impossible, progress_bar=False, verbose=False), True),
+    }
+    monkeypatch.setattr(overhead, "SETTINGS", settings)
+    monkeypatch.setattr(overhead, "format_table", lambda result: "table")
+    out = tmp_path / "overhead.json"
+    argv = [*TINY, "--steps", "3", "--breakdown-steps", "2", "--warmup", "1", "--precision", "32-true"]
+    rows = {row["what"]: row for row in overhead.main([*argv, "--repeats", "1", "--out", str(out)])["rows"]}
+    assert rows["no callback"]["round_decisions"] == [[]]
+    escalated = rows["callback, defaults"]["round_decisions"][0]
+    assert escalated and all("precision" in decision for decision in escalated)
+    for row in rows.values():
+        assert len(row["round_median_step_ms"]) == 1 and row["round_median_step_ms"][0] > 0
+    assert json.loads(out.read_text())["rows"][1]["round_decisions"] == [escalated]
