@@ -594,9 +594,9 @@ class AdaptivePrecision(Callback):
             }
         elif record.request.ds_stats or record.request.probe:
             # A flag that made nothing non-finite is moot; clear it now and then, so a later divergence is not
-            # pinned on a layer by a stale flag.
+            # pinned on a layer by a stale flag. Unread: reading it would cost a host sync per layer.
             for layer in self._layers.values():
-                layer.take_nonfinite()
+                layer.clear_nonfinite()
         return StepSignals(
             step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
         )

@@ -100,7 +100,8 @@ class AttentionLayerState:
 
     Signals cost nothing unless asked for: the dS error statistics are gathered only while
     :attr:`collect_stats` is on, the probe captures one call only after :meth:`arm_probe`, and the non-finite
-    check is a few reductions per call into a device flag, read (one host sync) only by :meth:`take_nonfinite`.
+    check is a few reductions per call into a device flag, read (one host sync) only by :meth:`take_nonfinite`
+    (:meth:`clear_nonfinite` drops it unread).
 
     Args:
         name: the layer's module path, e.g. ``"blocks.3.attn"`` (the root module is named by its class).
@@ -554,6 +555,15 @@ class AttentionLayerState:
         flag = bool(self._nonfinite.item())
         self._nonfinite.zero_()
         return flag
+
+    def clear_nonfinite(self) -> None:
+        """Forget the flag :meth:`take_nonfinite` would read, without reading it (no host sync).
+
+        Example::
+
+            layer.clear_nonfinite()   # a stale flag would otherwise pin a later divergence on this layer
+        """
+        self._nonfinite.zero_()
 
     # ---------------------------------------------------------------------------------------- checkpoints
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import glob
 import io
 import math
+import os
+import traceback
 
 import lightning as L
 import numpy as np
 import pytest
+import sage_lightning.kernels
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -17,7 +20,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import sage_lightning
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.callback import count_tokens
 from sage_lightning.precision_image import PALETTE, color_for
@@ -393,3 +398,43 @@ def test_a_run_that_starts_in_full_precision_shows_no_int8_share(tmp_path) -> No
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller])
     trainer.fit(TinyLM(precision=AttentionPrecision(mode="full")), token_loader(3))
     assert controller.int8_fraction == 0.0
+
+
+class PackageHostReads(Callback):
+    """Count, over each training batch, the host reads of a device value (``.item()``, ``bool()``, ...) that the
+    package's own code makes (the innermost frame of the package or its kernels is under ``sage_lightning/``)."""
+
+    def __init__(self) -> None:
+        self.package = os.path.dirname(sage_lightning.__file__) + os.sep
+        self.ours = (self.package, os.path.dirname(sage_lightning.kernels.__file__) + os.sep)
+        self.reads: list[str] = []
+        self._mode: TorchDispatchMode | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        outer = self
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    ours = [f for f in traceback.extract_stack() if f.filename.startswith(outer.ours)]
+                    if ours and ours[-1].filename.startswith(outer.package):
+                        outer.reads.append(f"{ours[-1].filename}:{ours[-1].lineno}")
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Reads()
+        self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._mode.__exit__(None, None, None)
+
+
+def test_without_the_per_step_sync_steps_that_measure_read_nothing_from_the_device(tmp_path) -> None:
+    """dS statistics and the forward's health on every step, verdicts one step later: the package reads no device
+    value on the host (each read would wait for the step's kernels on a GPU), stale non-finite flags included."""
+    torch.manual_seed(0)
+    config = PolicyConfig(ds_stats_every_n_steps=1, probe_every_n_steps=10**9)
+    controller = AdaptivePrecision(config, check_before_step=False, verbose=False)
+    reads = PackageHostReads()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[controller, reads])
+    trainer.fit(TinyLM(), token_loader(4))
+    assert trainer.global_step == 4 and controller.history == [] and reads.reads == []

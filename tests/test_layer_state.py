@@ -173,6 +173,13 @@ def test_nonfinite_flags_the_layer_where_the_divergence_starts() -> None:
     handle.remove()
     assert (first.take_nonfinite(), second.take_nonfinite()) == (False, False)
 
+    # clear_nonfinite drops a raised flag without reading it
+    handle = model.transformer.h[1].attn.register_forward_pre_hook(lambda module, args: (args[0] * 1e30,))
+    model(tokens())
+    handle.remove()
+    second.clear_nonfinite()
+    assert not second.take_nonfinite()
+
 
 def test_state_dict_round_trip_keeps_precision_and_counters_not_stats() -> None:
     model = swapped_nano(AttentionPrecision(ds="bf16", smooth_q=True))
