@@ -12,12 +12,10 @@ instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
 * ``P^`` is coded without a division: ``P~ / s_P = 127 * exp2(S - tile_max)``, so one ``exp2`` per score gives
   the code (``E * 127``, rounded by the magic-number add) and, times ``exp2(tile_max - m)`` per row, the
   softmax sum. The portable loop takes ``exp2(S - m)`` and then multiplies each score by ``127 / rowmax``.
-* The int32 product of ``P^ V^`` is converted and scaled by one fused multiply-add per element: the
-  accumulator starts at the bits of ``1.5 * 2**23`` (so the integer result reads as ``1.5 * 2**23 + x`` in
-  fp32), and ``x * c = bits * c - 1.5 * 2**23 * c``, with ``c`` rounded to 23 significant bits so that the
-  constant is exact: the only rounding is the result's own. The portable loop subtracts, then multiplies.
+* ``P^ V^``'s int32 product is converted and scaled by one fused multiply-add per element
+  (:func:`..quant.int32_scaled`, which the portable kernels use too).
 
-The first two change no value beyond the last bit of fp32 arithmetic (a code can flip where ``127 * E`` sits
+The first changes no value beyond the last bit of fp32 arithmetic (a code can flip where ``127 * E`` sits
 within that of a rounding boundary, as with the portable loop's fast division); the agreement against the
 reference is checked by the same tests and bounds as the portable kernels (``benchmarks/gpu_verify.py``).
 """
@@ -30,17 +28,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..forward import LOG2E, key_range, scores_tile, tile_mask
-from ..quant import _INTERPRETED, _ROUNDER, _ROUNDER_BITS, dot_precision, seq_bucket, to_dtype
+from ..quant import _INTERPRETED, _ROUNDER, _ROUNDER_BITS, dot_precision, int32_scaled, seq_bucket, to_dtype
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.
 HEAD_DIMS = (64, 128)
-
-
-@triton.jit
-def exact_23_bits(x):
-    """``x`` with its last mantissa bit cleared, so ``1.5 * 2**23 * x`` is exact in fp32 (24-bit mantissa)."""
-    return (x.to(tl.int32, bitcast=True) & -2).to(tl.float32, bitcast=True)
 
 
 def _set_blocks(nargs: dict) -> None:
@@ -139,10 +131,7 @@ def _hopper_forward_kernel(
         vt = desc_vt.load([kv_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
         v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
         # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
-        c = exact_23_bits(beta * (v_scale / 127.0))
-        pv_bits = (tl.dot(codes, tl.trans(vt)) + _ROUNDER_BITS).to(tl.float32, bitcast=True)
-        offset = c * _ROUNDER
-        acc = acc * alpha[:, None] + (pv_bits * c[:, None] - offset[:, None])
+        acc = acc * alpha[:, None] + int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])
         m_i = m_new
     out = acc / l_i[:, None]
     out = to_dtype(out, desc_o.dtype, DOT_PRECISION)
