@@ -26,7 +26,7 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
-    int32_scaled,
+    int32_to_f32,
     nan_max,
     padded_head_dim,
     round_half_even,
@@ -76,7 +76,7 @@ def _tile_gradients(
     if masked:
         p = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), 0.0, p)
     if DP_INT8:
-        dp = int32_scaled(tl.dot(do_dp, tl.trans(v)), do_scale * v_scale)
+        dp = int32_to_f32(tl.dot(do_dp, tl.trans(v))) * (do_scale * v_scale)
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
@@ -203,7 +203,7 @@ def _dkdv_kernel(
                 p_codes = int8_codes(p, p_scale[None, :])
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                dv += int32_scaled(tl.dot(tl.trans(p_codes), tl.trans(do_t)), p_scale[:, None] * do_scale)
+                dv += int32_to_f32(tl.dot(tl.trans(p_codes), tl.trans(do_t))) * (p_scale[:, None] * do_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -220,7 +220,7 @@ def _dkdv_kernel(
                 ds_codes = int8_codes(ds, ds_scale)
                 if QK_INT8:
                     q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                    dk += int32_scaled(tl.dot(tl.trans(ds_codes), tl.trans(q_t)), ds_scale * q_scale)
+                    dk += int32_to_f32(tl.dot(tl.trans(ds_codes), tl.trans(q_t))) * (ds_scale * q_scale)
                 else:
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
                     dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
@@ -326,7 +326,7 @@ def _dq_kernel(
             ds_codes = int8_codes(ds, ds_scale)
             if QK_INT8:
                 k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
-                dq += int32_scaled(tl.dot(ds_codes, tl.trans(k_t)), ds_scale * k_scale)
+                dq += int32_to_f32(tl.dot(ds_codes, tl.trans(k_t))) * (ds_scale * k_scale)
             else:
                 dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
         else:

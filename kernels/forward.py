@@ -19,7 +19,7 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
-    int32_scaled,
+    int32_to_f32,
     padded_head_dim,
     seq_bucket,
     to_dtype,
@@ -75,9 +75,10 @@ def scores_tile(
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
     if QK_INT8:
-        s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
+        s = int32_to_f32(tl.dot(q, tl.trans(k)))
     else:
-        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION)
+    s = s * (q_scale * k_scale * qk_scale)
     if SMOOTH_Q:
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
@@ -173,7 +174,7 @@ def _forward_tile(
         p_scale = int8_scale(tl.math.exp2(tile_max - m_safe))
         p_codes = int8_codes(p, p_scale[:, None])
         v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-        pv = int32_scaled(tl.dot(p_codes, tl.trans(v_t)), p_scale[:, None] * v_scale)
+        pv = int32_to_f32(tl.dot(p_codes, tl.trans(v_t))) * (p_scale[:, None] * v_scale)
     else:
         v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
