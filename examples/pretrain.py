@@ -35,18 +35,22 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.logger import _flatten_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
 from sage_lightning.callback import count_tokens
@@ -180,8 +184,14 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        # Named groups and a scheduler named train/lr: LearningRateMonitor logs train/lr/decay and
+        # train/lr/no_decay, beside train/loss, where TensorBoard would otherwise start with an lr-AdamW group.
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            groups,
             lr=self.lr,
             betas=self.betas,
             fused=self.device.type == "cuda" or None,
@@ -190,7 +200,7 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_cosine(self.warmup_steps, total, self.min_lr_ratio)
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Any:
@@ -293,6 +303,67 @@ class TokensPerSecond(Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         return time.perf_counter()
+
+
+class PretrainLogger(TensorBoardLogger):
+    """Lightning's ``TensorBoardLogger``, arranged so that TensorBoard opens on the run's ``sage/`` charts and its
+    HParams tab shows real metrics.
+
+    * No ``epoch`` scalar: Lightning adds one beside every ``self.log`` metric, a flat line in these step-limited
+      runs, and the first chart TensorBoard showed (its groups sort by name, ``epoch`` before ``sage``).
+    * HParams: the first ``log_hyperparams`` call of a run (``AdaptivePrecision``'s, with the module's and the
+      controller's settings; Lightning's when there is no controller) writes TensorBoard's HParams session with
+      ``hparams_metrics`` as its columns, read from those scalars as they are logged. Lightning's own way
+      (``default_hp_metric``) adds a placeholder ``hp_metric`` of -1 as a chart of its own instead.
+
+    ``hparams.yaml`` holds every hyperparameter logged, as with Lightning's logger.
+
+    Args:
+        save_dir: the folder of the runs (the command line links it to ``--trainer.default_root_dir``).
+        name: the experiment's folder under ``save_dir``.
+        version: the run's folder under it; the next ``version_N`` when ``None``.
+        hparams_metrics: the scalar tags the HParams tab shows beside the hyperparameters; none: no session is
+            written by this logger.
+        **kwargs: the rest of ``TensorBoardLogger``'s arguments (``default_hp_metric`` is off).
+
+    Example::
+
+        trainer = L.Trainer(logger=PretrainLogger("runs", name="tiny"), callbacks=[AdaptivePrecision()])
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        hparams_metrics: Sequence[str] = ("val/loss", "train/loss"),
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(hparams_metrics, str) or not all(isinstance(tag, str) for tag in hparams_metrics):
+            raise ValueError(
+                "PretrainLogger: hparams_metrics must be a list of scalar tags, e.g. ['val/loss']; "
+                f"received {hparams_metrics!r}."
+            )
+        kwargs["default_hp_metric"] = False
+        super().__init__(save_dir, name=name, version=version, **kwargs)
+        self.hparams_metrics = tuple(hparams_metrics)
+        self._session_written = False
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        super().log_metrics({tag: value for tag, value in metrics.items() if tag != "epoch"}, step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, metrics: dict[str, Any] | None = None, step: int | None = None) -> None:
+        super().log_hyperparams(params, metrics, step)  # stores them (hparams.yaml); a session only with metrics
+        if metrics is not None or self._session_written or not self.hparams_metrics:
+            return
+        # TensorBoard shows a run's first session: the first call's hyperparameters (all of them, when
+        # AdaptivePrecision is on: it logs the module's with its own, before Lightning does). Flattened and
+        # sanitized as Lightning's own log_hyperparams does; the metrics are columns, no values are logged.
+        flat = self._sanitize_params(_flatten_dict(dict(self.hparams)))
+        for summary in hparams_summary(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
+            self.experiment._get_file_writer().add_summary(summary, step)
+        self._session_written = True
 
 
 class _ReadableMetrics:
@@ -601,10 +672,7 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         trainer_defaults={
             "default_root_dir": "runs",
             # save_dir comes from default_root_dir (linked in PretrainCLI.add_arguments_to_parser).
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"default_hp_metric": False},
-            },
+            "logger": {"class_path": "pretrain.PretrainLogger"},
         },
     )
 

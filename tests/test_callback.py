@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from google.protobuf import json_format
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.hparams import plugin_data_pb2
-from tiny_lightning import TinyLM, token_loader, trainer_kwargs
+from tiny_lightning import TinyLM, hparams_session, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.callback import count_tokens
@@ -404,15 +402,6 @@ class ModelWithHparams(TinyLM):
     def __init__(self, layers: int = 2, lr: float = 0.05, adaptive_precision: str | None = None) -> None:
         super().__init__(layers=layers, lr=lr)
         self.save_hyperparameters(ignore=[] if adaptive_precision else ["adaptive_precision"])
-
-
-def hparams_session(accumulator: EventAccumulator) -> tuple[dict[str, object], list[str]]:
-    """The first HParams session of a run: its hyperparameters by name and its metric columns."""
-    content = accumulator.PluginTagToContent("hparams")
-    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
-    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    values = {name: json_format.MessageToDict(value) for name, value in start.hparams.items()}
-    return values, [metric.name.tag for metric in experiment.metric_infos]
 
 
 @pytest.mark.parametrize("default_hp_metric", [True, False])

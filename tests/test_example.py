@@ -13,7 +13,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tiny_lightning import hparams_session
 
 from sage_lightning import AdaptivePrecision, PolicyConfig, attention_layers
 
@@ -230,6 +232,17 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     decisions = decision_texts(accumulator)
     assert decisions and "ds_rel_err" in decisions[0]
     assert [e.value for e in accumulator.Scalars("sage/tokens_per_step")][-1] == 16 * 128
+    # TensorBoard groups charts by the tag's first part, sorted by name, and opens on the first: sage/ (no epoch,
+    # no hp_metric, the learning rate under train/).
+    assert {"train/lr/decay", "train/lr/no_decay"} <= scalars and "epoch" not in scalars
+    assert sorted({tag.split("/")[0] for tag in scalars}) == ["sage", "throughput", "train", "val"]
+    # HParams: the model's shape and the controller's thresholds, with the real losses as its metrics.
+    hparams, metrics = hparams_session(accumulator)
+    assert hparams["config/n_layers"] == 2 and hparams["attention"] == "sage"
+    assert hparams["adaptive_precision/config/ds_rel_err_high"] == pytest.approx(1e-4)
+    assert metrics == ["val/loss", "train/loss"]
+    saved = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert saved["config"]["n_layers"] == 2 and saved["adaptive_precision"]["config"]["ds_stats_every_n_steps"] == 1
     assert (run / "checkpoints" / "last.ckpt").is_file()
     # The saved configuration runs again: the controller's ladder is written as rungs, not as an error string.
     saved = (run / "config.yaml").read_text()
