@@ -35,7 +35,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,8 +366,12 @@ class PretrainLogger(TensorBoardLogger):
         self._session_written = True
 
 
+#: Progress-bar metrics that count something, shown as whole numbers (Lightning hands every metric over as a float).
+WHOLE_NUMBER_METRICS: tuple[str, ...] = ("tokens_per_step",)
+
+
 class _ReadableMetrics:
-    """Progress-bar metrics a person reads: no ``v_num`` (the run's folder says it), whole numbers as integers."""
+    """Progress-bar metrics a person reads: no ``v_num`` (the run's folder says it), counts as integers."""
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
@@ -376,23 +380,45 @@ class _ReadableMetrics:
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
-            if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+            if name in WHOLE_NUMBER_METRICS and isinstance(value, float) and value.is_integer():
                 value = str(int(value))  # a string: the rich bar formats every number with three decimals
             readable[name] = value
         return readable
 
 
 class StepProgressBar(_ReadableMetrics, RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):  # type: ignore[misc]
-    """Lightning's progress bar (rich when installed) without its noise in a step-limited run.
+    """Lightning's progress bar (rich when installed) without its noise in a step-limited run, readable in an
+    80-column terminal.
 
     A run limited by ``max_steps`` has ``max_epochs=-1``, which the rich bar prints as ``Epoch 0/-2``: here the
-    epoch goes alone (``Epoch 0``) unless ``max_epochs`` is a real limit. ``v_num`` is left out and whole-number
-    metrics (``tokens_per_step``) print without decimals, so the metrics fit beside the bar.
+    epoch goes alone (``Epoch 0``) unless ``max_epochs`` is a real limit. ``v_num`` is left out and counts
+    (``tokens_per_step``) print without decimals. The rich bar writes the metrics on a line of their own under
+    the bars, where they have the terminal's whole width: beside the bar, in 80 columns, they had 18 characters
+    and every one of them broke over two lines::
+
+        Epoch 0    ━━━━━━━━╸━━━━━━━━━━━━━━━━━━━━━━━━━ 100/400 0:03:16 • 0:03:52 1.30it/s
+        train/loss: 2.226 int8_share: 0.308 tokens_per_step: 2048 val/loss: 2.596
 
     Example::
 
         trainer = L.Trainer(callbacks=[StepProgressBar()])
     """
+
+    def _init_progress(self, trainer: L.Trainer) -> None:  # RichProgressBar's: builds the rich display
+        super()._init_progress(trainer)
+        progress, metrics = self.progress, getattr(self, "_metric_component", None)
+        if progress is None or metrics is None or metrics not in progress.columns:
+            return  # the TQDM bar, a display already arranged, or a Lightning whose rich bar is built otherwise
+        progress.columns = tuple(column for column in progress.columns if column is not metrics)
+
+        def renderables() -> Iterator[Any]:  # rich's Progress.get_renderables: the bars, then the metrics line
+            yield progress.make_tasks_table(progress.tasks)
+            if self.train_progress_bar_id is not None:
+                line = metrics(self.train_progress_bar)
+                if line.plain:
+                    yield line
+
+        progress.get_renderables = renderables  # type: ignore[method-assign]
 
     @property
     def total_train_batches(self) -> int | float:
@@ -621,11 +647,13 @@ class PretrainCLI(LightningCLI):
             return
         controllers = [cb for cb in trainer.callbacks if isinstance(cb, AdaptivePrecision)]
         lines = [f"attention layers: {len(attention_layers(self.model))}, starting as {self.model.attention}"]
-        for controller in controllers:
+        for controller in controllers:  # lines that fit an 80-column terminal, where the paths allow
+            count = len(controller.history)
             lines.append(
-                f"AdaptivePrecision: {len(controller.history)} decision(s) (TensorBoard's Text tab, sage/decisions), "
-                f"int8 share {controller.int8_fraction:.3f}, tokens seen {controller.tokens_seen}"
+                f"AdaptivePrecision: {count} decision{'' if count == 1 else 's'}, int8 share "
+                f"{controller.int8_fraction:.3f}, {controller.tokens_seen:,} tokens seen"
             )
+            lines.append("  each with its reason: TensorBoard's Text tab, sage/decisions")
             if not controller.verbose:  # a verbose controller printed each one as it happened
                 lines.extend(f"  {decision}" for decision in controller.history[-10:])
         for logger in trainer.loggers:

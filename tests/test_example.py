@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import io
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -184,6 +186,36 @@ def test_training_with_the_controller_and_the_throughput_log(
         assert any(d.lever == "precision" for d in controller.history)
 
 
+def test_the_progress_bar_reads_in_80_columns(corpus_folder: Path, tmp_path: Path) -> None:
+    """In an 80-column terminal no metric breaks over two lines: they have a line of their own under the bar,
+    counts print as integers and shares with their decimals."""
+    rich = pytest.importorskip("rich")
+    from pretrain import StepProgressBar
+
+    screen = io.StringIO()
+    bar = StepProgressBar(console_kwargs={"file": screen, "width": 80, "force_terminal": True, "color_system": None})
+    data = TextDataModule(paths=[str(corpus_folder)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[AdaptivePrecision(verbose=False), bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
+    try:
+        trainer.fit(LlamaPretraining(TINY, warmup_steps=2), datamodule=data)
+    finally:
+        rich.reconfigure()  # Lightning's rich bar replaced rich's global console with this one
+    lines = re.split(r"[\r\n]+", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    metrics = [line.strip() for line in lines if "tokens_per_step" in line]
+    assert metrics and re.fullmatch(r"train/loss: \d+\.\d{3} int8_share: 1\.000 tokens_per_step: 128", metrics[-1])
+    assert any(line.startswith("Epoch 0 ") and "3/3" in line for line in lines)
+
+
 # ---------------------------------------------------------------------------------------------- the command line
 
 
@@ -214,6 +246,8 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
     assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
+    (summary,) = [line for line in done.stdout.splitlines() if line.endswith("tokens seen")]
+    assert re.fullmatch(r"AdaptivePrecision: \d+ decisions?, int8 share [01]\.\d{3}, 12,288 tokens seen", summary)
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
