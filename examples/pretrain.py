@@ -314,7 +314,7 @@ class PretrainLogger(TensorBoardLogger):
     * HParams: the first ``log_hyperparams`` call of a run (``AdaptivePrecision``'s, with the module's and the
       controller's settings; Lightning's when there is no controller) writes TensorBoard's HParams session with
       ``hparams_metrics`` as its columns, read from those scalars as they are logged. Lightning's own way
-      (``default_hp_metric``) adds a placeholder ``hp_metric`` of -1 as a chart of its own instead.
+      (``default_hp_metric=True``) logs a placeholder ``hp_metric`` of -1, a chart of its own, as the metric.
 
     ``hparams.yaml`` holds every hyperparameter logged, as with Lightning's logger.
 
@@ -324,7 +324,11 @@ class PretrainLogger(TensorBoardLogger):
         version: the run's folder under it; the next ``version_N`` when ``None``.
         hparams_metrics: the scalar tags the HParams tab shows beside the hyperparameters; none: no session is
             written by this logger.
-        **kwargs: the rest of ``TensorBoardLogger``'s arguments (``default_hp_metric`` is off).
+        default_hp_metric: Lightning's placeholder ``hp_metric`` and its session instead of ``hparams_metrics``.
+        **kwargs: the rest of ``TensorBoardLogger``'s arguments.
+
+    Raises:
+        ValueError: ``hparams_metrics`` is not a list of tags.
 
     Example::
 
@@ -337,6 +341,7 @@ class PretrainLogger(TensorBoardLogger):
         name: str | None = "lightning_logs",
         version: int | str | None = None,
         hparams_metrics: Sequence[str] = ("val/loss", "train/loss"),
+        default_hp_metric: bool = False,
         **kwargs: Any,
     ) -> None:
         if isinstance(hparams_metrics, str) or not all(isinstance(tag, str) for tag in hparams_metrics):
@@ -344,9 +349,9 @@ class PretrainLogger(TensorBoardLogger):
                 "PretrainLogger: hparams_metrics must be a list of scalar tags, e.g. ['val/loss']; "
                 f"received {hparams_metrics!r}."
             )
-        kwargs["default_hp_metric"] = False
-        super().__init__(save_dir, name=name, version=version, **kwargs)
-        self.hparams_metrics = tuple(hparams_metrics)
+        super().__init__(save_dir, name=name, version=version, default_hp_metric=default_hp_metric, **kwargs)
+        # With the placeholder, Lightning writes the session (with hp_metric) itself.
+        self.hparams_metrics = () if default_hp_metric else tuple(hparams_metrics)
         self._session_written = False
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:

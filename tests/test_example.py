@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tiny_lightning import hparams_session
 
 from sage_lightning import AdaptivePrecision, PolicyConfig, attention_layers
@@ -214,6 +215,39 @@ def test_the_progress_bar_reads_in_80_columns(corpus_folder: Path, tmp_path: Pat
     metrics = [line.strip() for line in lines if "tokens_per_step" in line]
     assert metrics and re.fullmatch(r"train/loss: \d+\.\d{3} int8_share: 1\.000 tokens_per_step: 128", metrics[-1])
     assert any(line.startswith("Epoch 0 ") and "3/3" in line for line in lines)
+
+
+def test_pretrain_logger_writes_one_hparams_session_and_no_epoch(tmp_path: Path) -> None:
+    """The first hyperparameters call writes the session (the controller's, with the module's), with the losses as
+    its metrics and no value logged for them; Lightning's ``epoch`` is left out. With ``default_hp_metric`` it is
+    Lightning's logger."""
+    from pretrain import PretrainLogger
+
+    logger = PretrainLogger(tmp_path, name="run")
+    logger.log_hyperparams({"lr": 0.1, "adaptive_precision": {"config": {"calm_steps": 50}}})
+    logger.log_hyperparams({"lr": 0.1})  # Lightning's own call, after the controller's
+    logger.log_metrics({"val/loss": 2.5, "epoch": 0}, step=3)
+    logger.finalize("success")
+    accumulator = events(tmp_path / "run")
+    assert accumulator.Tags()["scalars"] == ["val/loss"]
+    hparams, metrics = hparams_session(accumulator)
+    assert hparams == {"lr": 0.1, "adaptive_precision/config/calm_steps": 50} and metrics == ["val/loss", "train/loss"]
+    (path,) = glob.glob(f"{tmp_path}/run/**/events.out.tfevents.*", recursive=True)
+    sessions = [
+        value.tag
+        for event in EventFileLoader(path).Load()
+        for value in event.summary.value
+        if value.tag == "_hparams_/session_start_info"
+    ]
+    assert sessions == ["_hparams_/session_start_info"]
+
+    placeholder = PretrainLogger(tmp_path, name="placeholder", default_hp_metric=True)
+    placeholder.log_hyperparams({"lr": 0.1})
+    placeholder.finalize("success")
+    accumulator = events(tmp_path / "placeholder")
+    assert hparams_session(accumulator) == ({"lr": 0.1}, ["hp_metric"]) and "hp_metric" in accumulator.Tags()["scalars"]
+    with pytest.raises(ValueError, match="hparams_metrics must be a list of scalar tags"):
+        PretrainLogger(tmp_path, hparams_metrics="val/loss")
 
 
 # ---------------------------------------------------------------------------------------------- the command line
