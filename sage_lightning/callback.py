@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -691,8 +692,9 @@ class AdaptivePrecision(Callback):
         self._int8_layer_steps += record.ran_int8
         self.history.extend(decisions)
         if self.verbose:
+            width = shutil.get_terminal_size().columns
             for decision in decisions:
-                rank_zero_info(f"AdaptivePrecision: {decision}")
+                rank_zero_info(decision.console_text(width, "AdaptivePrecision: "))
         final = dataclasses.replace(outcome, action=action, decisions=tuple(decisions))
         self._log_step(trainer, signals, final)
         self._snapshots.settle(record.step, undone=action in ("undone", "stop"))

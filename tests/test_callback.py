@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import glob
 import io
+import logging
 import math
+import os
+import shutil
 
 import lightning as L
 import numpy as np
@@ -150,6 +153,21 @@ class ParameterTrace(Callback):
         state = trainer.optimizers[0].state.get(pl_module.head.weight, {})
         buffer = state.get("momentum_buffer", state.get("exp_avg"))
         self.momentum.append(None if buffer is None else buffer.clone())
+
+
+def test_a_verbose_controller_prints_each_decision_within_the_terminal(tmp_path, monkeypatch, caplog) -> None:
+    """Each decision is printed as it happens, wrapped to the terminal's width (here 60 columns)."""
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *args: os.terminal_size((60, 24)))
+    model = TinyLM()
+    poison_gradients(model, (2,))
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision()])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        trainer.fit(model, token_loader(4))
+    printed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptivePrecision: step 2:")]
+    assert len(printed) == 1
+    lines = printed[0].splitlines()
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines), printed[0]
+    assert any(line.startswith("  because gradient norm is") for line in lines), printed[0]
 
 
 def test_non_finite_gradients_skip_the_step_and_leave_optimizer_state_alone(tmp_path) -> None:
