@@ -95,7 +95,6 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from sage_lightning import AdaptivePrecision, PolicyConfig, Rung, attention_layers
 
@@ -106,7 +105,7 @@ import accuracy  # noqa: E402  (benchmarks/ and examples/ are folders of scripts
 import results_doc  # noqa: E402
 from corpus import TextDataModule  # noqa: E402
 from llama import LlamaConfig  # noqa: E402
-from pretrain import ATTENTION_MODES, LlamaPretraining, TokensPerSecond  # noqa: E402
+from pretrain import ATTENTION_MODES, LlamaPretraining, PretrainLogger, TokensPerSecond  # noqa: E402
 
 #: Trainer entries of a config that this script sets itself.
 _TRAINER_OWN = ("callbacks", "logger", "default_root_dir", "enable_checkpointing", "enable_progress_bar")
@@ -707,7 +706,7 @@ def run_one(
     trainer = L.Trainer(
         **trainer_args,
         callbacks=callbacks,
-        logger=TensorBoardLogger(str(log_dir), name=f"{run}-{spec.name}", version=0),
+        logger=PretrainLogger(str(log_dir), name=f"{run}-{spec.name}", version=0),
         enable_checkpointing=False,
         enable_progress_bar=False,
         default_root_dir=str(log_dir),

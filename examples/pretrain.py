@@ -35,18 +35,22 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.logger import _flatten_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
 from sage_lightning.callback import count_tokens
@@ -180,8 +184,14 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        # Named groups and a scheduler named train/lr: LearningRateMonitor logs train/lr/decay and
+        # train/lr/no_decay, beside train/loss, where TensorBoard would otherwise start with an lr-AdamW group.
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            groups,
             lr=self.lr,
             betas=self.betas,
             fused=self.device.type == "cuda" or None,
@@ -190,7 +200,7 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_cosine(self.warmup_steps, total, self.min_lr_ratio)
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step", "name": "train/lr"}}
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float) -> Any:
@@ -295,8 +305,78 @@ class TokensPerSecond(Callback):
         return time.perf_counter()
 
 
+class PretrainLogger(TensorBoardLogger):
+    """Lightning's ``TensorBoardLogger``, arranged so that TensorBoard opens on the run's ``sage/`` charts and its
+    HParams tab shows real metrics.
+
+    * No ``epoch`` scalar: Lightning adds one beside every ``self.log`` metric, a flat line in these step-limited
+      runs, and the first chart TensorBoard showed (its groups sort by name, ``epoch`` before ``sage``).
+    * HParams: the first ``log_hyperparams`` call of a run (``AdaptivePrecision``'s, with the module's and the
+      controller's settings; Lightning's when there is no controller) writes TensorBoard's HParams session with
+      ``hparams_metrics`` as its columns, read from those scalars as they are logged. Lightning's own way
+      (``default_hp_metric=True``) logs a placeholder ``hp_metric`` of -1, a chart of its own, as the metric.
+
+    ``hparams.yaml`` holds every hyperparameter logged, as with Lightning's logger.
+
+    Args:
+        save_dir: the folder of the runs (the command line links it to ``--trainer.default_root_dir``).
+        name: the experiment's folder under ``save_dir``.
+        version: the run's folder under it; the next ``version_N`` when ``None``.
+        hparams_metrics: the scalar tags the HParams tab shows beside the hyperparameters; none: no session is
+            written by this logger.
+        default_hp_metric: Lightning's placeholder ``hp_metric`` and its session instead of ``hparams_metrics``.
+        **kwargs: the rest of ``TensorBoardLogger``'s arguments.
+
+    Raises:
+        ValueError: ``hparams_metrics`` is not a list of tags.
+
+    Example::
+
+        trainer = L.Trainer(logger=PretrainLogger("runs", name="tiny"), callbacks=[AdaptivePrecision()])
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike,
+        name: str | None = "lightning_logs",
+        version: int | str | None = None,
+        hparams_metrics: Sequence[str] = ("val/loss", "train/loss"),
+        default_hp_metric: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(hparams_metrics, str) or not all(isinstance(tag, str) for tag in hparams_metrics):
+            raise ValueError(
+                "PretrainLogger: hparams_metrics must be a list of scalar tags, e.g. ['val/loss']; "
+                f"received {hparams_metrics!r}."
+            )
+        super().__init__(save_dir, name=name, version=version, default_hp_metric=default_hp_metric, **kwargs)
+        # With the placeholder, Lightning writes the session (with hp_metric) itself.
+        self.hparams_metrics = () if default_hp_metric else tuple(hparams_metrics)
+        self._session_written = False
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        super().log_metrics({tag: value for tag, value in metrics.items() if tag != "epoch"}, step)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, metrics: dict[str, Any] | None = None, step: int | None = None) -> None:
+        super().log_hyperparams(params, metrics, step)  # stores them (hparams.yaml); a session only with metrics
+        if metrics is not None or self._session_written or not self.hparams_metrics:
+            return
+        # TensorBoard shows a run's first session: the first call's hyperparameters (all of them, when
+        # AdaptivePrecision is on: it logs the module's with its own, before Lightning does). Flattened and
+        # sanitized as Lightning's own log_hyperparams does; the metrics are columns, no values are logged.
+        flat = self._sanitize_params(_flatten_dict(dict(self.hparams)))
+        for summary in hparams_summary(flat, dict.fromkeys(self.hparams_metrics, 0.0)):
+            self.experiment._get_file_writer().add_summary(summary, step)
+        self._session_written = True
+
+
+#: Progress-bar metrics that count something, shown as whole numbers (Lightning hands every metric over as a float).
+WHOLE_NUMBER_METRICS: tuple[str, ...] = ("tokens_per_step",)
+
+
 class _ReadableMetrics:
-    """Progress-bar metrics a person reads: no ``v_num`` (the run's folder says it), whole numbers as integers."""
+    """Progress-bar metrics a person reads: no ``v_num`` (the run's folder says it), counts as integers."""
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)  # type: ignore[misc]
@@ -305,23 +385,45 @@ class _ReadableMetrics:
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
-            if isinstance(value, float) and value.is_integer() and abs(value) >= 1:
+            if name in WHOLE_NUMBER_METRICS and isinstance(value, float) and value.is_integer():
                 value = str(int(value))  # a string: the rich bar formats every number with three decimals
             readable[name] = value
         return readable
 
 
 class StepProgressBar(_ReadableMetrics, RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar):  # type: ignore[misc]
-    """Lightning's progress bar (rich when installed) without its noise in a step-limited run.
+    """Lightning's progress bar (rich when installed) without its noise in a step-limited run, readable in an
+    80-column terminal.
 
     A run limited by ``max_steps`` has ``max_epochs=-1``, which the rich bar prints as ``Epoch 0/-2``: here the
-    epoch goes alone (``Epoch 0``) unless ``max_epochs`` is a real limit. ``v_num`` is left out and whole-number
-    metrics (``tokens_per_step``) print without decimals, so the metrics fit beside the bar.
+    epoch goes alone (``Epoch 0``) unless ``max_epochs`` is a real limit. ``v_num`` is left out and counts
+    (``tokens_per_step``) print without decimals. The rich bar writes the metrics on a line of their own under
+    the bars, where they have the terminal's whole width: beside the bar, in 80 columns, they had 18 characters
+    and every one of them broke over two lines::
+
+        Epoch 0    ━━━━━━━━╸━━━━━━━━━━━━━━━━━━━━━━━━━ 100/400 0:03:16 • 0:03:52 1.30it/s
+        train/loss: 2.226 int8_share: 0.308 tokens_per_step: 2048 val/loss: 2.596
 
     Example::
 
         trainer = L.Trainer(callbacks=[StepProgressBar()])
     """
+
+    def _init_progress(self, trainer: L.Trainer) -> None:  # RichProgressBar's: builds the rich display
+        super()._init_progress(trainer)
+        progress, metrics = self.progress, getattr(self, "_metric_component", None)
+        if progress is None or metrics is None or metrics not in progress.columns:
+            return  # the TQDM bar, a display already arranged, or a Lightning whose rich bar is built otherwise
+        progress.columns = tuple(column for column in progress.columns if column is not metrics)
+
+        def renderables() -> Iterator[Any]:  # rich's Progress.get_renderables: the bars, then the metrics line
+            yield progress.make_tasks_table(progress.tasks)
+            if self.train_progress_bar_id is not None:
+                line = metrics(self.train_progress_bar)
+                if line.plain:
+                    yield line
+
+        progress.get_renderables = renderables  # type: ignore[method-assign]
 
     @property
     def total_train_batches(self) -> int | float:
@@ -550,11 +652,13 @@ class PretrainCLI(LightningCLI):
             return
         controllers = [cb for cb in trainer.callbacks if isinstance(cb, AdaptivePrecision)]
         lines = [f"attention layers: {len(attention_layers(self.model))}, starting as {self.model.attention}"]
-        for controller in controllers:
+        for controller in controllers:  # lines that fit an 80-column terminal, where the paths allow
+            count = len(controller.history)
             lines.append(
-                f"AdaptivePrecision: {len(controller.history)} decision(s) (TensorBoard's Text tab, sage/decisions), "
-                f"int8 share {controller.int8_fraction:.3f}, tokens seen {controller.tokens_seen}"
+                f"AdaptivePrecision: {count} decision{'' if count == 1 else 's'}, int8 share "
+                f"{controller.int8_fraction:.3f}, {controller.tokens_seen:,} tokens seen"
             )
+            lines.append("  each with its reason: TensorBoard's Text tab, sage/decisions")
             if not controller.verbose:  # a verbose controller printed each one as it happened
                 lines.extend(f"  {decision}" for decision in controller.history[-10:])
         for logger in trainer.loggers:
@@ -601,10 +705,7 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         trainer_defaults={
             "default_root_dir": "runs",
             # save_dir comes from default_root_dir (linked in PretrainCLI.add_arguments_to_parser).
-            "logger": {
-                "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                "init_args": {"default_hp_metric": False},
-            },
+            "logger": {"class_path": "pretrain.PretrainLogger"},
         },
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,9 +113,10 @@ class AdaptivePrecision(Callback):
 
     Every decision is kept in :attr:`history`, logged with its reason as a TensorBoard text event
     (``sage/decisions``) and the signals as ``sage/`` scalars (see :mod:`sage_lightning.tensorboard`); the
-    progress bar shows ``int8_share`` and ``tokens_per_step``. The state (every layer's precision, the policy's
-    counters and detectors, the tokens setting, the snapshot a rollback returns to and its step) is saved in
-    checkpoints, so a resumed run decides, and rolls back, as the uninterrupted one would. Each layer's precision is
+    progress bar shows ``int8_share`` and ``tokens_per_step``. The controller's settings (:attr:`hparams`) join the
+    module's hyperparameters in every logger, under ``adaptive_precision``. The state (every layer's precision, the
+    policy's counters and detectors, the tokens setting, the snapshot a rollback returns to and its step) is saved
+    in checkpoints, so a resumed run decides, and rolls back, as the uninterrupted one would. Each layer's precision is
     also saved with the module (``SageAttentionMixin``'s checkpoint hooks), so it survives a resume without the
     callback.
 
@@ -283,7 +285,34 @@ class AdaptivePrecision(Callback):
         """Every controlled layer's current precision, by name (empty before training starts)."""
         return self._policy.precisions() if self._policy is not None else {}
 
+    @property
+    def hparams(self) -> dict[str, Any]:
+        """The controller's settings as plain values, as the loggers get them under ``"adaptive_precision"``
+        (``hparams.yaml``, TensorBoard's HParams): every :class:`~sage_lightning.policy.PolicyConfig` field under
+        ``config`` (the ladder as its rung names) and the arguments that change what the callback does.
+
+        Example::
+
+            AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.15)).hparams["config"]["ds_rel_err_high"]   # 0.15
+        """
+        config = {field.name: getattr(self.config, field.name) for field in dataclasses.fields(self.config)}
+        config["ladder"] = [rung.name for rung in self.config.ladder]
+        return {
+            "config": config,
+            "snapshot_every_n_steps": self.snapshot_every_n_steps,
+            "snapshot_in_checkpoint": self.snapshot_in_checkpoint,
+            "check_before_step": self.check_before_step,
+            "log_every_n_steps": self.log_every_n_steps,
+        }
+
     # ------------------------------------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            # setup runs before Lightning logs the module's hyperparameters, whose first call to a TensorBoardLogger
+            # writes the HParams session TensorBoard shows: the settings must be in it (tensorboard.log_hyperparams).
+            tensorboard.log_hyperparams(trainer, self.hparams)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -663,8 +692,9 @@ class AdaptivePrecision(Callback):
         self._int8_layer_steps += record.ran_int8
         self.history.extend(decisions)
         if self.verbose:
+            width = shutil.get_terminal_size().columns
             for decision in decisions:
-                rank_zero_info(f"AdaptivePrecision: {decision}")
+                rank_zero_info(decision.console_text(width, "AdaptivePrecision: "))
         final = dataclasses.replace(outcome, action=action, decisions=tuple(decisions))
         self._log_step(trainer, signals, final)
         self._snapshots.settle(record.step, undone=action in ("undone", "stop"))

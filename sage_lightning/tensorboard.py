@@ -19,14 +19,19 @@ Tags, all under ``sage/``:
   once, what the picture's colours mean;
 * image: ``sage/precision``, every layer's level over the steps (layers by steps, coloured by rung,
   :mod:`sage_lightning.precision_image`), at the start and at each step where a level changed.
+
+Hyperparameters: the controller's settings join the module's in every logger, under ``adaptive_precision``
+(:func:`log_hyperparams`), so ``hparams.yaml`` and TensorBoard's HParams hold the thresholds beside the model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.detectors import LEVELS
 from sage_lightning.policy import Decision, StepOutcome, StepSignals
@@ -36,6 +41,8 @@ from sage_lightning.precision_image import LevelHistory, legend, precision_image
 DECISIONS_TAG = "sage/decisions"
 #: The image of every layer's precision over the steps, and the text that explains its colours.
 PRECISION_IMAGE_TAG, PRECISION_LEGEND_TAG = "sage/precision", "sage/precision_legend"
+#: The key of the controller's settings in the loggers' hyperparameters.
+HPARAMS_KEY = "adaptive_precision"
 
 
 def custom_scalars_layout() -> dict[str, dict[str, list]]:
@@ -195,3 +202,43 @@ def log_precision_image(trainer: pl.Trainer, history: LevelHistory, step: int, l
     image = precision_image(history, step, levels)
     for writer in writers:
         writer.add_image(PRECISION_IMAGE_TAG, image, global_step=step, dataformats="CHW")
+
+
+def log_hyperparams(trainer: pl.Trainer, settings: Mapping[str, Any]) -> None:
+    """Give every logger of ``trainer`` the controller's ``settings`` under :data:`HPARAMS_KEY`, beside the
+    LightningModule's and the datamodule's hyperparameters; to be called before Lightning logs those (``setup``).
+
+    Each logger gets all of them in one ``log_hyperparams`` call, because TensorBoard's HParams tab shows the first
+    session a run writes and ignores later ones: with ``TensorBoardLogger(default_hp_metric=True)`` this call writes
+    that session, and Lightning's own call after it (the module's hyperparameters, a subset) changes nothing.
+    With ``default_hp_metric=False`` neither writes a session (the user writes their own, from
+    ``logger.hparams``, which then holds the settings too); ``hparams.yaml`` has them either way. Nothing is
+    logged when the Trainer's ``enable_autolog_hparams`` is off, as for the module; where the user's
+    hyperparameters already have the key, theirs stay and a warning says so.
+
+    Args:
+        trainer: the Trainer, set up for fitting.
+        settings: plain values (``AdaptivePrecision.hparams``).
+
+    Example::
+
+        tensorboard.log_hyperparams(trainer, controller.hparams)
+    """
+    if not trainer.loggers or not getattr(trainer, "enable_autolog_hparams", True):
+        return
+    # What Lightning logs at the start of a run (lightning.pytorch.loggers.utilities._log_hyperparams): the module's
+    # and the datamodule's hyperparameters, each when saved with logger=True, without LightningCLI's class path.
+    params: dict[str, Any] = {}
+    for owner in (trainer.lightning_module, trainer.datamodule):
+        if owner is not None and getattr(owner, "_log_hyperparams", False):
+            params.update(owner.hparams_initial)
+    params.pop("_class_path", None)
+    if HPARAMS_KEY in params:
+        rank_zero_warn(
+            f"AdaptivePrecision: the hyperparameters already have {HPARAMS_KEY!r}, so the controller's settings are "
+            "not logged beside them; rename that hyperparameter to see both."
+        )
+        return
+    params[HPARAMS_KEY] = dict(settings)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(params)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import glob
 import io
+import logging
 import math
 import os
+import shutil
 import traceback
 
 import lightning as L
@@ -14,12 +16,13 @@ import numpy as np
 import pytest
 import sage_lightning.kernels
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny_lightning import TinyLM, token_loader, trainer_kwargs
+from tiny_lightning import TinyLM, hparams_session, token_loader, trainer_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_lightning
@@ -154,6 +157,21 @@ class ParameterTrace(Callback):
         state = trainer.optimizers[0].state.get(pl_module.head.weight, {})
         buffer = state.get("momentum_buffer", state.get("exp_avg"))
         self.momentum.append(None if buffer is None else buffer.clone())
+
+
+def test_a_verbose_controller_prints_each_decision_within_the_terminal(tmp_path, monkeypatch, caplog) -> None:
+    """Each decision is printed as it happens, wrapped to the terminal's width (here 60 columns)."""
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *args: os.terminal_size((60, 24)))
+    model = TinyLM()
+    poison_gradients(model, (2,))
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision()])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        trainer.fit(model, token_loader(4))
+    printed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptivePrecision: step 2:")]
+    assert len(printed) == 1
+    lines = printed[0].splitlines()
+    assert len(lines) > 1 and all(len(line) <= 60 for line in lines), printed[0]
+    assert any(line.startswith("  because gradient norm is") for line in lines), printed[0]
 
 
 def test_non_finite_gradients_skip_the_step_and_leave_optimizer_state_alone(tmp_path) -> None:
@@ -438,3 +456,60 @@ def test_without_the_per_step_sync_steps_that_measure_read_nothing_from_the_devi
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[controller, reads])
     trainer.fit(TinyLM(), token_loader(4))
     assert trainer.global_step == 4 and controller.history == [] and reads.reads == []
+
+
+class ModelWithHparams(TinyLM):
+    """TinyLM whose arguments are its hyperparameters, as ``save_hyperparameters()`` records them."""
+
+    def __init__(self, layers: int = 2, lr: float = 0.05, adaptive_precision: str | None = None) -> None:
+        super().__init__(layers=layers, lr=lr)
+        self.save_hyperparameters(ignore=[] if adaptive_precision else ["adaptive_precision"])
+
+
+@pytest.mark.parametrize("default_hp_metric", [True, False])
+def test_the_controller_settings_join_the_module_hyperparameters(tmp_path, default_hp_metric: bool) -> None:
+    """hparams.yaml and TensorBoard's HParams hold the controller's thresholds beside the module's arguments."""
+    controller = AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.15, calm_steps=40), verbose=False)
+    assert controller.hparams["config"]["ds_rel_err_high"] == 0.15
+    assert controller.hparams["config"]["ladder"] == ["smooth_q", "qk_bf16", "ds_bf16", "dv_bf16", "full"]
+    logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=default_hp_metric)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=2, logger=logger), callbacks=[controller])
+    trainer.fit(ModelWithHparams(layers=2, lr=0.03), token_loader(2))
+
+    saved = yaml.safe_load((tmp_path / "tb" / "version_0" / "hparams.yaml").read_text())
+    assert saved["layers"] == 2 and saved["lr"] == 0.03  # the module's, untouched
+    assert saved["adaptive_precision"]["config"]["ds_rel_err_high"] == 0.15
+    assert saved["adaptive_precision"]["config"]["calm_steps"] == 40
+    assert saved["adaptive_precision"]["snapshot_every_n_steps"] == 100
+
+    accumulator = events(tmp_path)
+    if not default_hp_metric:  # Lightning writes no session then, and neither does the controller
+        assert "hp_metric" not in accumulator.Tags()["scalars"]
+        with pytest.raises(KeyError):
+            accumulator.PluginTagToContent("hparams")
+        return
+    values, metrics = hparams_session(accumulator)  # the session TensorBoard shows: the run's first
+    assert values["lr"] == 0.03 and values["layers"] == 2
+    assert values["adaptive_precision/config/ds_rel_err_high"] == 0.15
+    assert values["adaptive_precision/config/calm_steps"] == 40
+    assert metrics == ["hp_metric"]
+
+
+def test_the_controller_settings_leave_the_users_hyperparameters_alone(tmp_path) -> None:
+    """A hyperparameter of the user's named like the controller's key stays theirs; nothing is logged without the
+    Trainer's autolog."""
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=1, logger=logger), callbacks=[AdaptivePrecision(verbose=False)]
+    )
+    with pytest.warns(UserWarning, match="already have 'adaptive_precision'"):
+        trainer.fit(ModelWithHparams(adaptive_precision="mine"), token_loader(1))
+    assert yaml.safe_load((tmp_path / "tb" / "version_0" / "hparams.yaml").read_text())["adaptive_precision"] == "mine"
+
+    logger = TensorBoardLogger(tmp_path, name="off")
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=1, logger=logger, enable_autolog_hparams=False),
+        callbacks=[AdaptivePrecision(verbose=False)],
+    )
+    trainer.fit(ModelWithHparams(), token_loader(1))
+    assert "adaptive_precision" not in (tmp_path / "off" / "version_0" / "hparams.yaml").read_text()

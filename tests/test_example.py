@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import io
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -13,7 +15,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+from tiny_lightning import hparams_session
 
 from sage_lightning import AdaptivePrecision, PolicyConfig, attention_layers
 
@@ -182,6 +187,69 @@ def test_training_with_the_controller_and_the_throughput_log(
         assert any(d.lever == "precision" for d in controller.history)
 
 
+def test_the_progress_bar_reads_in_80_columns(corpus_folder: Path, tmp_path: Path) -> None:
+    """In an 80-column terminal no metric breaks over two lines: they have a line of their own under the bar,
+    counts print as integers and shares with their decimals."""
+    rich = pytest.importorskip("rich")
+    from pretrain import StepProgressBar
+
+    screen = io.StringIO()
+    bar = StepProgressBar(console_kwargs={"file": screen, "width": 80, "force_terminal": True, "color_system": None})
+    data = TextDataModule(paths=[str(corpus_folder)], seq_len=32, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        callbacks=[AdaptivePrecision(verbose=False), bar],
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=str(tmp_path),
+    )
+    try:
+        trainer.fit(LlamaPretraining(TINY, warmup_steps=2), datamodule=data)
+    finally:
+        rich.reconfigure()  # Lightning's rich bar replaced rich's global console with this one
+    lines = re.split(r"[\r\n]+", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue()))
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    metrics = [line.strip() for line in lines if "tokens_per_step" in line]
+    assert metrics and re.fullmatch(r"train/loss: \d+\.\d{3} int8_share: 1\.000 tokens_per_step: 128", metrics[-1])
+    assert any(line.startswith("Epoch 0 ") and "3/3" in line for line in lines)
+
+
+def test_pretrain_logger_writes_one_hparams_session_and_no_epoch(tmp_path: Path) -> None:
+    """The first hyperparameters call writes the session (the controller's, with the module's), with the losses as
+    its metrics and no value logged for them; Lightning's ``epoch`` is left out. With ``default_hp_metric`` it is
+    Lightning's logger."""
+    from pretrain import PretrainLogger
+
+    logger = PretrainLogger(tmp_path, name="run")
+    logger.log_hyperparams({"lr": 0.1, "adaptive_precision": {"config": {"calm_steps": 50}}})
+    logger.log_hyperparams({"lr": 0.1})  # Lightning's own call, after the controller's
+    logger.log_metrics({"val/loss": 2.5, "epoch": 0}, step=3)
+    logger.finalize("success")
+    accumulator = events(tmp_path / "run")
+    assert accumulator.Tags()["scalars"] == ["val/loss"]
+    hparams, metrics = hparams_session(accumulator)
+    assert hparams == {"lr": 0.1, "adaptive_precision/config/calm_steps": 50} and metrics == ["val/loss", "train/loss"]
+    (path,) = glob.glob(f"{tmp_path}/run/**/events.out.tfevents.*", recursive=True)
+    sessions = [
+        value.tag
+        for event in EventFileLoader(path).Load()
+        for value in event.summary.value
+        if value.tag == "_hparams_/session_start_info"
+    ]
+    assert sessions == ["_hparams_/session_start_info"]
+
+    placeholder = PretrainLogger(tmp_path, name="placeholder", default_hp_metric=True)
+    placeholder.log_hyperparams({"lr": 0.1})
+    placeholder.finalize("success")
+    accumulator = events(tmp_path / "placeholder")
+    assert hparams_session(accumulator) == ({"lr": 0.1}, ["hp_metric"]) and "hp_metric" in accumulator.Tags()["scalars"]
+    with pytest.raises(ValueError, match="hparams_metrics must be a list of scalar tags"):
+        PretrainLogger(tmp_path, hparams_metrics="val/loss")
+
+
 # ---------------------------------------------------------------------------------------------- the command line
 
 
@@ -212,6 +280,8 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
     assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
+    (summary,) = [line for line in done.stdout.splitlines() if line.endswith("tokens seen")]
+    assert re.fullmatch(r"AdaptivePrecision: \d+ decisions?, int8 share [01]\.\d{3}, 12,288 tokens seen", summary)
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
@@ -230,6 +300,17 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     decisions = decision_texts(accumulator)
     assert decisions and "ds_rel_err" in decisions[0]
     assert [e.value for e in accumulator.Scalars("sage/tokens_per_step")][-1] == 16 * 128
+    # TensorBoard groups charts by the tag's first part, sorted by name, and opens on the first: sage/ (no epoch,
+    # no hp_metric, the learning rate under train/).
+    assert {"train/lr/decay", "train/lr/no_decay"} <= scalars and "epoch" not in scalars
+    assert sorted({tag.split("/")[0] for tag in scalars}) == ["sage", "throughput", "train", "val"]
+    # HParams: the model's shape and the controller's thresholds, with the real losses as its metrics.
+    hparams, metrics = hparams_session(accumulator)
+    assert hparams["config/n_layers"] == 2 and hparams["attention"] == "sage"
+    assert hparams["adaptive_precision/config/ds_rel_err_high"] == pytest.approx(1e-4)
+    assert metrics == ["val/loss", "train/loss"]
+    saved = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert saved["config"]["n_layers"] == 2 and saved["adaptive_precision"]["config"]["ds_stats_every_n_steps"] == 1
     assert (run / "checkpoints" / "last.ckpt").is_file()
     # The saved configuration runs again: the controller's ladder is written as rungs, not as an error string.
     saved = (run / "config.yaml").read_text()

@@ -647,3 +647,20 @@ def test_an_arm_nothing_can_answer_expires_after_one_more_step() -> None:
     assert policy.signals_wanted(5) == SignalRequest(ds_stats=True, probe=False)  # a verdict may land a step late
     policy.decide(signals(5))
     assert policy.signals_wanted(6) == SignalRequest(ds_stats=False, probe=False)
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_a_decision_fits_the_terminal_it_is_printed_in(width: int) -> None:
+    from sage_lightning.policy import Decision
+
+    decision = Decision(
+        step=305, layer="model.blocks.3.attn", lever="precision", old=BASE.short_name, new=DS_BF16.short_name,
+        reason="ds_rel_err 0.071 > ds_rel_err_high 0.06 (2 measurements in a row); the probe read dV cos 0.9992",
+    )  # fmt: skip
+    text = decision.console_text(width, "AdaptivePrecision: ")
+    lines = text.splitlines()
+    assert lines[0].startswith("AdaptivePrecision: step 305:")
+    longest_word = max(len(word) for word in str(decision).split())
+    assert all(len(line) <= max(width, longest_word + 4) for line in lines), text
+    # Nothing lost or reordered: the same words as the one-line form, with "because" before the reason.
+    assert text.split() == ["AdaptivePrecision:", *str(decision).replace(" (", " because ", 1)[:-1].split()]

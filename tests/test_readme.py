@@ -67,6 +67,28 @@ def test_shell_commands_run_as_written_after_make(page: Path) -> None:
                 assert (REPO / word).is_file(), f"{command!r}: {word} does not exist"
 
 
+def test_the_install_lines_name_this_package_the_same_everywhere() -> None:
+    """README and docs/usage.md give the same install commands (no published package), for this project's name and
+    extras, in pip's requirement syntax."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    name = re.search(r'(?m)^name = "([^"]+)"', pyproject).group(1)
+    extras_table = pyproject.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    extras = set(re.findall(r"(?m)^(\w+) = \[", extras_table))
+    installs = {}
+    for page in (README, DOCS / "usage.md"):
+        installs[page.name] = [b for b in blocks(page, "sh") if "pip install" in b]
+        assert len(installs[page.name]) == 1, f"{page.name}: one install block"
+    assert installs["README.md"] == installs["usage.md"]
+    requirements = re.findall(r'pip install "([^"]+)"', installs["README.md"][0])
+    assert len(requirements) == 2
+    from_git, from_clone = requirements
+    match = re.fullmatch(r"([\w-]+)\[(\w+)\] @ git\+<repository URL>", from_git)  # PEP 508: name[extra] @ url
+    assert match and match.group(1) == name and match.group(2) in extras, from_git
+    match = re.fullmatch(r"/path/to/([\w-]+)\[(\w+)\]", from_clone)
+    assert match and match.group(1) == name and match.group(2) in extras, from_clone
+    assert "pip install sage-lightning" not in README.read_text()  # not on PyPI
+
+
 def test_every_link_leads_to_a_file() -> None:
     for page in [README, *sorted(DOCS.glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import readme_perf  # noqa: E402
 
 
-def _speed_file(folder: Path, name: str, date: str, sage_ms: float) -> None:
+def _speed_file(folder: Path, name: str, date: str, sage_ms: float, **extra: object) -> None:
     rows = []
     for impl, ms in (("sage", sage_ms), ("sdpa_cudnn", 2.0), ("sdpa_flash", 3.0)):
         for pass_ in ("fwd", "fwd+bwd"):
@@ -23,7 +23,7 @@ def _speed_file(folder: Path, name: str, date: str, sage_ms: float) -> None:
                              causal=False, ms=ms, tflops=100.0 / ms,
                              peak_mem_mb=400.0 + 10 * ms if pass_ == "fwd+bwd" else None))  # fmt: skip
     header = dict(kind="speed", device="NVIDIA H200", date=date, commit="0" * 40, command="python x", versions={})
-    (folder / name).write_text(json.dumps({**header, "rows": rows}))
+    (folder / name).write_text(json.dumps({**header, **extra, "rows": rows}))
 
 
 def test_readme_table_is_up_to_date() -> None:
@@ -36,10 +36,12 @@ def test_readme_table_is_up_to_date() -> None:
 def test_latest_result_by_date_and_ratios(tmp_path: Path) -> None:
     _speed_file(tmp_path, "speed-h200-20261120.json", "2026-11-20", sage_ms=4.0)
     _speed_file(tmp_path, "speed-h200-20261122.json", "2026-11-22", sage_ms=1.0)
+    # Newer, but of code that is not main's: never the README's source.
+    _speed_file(tmp_path, "speed-h200-20261124-branch.json", "2026-11-24", sage_ms=0.5, diagnostic=True)
     (tmp_path / "speed-h200-20261123-probe.json").write_text(json.dumps({"kind": "speed", "date": "2026-11-23",
                                                                           "rows": [{"impl": "sage"}]}))  # fmt: skip
     text = readme_perf.generate(tmp_path)
-    assert "speed-h200-20261122.json" in text and "probe" not in text
+    assert "speed-h200-20261122.json" in text and "probe" not in text and "branch" not in text
     # cuDNN 2 ms, flash 3 ms, SageBwd 1 ms: 2.00x and 3.00x, forward and forward+backward; peak memory 410 / 420.
     assert "| 128 | 4096 | no | 100 | 2.00 | 3.00 | 100 | 2.00 | 3.00 | 410 / 420 |" in text
     assert "not measured yet" in text

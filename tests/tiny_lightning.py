@@ -1,4 +1,5 @@
-"""A tiny causal language model with SageBwd attention, for the callback's tests (CPU, seconds per run).
+"""A tiny causal language model with SageBwd attention, for the callback's tests (CPU, seconds per run), and a
+reader of what a run wrote to TensorBoard's HParams.
 
 Not a test module: the tests import it (and the DDP test's spawned workers unpickle from it).
 """
@@ -8,7 +9,10 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+from google.protobuf import json_format
 from lightning.pytorch.loggers import Logger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -138,6 +142,15 @@ class MemoryLogger(Logger):
     def series(self, tag: str) -> dict[int, float]:
         """``{step: value}`` of one tag."""
         return {step: metrics[tag] for step, metrics in self.logged if tag in metrics}
+
+
+def hparams_session(accumulator: EventAccumulator) -> tuple[dict[str, object], list[str]]:
+    """The first HParams session of a run (the one TensorBoard shows): its hyperparameters and metric columns."""
+    content = accumulator.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"]).session_start_info
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
+    values = {name: json_format.MessageToDict(value) for name, value in start.hparams.items()}
+    return values, [metric.name.tag for metric in experiment.metric_infos]
 
 
 def token_loader(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -172,6 +173,27 @@ class Decision:
 
     def __str__(self) -> str:
         return f"step {self.step}: {self.layer or 'global'} {self.lever}: {self.old} -> {self.new} ({self.reason})"
+
+    def console_text(self, width: int = 80, prefix: str = "") -> str:
+        """The decision for a terminal ``width`` columns wide: where and what changed, then the reason, indented,
+        every line within ``width`` where the words allow (a word longer than a line is not broken).
+
+        Args:
+            width: the terminal's columns.
+            prefix: put before the first line (e.g. ``"AdaptivePrecision: "``).
+
+        Example::
+
+            print(decision.console_text(80, "AdaptivePrecision: "))
+            # AdaptivePrecision: step 20: model.blocks.3.attn precision:
+            #     sagebwd:int8=qk,pv,dv,ds;smooth_k -> sagebwd:int8=qk,pv,dv;smooth_k
+            #   because ds_rel_err 0.071 > ds_rel_err_high 0.06 (2 measurements in a row)
+        """
+        wrap = dict(width=max(width, 20), break_long_words=False, break_on_hyphens=False)
+        head = f"{prefix}step {self.step}: {self.layer or 'global'} {self.lever}:"
+        lines = textwrap.wrap(f"{head} {self.old} -> {self.new}", subsequent_indent="    ", **wrap)
+        lines += textwrap.wrap(f"because {self.reason}", initial_indent="  ", subsequent_indent="    ", **wrap)
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
