@@ -4,10 +4,10 @@ The table sits in README.md between ``<!-- perf-table:start -->`` and ``<!-- per
 rewrites what is between them, so the README never shows a figure that is not in ``benchmarks/results/``.
 
 Which result is the latest: among ``speed-*.json`` files written by ``benchmarks/speed.py`` (rows with a
-``pass`` field; the probe's files have another shape; none marked ``diagnostic``), the one whose measured commit (the header's ``commit``)
-is the newest in this repository's history; a commit that git does not know (a result measured on a copy without
-``.git``) counts by the header's ``date``. The end-to-end row comes from the latest ``training-*-e2e*.json``
-(``benchmarks/pretrain_compare.py --tag e2e-...``), when there is one.
+``pass`` field; the probe's files have another shape; none marked ``diagnostic``), the one whose measured commit
+(the header's ``commit``) is the newest in this repository's history; a commit that git does not know (a result
+measured on a copy without ``.git``) counts by the header's ``date``. The end-to-end row comes from the latest
+``training-*-e2e*.json`` (``benchmarks/pretrain_compare.py --tag e2e-...``), when there is one.
 
 The table: for each head dim, sequence length and causal setting of the file, SageBwd's forward and
 forward+backward TFLOPS and their ratios to SDPA's cuDNN and flash backends timed in the same run, against
