@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make demo`` or ``make test`` has set up ``.venv``)::
 
-    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, a few minutes
+    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, about a minute
     .venv/bin/tensorboard --logdir runs                                              # the sage/ charts
 
 The same run with full-precision attention, everything else equal::
@@ -401,7 +401,7 @@ class StepProgressBar(_ReadableMetrics, RichProgressBar if _RICH_AVAILABLE else 
     the bars, where they have the terminal's whole width: beside the bar, in 80 columns, they had 18 characters
     and every one of them broke over two lines::
 
-        Epoch 0    ━━━━━━━━╸━━━━━━━━━━━━━━━━━━━━━━━━━ 100/400 0:03:16 • 0:03:52 1.30it/s
+        Epoch 0    ━━━━━━━━╸━━━━━━━━━━━━━━━━━━━━━━━━━ 100/400 0:00:23 • 0:01:11 4.26it/s
         train/loss: 2.226 int8_share: 0.308 tokens_per_step: 2048 val/loss: 2.596
 
     Example::

@@ -1,8 +1,8 @@
-"""Screenshots of a run's TensorBoard: the sage/ dashboard (Custom Scalars), the decisions (Text) and the
-precision picture (Images).
+"""Screenshots of a run's TensorBoard: what it opens on (Time Series, the sage group first), the sage/ dashboard
+(Custom Scalars), the decisions (Text), the precision picture (Images) and the run's settings (HParams).
 
 Starts a real ``tensorboard --logdir`` on localhost, waits until it has loaded the runs, points headless Chromium
-at it, saves the PNGs and stops the server. This is how the README's pictures were made; run it again after
+at it, saves the PNGs and stops the server. This is how docs/example.md's pictures were made; run it again after
 ``make demo`` to redo them:
 
     python examples/screenshot_tensorboard.py --logdir runs/tiny --out-dir docs/images
@@ -24,11 +24,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-#: (file name, page, window width, window height): smoothing off, so each level change shows where it happened.
+#: (file name, page, window width, window height). Custom Scalars with smoothing off, so each level change shows
+#: where it happened; Time Series as TensorBoard first shows it, but drawn in SVG (its WebGL charts are drawn off
+#: the page's clock and came out empty in about half the shots); HParams wide enough for its metric columns.
 PAGES: tuple[tuple[str, str, int, int], ...] = (
+    ("tensorboard-time-series.png", "?forceSVG=true#timeseries", 1400, 900),
     ("tensorboard-sage-dashboard.png", "#custom_scalars&_smoothingWeight=0", 1400, 2250),
     ("tensorboard-sage-decisions.png", "#text", 1400, 760),
     ("tensorboard-sage-precision.png", "#images", 1400, 760),
+    ("tensorboard-hparams.png", "#hparams", 1900, 520),
 )
 
 
