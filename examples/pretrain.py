@@ -2,7 +2,7 @@
 
 Run it from the repository root (after ``make demo`` or ``make test`` has set up ``.venv``)::
 
-    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, about a minute
+    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, a few minutes
     .venv/bin/tensorboard --logdir runs                                              # the sage/ charts
 
 The same run with full-precision attention, everything else equal::
