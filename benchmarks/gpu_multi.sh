@@ -4,15 +4,7 @@
 # on rank 1 at step NAN_STEP; per-rank records, the comparison (multi-gpu-<device>-<date>.{json,md}) and each run's log
 # land in $OUT.
 # Usage (device tool): GIT_COMMIT=<sha> bash benchmarks/gpu_multi.sh [more multi_gpu.py arguments]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-PYTHON=${PYTHON:-python3}
-export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/sage-cache}
-mkdir -p "$OUT"
-if [[ -z "${SKIP_INSTALL:-}" ]]; then
-  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_setup.sh"
 "$PYTHON" -c "import torch; print(torch.cuda.device_count(), 'x', torch.cuda.get_device_name(), 'torch', torch.__version__)"
 "$PYTHON" benchmarks/multi_gpu.py --config examples/configs/small.yaml --max-steps "${MAX_STEPS:-300}" \
   --nan-step "${NAN_STEP:-150}" --out-dir "$OUT" "$@"

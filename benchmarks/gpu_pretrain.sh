@@ -5,16 +5,7 @@
 # optimizer steps or MAX_MINUTES of wall time. Result JSON, markdown, PNG (where matplotlib is installed) and the
 # TensorBoard logs land in $OUT. No LightningCLI here, so the image needs no jsonargparse.
 # Usage (device tool): GIT_COMMIT=<sha> bash benchmarks/gpu_pretrain.sh [more pretrain_compare.py arguments]
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-PYTHON=${PYTHON:-python3}
-# The token file of the built-in corpus (a few seconds to write) goes with the run's scratch, not the home folder.
-export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/sage-cache}
-mkdir -p "$OUT"
-if [[ -z "${SKIP_INSTALL:-}" ]]; then
-  "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_setup.sh"
 "$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', 'torch', torch.__version__)"
 "$PYTHON" benchmarks/pretrain_compare.py --config examples/configs/small.yaml --max-steps "${MAX_STEPS:-2000}" \
   --max-minutes "${MAX_MINUTES:-3.3}" --out-dir "$OUT" "$@" >"$OUT/pretrain_compare.log" 2>&1

@@ -691,7 +691,7 @@ class AdaptivePrecision(Callback):
         self._layer_steps += len(self._layers)
         self._int8_layer_steps += record.ran_int8
         self.history.extend(decisions)
-        if self.verbose:
+        if self.verbose and decisions:  # the terminal's width asked only when there is something to print
             width = shutil.get_terminal_size().columns
             for decision in decisions:
                 rank_zero_info(decision.console_text(width, "AdaptivePrecision: "))

@@ -415,25 +415,23 @@ class PrecisionPolicy:
         cannot fix. dV does not use dS at all.
         """
         cfg = self.config
-        cosines = [(t, c) for t in PROBE_TENSORS if (c := _probe_cos(probe, t)) is not None]
-        if cosines:
-            tensor, cos = min(cosines, key=lambda item: item[1])
-            if cos < cfg.probe_catastrophic_cos:
-                shown = "non-finite" if cos == -1.0 and not _finite_cos(probe, tensor) else f"{cos:.5f}"
-                return "top", (
-                    f"probe {tensor} cos {shown} < probe_catastrophic_cos {cfg.probe_catastrophic_cos:g}: "
-                    "catastrophic, straight to the top rung"
-                )
+        worst = _worst_cos(probe, PROBE_TENSORS, cfg.probe_catastrophic_cos)
+        if worst is not None:
+            tensor, cos = worst
+            shown = "non-finite" if cos == -1.0 and not _finite_cos(probe, tensor) else f"{cos:.5f}"
+            return "top", (
+                f"probe {tensor} cos {shown} < probe_catastrophic_cos {cfg.probe_catastrophic_cos:g}: "
+                "catastrophic, straight to the top rung"
+            )
         if current.mode == "attn_qat":
             return self._attn_qat_probe_trigger(probe)
         o_cos = _probe_cos(probe, "O")
         if o_cos is not None and o_cos < cfg.probe_o_cos_min:
             return "forward", f"probe O cos {o_cos:.5f} < probe_o_cos_min {cfg.probe_o_cos_min:g}"
-        poor = [(t, c) for t in PROBE_GRADIENTS if (c := _probe_cos(probe, t)) is not None]
-        poor = [(t, c) for t, c in poor if c < cfg.probe_grad_cos_min]
-        if not poor:
+        worst = _worst_cos(probe, PROBE_GRADIENTS, cfg.probe_grad_cos_min)
+        if worst is None:
             return None, ""
-        tensor, cos = min(poor, key=lambda item: item[1])
+        tensor, cos = worst
         reason = f"probe {tensor} cos {cos:.5f} < probe_grad_cos_min {cfg.probe_grad_cos_min:g}"
         if tensor == "dV":
             return "dv", reason + " (dV does not use dS: its error comes from its own INT8 product of P and dO)"
@@ -456,11 +454,10 @@ class PrecisionPolicy:
         o_cos = _probe_cos(probe, "O")
         if o_cos is not None and o_cos < cfg.attn_qat_probe_o_cos_min:
             return "forward", f"probe O cos {o_cos:.5f} < attn_qat_probe_o_cos_min {cfg.attn_qat_probe_o_cos_min:g}"
-        poor = [(t, c) for t in PROBE_GRADIENTS if (c := _probe_cos(probe, t)) is not None]
-        poor = [(t, c) for t, c in poor if c < cfg.attn_qat_probe_grad_cos_min]
-        if not poor:
+        worst = _worst_cos(probe, PROBE_GRADIENTS, cfg.attn_qat_probe_grad_cos_min)
+        if worst is None:
             return None, ""
-        tensor, cos = min(poor, key=lambda item: item[1])
+        tensor, cos = worst
         return "forward", (
             f"probe {tensor} cos {cos:.5f} < attn_qat_probe_grad_cos_min {cfg.attn_qat_probe_grad_cos_min:g} "
             "(the FP4 forward's error)"
@@ -669,6 +666,15 @@ def _probe_cos(probe: Mapping[str, Mapping[str, float]], tensor: str) -> float |
     value = float(metrics["cos"])
     # A NaN cosine (the layer's output was non-finite) is as bad as it gets.
     return value if math.isfinite(value) else -1.0
+
+
+def _worst_cos(
+    probe: Mapping[str, Mapping[str, float]], tensors: tuple[str, ...], below: float
+) -> tuple[str, float] | None:
+    """``(tensor, cosine)`` of the lowest probe cosine under ``below`` among ``tensors`` (the first on a tie), or
+    ``None`` when none is under it or measured."""
+    found = [(t, c) for t in tensors if (c := _probe_cos(probe, t)) is not None and c < below]
+    return min(found, key=lambda item: item[1]) if found else None
 
 
 def _finite_cos(probe: Mapping[str, Mapping[str, float]], tensor: str) -> bool:
