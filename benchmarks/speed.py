@@ -201,8 +201,11 @@ def autotuned_configs() -> dict[str, str]:
     chosen = {}
     for kernel in (forward._forward_kernel, hopper_forward._hopper_forward_kernel, backward._dkdv_kernel,
                    backward._dq_kernel):  # fmt: skip
+        names = getattr(kernel, "keys", [])
         for key, config in getattr(kernel, "cache", {}).items():
-            chosen[f"{kernel.fn.__name__}{list(key)[:3]}"] = f"warps={config.num_warps} stages={config.num_stages}"
+            named = ", ".join(f"{name}={value}" for name, value in zip(names, key, strict=False))
+            tiles = "".join(f"{name}={value} " for name, value in config.kwargs.items())
+            chosen[f"{kernel.fn.__name__}[{named}]"] = f"{tiles}warps={config.num_warps} stages={config.num_stages}"
     return chosen
 
 
