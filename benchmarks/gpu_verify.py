@@ -132,7 +132,8 @@ def _spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> sub
 
 def test_command(work: Path, workers: int) -> list[str]:
     """The pytest command of ``kernel_tests``: every test, xdist workers where pytest-xdist is installed."""
-    argv = [sys.executable, "-m", "pytest", "tests/test_triton_kernels.py", "tests/test_attn_qat.py"]
+    tests = ["tests/test_triton_kernels.py", "tests/test_hopper_kernels.py", "tests/test_attn_qat.py"]
+    argv = [sys.executable, "-m", "pytest", *tests]
     argv += ["-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={work / 'kernel-tests.xml'}"]
     if workers > 1 and importlib.util.find_spec("xdist") is not None:
         argv += ["-n", str(workers)]

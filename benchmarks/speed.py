@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 import time
@@ -36,10 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import REPO, _commit, _versions, compare, device_name, device_slug, to_json  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
+from sage_lightning.kernels.hopper.dispatch import ENV as HOPPER_ENV  # noqa: E402
 from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+#: ``sage`` dispatches as a user's call does (the Hopper path where it applies); ``sage_portable`` keeps the
+#: portable kernels (``SAGE_LIGHTNING_HOPPER=off`` around the call), to set the two side by side.
+SAGE_IMPLS = ("sage", "sage_portable")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -61,7 +66,7 @@ def check(device: str) -> list[dict]:
     """
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
-    for seq in (1000, 4096, 8192):
+    for seq in (1000, 1040, 4096, 8192):  # 1000: keys not a multiple of 16 (portable forward); 1040: ragged tiles
         for head_dim in (64, 128):
             for causal in (False, True):
                 q = torch.randn(1, 4, seq, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
@@ -90,6 +95,20 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
     by SDPA."""
     if impl == "sage":
         return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
+    if impl == "sage_portable":
+
+        def portable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+            previous = os.environ.get(HOPPER_ENV)
+            os.environ[HOPPER_ENV] = "off"
+            try:
+                return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
+            finally:
+                if previous is None:
+                    del os.environ[HOPPER_ENV]
+                else:
+                    os.environ[HOPPER_ENV] = previous
+
+        return portable
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         with sdpa_kernel(BACKENDS[impl]):
@@ -177,19 +196,26 @@ def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 1
 def autotuned_configs() -> dict[str, str]:
     """The configuration autotuning chose for each kernel and key (warps, stages)."""
     from sage_lightning.kernels import backward, forward
+    from sage_lightning.kernels.hopper import forward as hopper_forward
 
     chosen = {}
-    for kernel in (forward._forward_kernel, backward._dkdv_kernel, backward._dq_kernel):
+    for kernel in (forward._forward_kernel, hopper_forward._hopper_forward_kernel, backward._dkdv_kernel,
+                   backward._dq_kernel):  # fmt: skip
+        names = getattr(kernel, "keys", [])
         for key, config in getattr(kernel, "cache", {}).items():
-            chosen[f"{kernel.fn.__name__}{list(key)[:3]}"] = f"warps={config.num_warps} stages={config.num_stages}"
+            named = ", ".join(f"{name}={value}" for name, value in zip(names, key, strict=False))
+            tiles = "".join(f"{name}={value} " for name, value in config.kwargs.items())
+            chosen[f"{kernel.fn.__name__}[{named}]"] = f"{tiles}warps={config.num_warps} stages={config.num_stages}"
     return chosen
 
 
 def table(rows: list[dict]) -> str:
     """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory."""
+    portable = any(r["impl"] == "sage_portable" for r in rows)
     lines = [
-        "| D | N | causal | pass | sage TFLOPS | flash | cuDNN | sage/flash | sage/cuDNN | mem sage/flash/cuDNN MiB |",
-        "|---:|---:|:---:|---|---:|---:|---:|---:|---:|---|",
+        "| D | N | causal | pass | sage TFLOPS | flash | cuDNN | sage/flash | sage/cuDNN | mem sage/flash/cuDNN MiB |"
+        + (" portable TFLOPS | sage/portable |" if portable else ""),
+        "|---:|---:|:---:|---|---:|---:|---:|---:|---:|---|" + ("---:|---:|" if portable else ""),
     ]
     index = {(r["impl"], r["pass"], r["seq"], r["head_dim"], r["causal"]): r for r in rows}
     shapes = sorted({(r["head_dim"], r["seq"], r["causal"]) for r in rows})
@@ -207,6 +233,10 @@ def table(rows: list[dict]) -> str:
                 f"{tf['sdpa_flash']:.0f} | {tf['sdpa_cudnn']:.0f} | {tf['sage'] / tf['sdpa_flash']:.2f} | "
                 f"{tf['sage'] / tf['sdpa_cudnn']:.2f} | {mem} |"
             )
+            if portable:
+                ported = index.get(("sage_portable", which, seq, head_dim, causal))
+                tp = ported["tflops"] if ported else float("nan")
+                lines[-1] += f" {tp:.0f} | {tf['sage'] / tp:.2f} |"
     return "\n".join(lines)
 
 
@@ -216,7 +246,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, action="append", help="repeatable; default 1024 2048 4096 8192")
     parser.add_argument("--head-dim", type=int, action="append", help="repeatable; default 64 128")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    parser.add_argument("--impl", action="append", choices=("sage", *BACKENDS), help="repeatable; default all")
+    parser.add_argument(
+        "--impl", action="append", choices=(*SAGE_IMPLS, *BACKENDS),
+        help="repeatable; default sage and the SDPA backends (sage_portable: the portable kernels on Hopper too)",
+    )  # fmt: skip
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=None)

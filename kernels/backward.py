@@ -26,7 +26,7 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
-    int32_to_f32,
+    int32_scaled,
     nan_max,
     padded_head_dim,
     round_half_even,
@@ -37,7 +37,10 @@ from .quant import (
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.
-_BACKWARD_KEY = ["HEAD_DIM", "SEQ_BUCKET", "CAUSAL", "QK_INT8", "DP_INT8", "DS_INT8", "SMOOTH_Q", "DOT_PRECISION"]
+_BACKWARD_KEY = [
+    *("HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL"),
+    *("QK_INT8", "DP_INT8", "DS_INT8", "SMOOTH_Q", "DOT_PRECISION"),
+]
 
 
 @triton.jit
@@ -76,7 +79,7 @@ def _tile_gradients(
     if masked:
         p = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), 0.0, p)
     if DP_INT8:
-        dp = int32_to_f32(tl.dot(do_dp, tl.trans(v))) * (do_scale * v_scale)
+        dp = int32_scaled(tl.dot(do_dp, tl.trans(v)), do_scale * v_scale)
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
@@ -115,6 +118,7 @@ def _dkdv_kernel(
     SEQ_K,
     HEAD_DIM,
     SEQ_BUCKET,
+    HEADS_BUCKET,
     qk_scale,
     tau,
     BLOCK_M: tl.constexpr,
@@ -203,7 +207,7 @@ def _dkdv_kernel(
                 p_codes = int8_codes(p, p_scale[None, :])
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                dv += int32_to_f32(tl.dot(tl.trans(p_codes), tl.trans(do_t))) * (p_scale[:, None] * do_scale)
+                dv += int32_scaled(tl.dot(tl.trans(p_codes), tl.trans(do_t)), p_scale[:, None] * do_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -220,7 +224,7 @@ def _dkdv_kernel(
                 ds_codes = int8_codes(ds, ds_scale)
                 if QK_INT8:
                     q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                    dk += int32_to_f32(tl.dot(tl.trans(ds_codes), tl.trans(q_t))) * (ds_scale * q_scale)
+                    dk += int32_scaled(tl.dot(tl.trans(ds_codes), tl.trans(q_t)), ds_scale * q_scale)
                 else:
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
                     dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
@@ -265,6 +269,7 @@ def _dq_kernel(
     SEQ_K,
     HEAD_DIM,
     SEQ_BUCKET,
+    HEADS_BUCKET,
     qk_scale,
     tau,
     BLOCK_M: tl.constexpr,
@@ -326,7 +331,7 @@ def _dq_kernel(
             ds_codes = int8_codes(ds, ds_scale)
             if QK_INT8:
                 k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
-                dq += int32_to_f32(tl.dot(ds_codes, tl.trans(k_t))) * (ds_scale * k_scale)
+                dq += int32_scaled(tl.dot(ds_codes, tl.trans(k_t)), ds_scale * k_scale)
             else:
                 dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
         else:
@@ -396,6 +401,7 @@ def backward(
     dv = torch.empty_like(dk)
     d_pad = padded_head_dim(head_dim)
     bucket = seq_bucket(max(seq_q, seq_k))
+    heads_bucket = seq_bucket(batch * heads)
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out
     codes_t_arg = do_codes_t if do_codes_t is not None else grad_out
@@ -419,14 +425,14 @@ def backward(
         grad_out, codes_arg, codes_t_arg, code_scale_arg, lse, delta, dk, dv,
         stats if stats is not None else delta,
         *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
         DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
     )  # fmt: skip
     _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
         q_op, q_scale, q_mean_arg, k_op, k_t_arg, k_scale, v_dp, v_scale_arg,
         grad_out, codes_arg, code_scale_arg, lse, delta, dq,
         *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, scale * LOG2E, scale,
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
         **common,
     )  # fmt: skip
     return dq, dk, dv

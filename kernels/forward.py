@@ -19,7 +19,7 @@ from .quant import (
     hp_dot,
     int8_codes,
     int8_scale,
-    int32_to_f32,
+    int32_scaled,
     padded_head_dim,
     seq_bucket,
     to_dtype,
@@ -75,10 +75,9 @@ def scores_tile(
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
     if QK_INT8:
-        s = int32_to_f32(tl.dot(q, tl.trans(k)))
+        s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
     else:
-        s = hp_dot(q, tl.trans(k), DOT_PRECISION)
-    s = s * (q_scale * k_scale * qk_scale)
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
     if SMOOTH_Q:
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
@@ -174,7 +173,7 @@ def _forward_tile(
         p_scale = int8_scale(tl.math.exp2(tile_max - m_safe))
         p_codes = int8_codes(p, p_scale[:, None])
         v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-        pv = int32_to_f32(tl.dot(p_codes, tl.trans(v_t))) * (p_scale[:, None] * v_scale)
+        pv = int32_scaled(tl.dot(p_codes, tl.trans(v_t)), p_scale[:, None] * v_scale)
     else:
         v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
@@ -185,7 +184,7 @@ def _forward_tile(
 # may not fit another in shared memory.
 @triton.autotune(
     configs=tuning_configs(((8, 2), (8, 3), (4, 3))),
-    key=["HEAD_DIM", "SEQ_BUCKET", "CAUSAL", "QK_INT8", "PV_INT8", "SMOOTH_Q", "DOT_PRECISION"],
+    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "QK_INT8", "PV_INT8", "SMOOTH_Q", "DOT_PRECISION"],
 )
 @triton.jit
 def _forward_kernel(
@@ -207,6 +206,7 @@ def _forward_kernel(
     SEQ_K,
     HEAD_DIM,
     SEQ_BUCKET,
+    HEADS_BUCKET,
     qk_scale,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -316,6 +316,7 @@ def forward(
         seq_k,
         head_dim,
         seq_bucket(max(seq_q, seq_k)),
+        seq_bucket(batch * heads),
         scale * LOG2E,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

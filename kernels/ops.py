@@ -16,6 +16,8 @@ import triton
 
 from .backward import backward
 from .forward import LOG2E, forward
+from .hopper.dispatch import hopper_forward_applies
+from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
 from .quant import MAX_PRODUCT_TERMS, backward_preprocess, quantize_rows, transpose_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
@@ -57,22 +59,13 @@ def sagebwd_forward(
         v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
     else:
         v_op, v_scale = v.contiguous(), k_scale
-    out, lse = forward(
-        q_op,
-        q_scale,
-        q_mean,
-        k_op,
-        k_scale,
-        v_op,
-        v_scale,
-        out_dtype=q.dtype,
-        is_causal=is_causal,
-        scale=scale,
-        block_m=block_m,
-        block_n=block_n,
-        qk_int8=qk_int8,
-        pv_int8=pv_int8,
-    )
+    operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
+    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n}
+    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
+                              block_n=block_n):  # fmt: skip
+        out, lse = hopper_forward(*operands, **tiles)
+    else:
+        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
     q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
     return out, lse, q_op, q_scale, q_mean, k_op, k_scale
 

@@ -88,7 +88,10 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 def seq_bucket(n: int) -> int:
-    """The autotuning key for a sequence length: its next power of two, so lengths in one bucket share a tuning."""
+    """An autotuning key: the next power of two of a sequence length, or of the (batch, head) pairs a launch
+    covers, so sizes in one bucket share a tuning. The kernels key on both: the best tiles for a small launch
+    (a check, an evaluation at batch 1) are not those for a training batch that fills the GPU, and a tuning
+    found on the first must not be reused for the second."""
     return triton.next_power_of_2(max(n, 1))
 
 
@@ -117,6 +120,26 @@ def int32_to_f32(x):
 
 
 @triton.jit
+def exact_22_bits(x):
+    """``x`` with its last two mantissa bits cleared (22 significant bits), so that ``1.5 * 2**23 * x``, whose
+    significand is ``3 x``'s (at most two bits longer than ``x``'s), is exact in fp32 (24 bits)."""
+    return (x.to(tl.int32, bitcast=True) & -4).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def int32_scaled(x, scale):
+    """``x.to(tl.float32) * scale`` for an int32 ``|x| < 2**22`` (an INT8 product) in one fused multiply-add.
+
+    ``x + 1.5 * 2**23``'s bits read as fp32 hold ``1.5 * 2**23 + x`` exactly (see ``_ROUNDER_BITS``; the add
+    folds into the product's accumulator), so ``x * c = bits * c - 1.5 * 2**23 * c``; with ``c`` cut to 22
+    significant bits the constant is exact and the fused multiply-add rounds once, as the multiply alone would.
+    ``scale`` loses at most 2**-22 of itself. Against the conversion then the multiply, one add less per element.
+    """
+    c = exact_22_bits(scale)
+    return tl.fma((x + _ROUNDER_BITS).to(tl.float32, bitcast=True), c, -(c * _ROUNDER))
+
+
+@triton.jit
 def int8_scale(amax):
     """``amax / 127``, or 1 where that is 0 (an all-zero block, or a max so small the division underflows)."""
     scale = amax / 127.0
@@ -129,10 +152,11 @@ def int8_codes(x, scale, EXACT: tl.constexpr = False):
     callers always multiply the product by the scale, which carries the NaN or infinity.
 
     ``EXACT`` divides with IEEE rounding, so the codes equal the reference's bit for bit (the quantization
-    kernels, which are memory-bound); the hot loops use the GPU's faster division, which is off by at most
-    2 ulp and so flips a code only for a value within that of a rounding boundary, and take the code from the
-    rounded float's bits. Both need ``scale`` to be ``max|x| / 127`` over the values coded (as every caller's
-    is), so that no code needs clamping.
+    kernels, which are memory-bound); the hot loops multiply by the reciprocal of the scale (one division per
+    scale, not per element), which is off by at most 2 ulp and so flips a code only for a value within that of
+    a rounding boundary, and take the code from the rounded float's bits (one fused multiply-add per element).
+    Both need ``scale`` to be ``max|x| / 127`` over the values coded (as every caller's is), so that no code
+    needs clamping.
     """
     if EXACT:
         ratio = tl.math.div_rn(x, tl.zeros_like(x) + scale)
@@ -140,11 +164,10 @@ def int8_codes(x, scale, EXACT: tl.constexpr = False):
         codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
         return codes.to(tl.int8)
     else:
-        # |ratio| <= 127 up to the division's 2 ulp (scale = max|x| / 127 over the values coded), so adding
-        # 1.5 * 2**23 rounds it half to even into the low bits, whose low byte is the code: no clamp and no
-        # conversion instruction (see _ROUNDER_BITS).
-        ratio = x / scale
-        return (ratio + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
+        # |ratio| <= 127 up to 2 ulp (scale = max|x| / 127 over the values coded), so adding 1.5 * 2**23 rounds
+        # it half to even into the low bits, whose low byte is the code: no clamp and no conversion instruction
+        # (see _ROUNDER_BITS).
+        return tl.fma(x, 1.0 / scale, _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit

@@ -22,6 +22,7 @@ from sage_lightning.kernels.quant import (
     MAX_PRODUCT_TERMS,
     backward_preprocess,
     int8_codes,
+    int32_scaled,
     int32_to_f32,
     quantize_rows,
     transpose_rows,
@@ -231,15 +232,17 @@ def test_torch_compile_has_no_graph_break():
 
 
 @triton.jit
-def _conversions_kernel(INTS, FLOATS, SCALES, AS_FLOAT, CODES, N: tl.constexpr):
+def _conversions_kernel(INTS, FLOATS, SCALES, AS_FLOAT, SCALED, CODES, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(AS_FLOAT + offs, int32_to_f32(tl.load(INTS + offs)))
+    tl.store(SCALED + offs, int32_scaled(tl.load(INTS + offs), tl.load(SCALES + offs)))
     tl.store(CODES + offs, int8_codes(tl.load(FLOATS + offs), tl.load(SCALES + offs)))
 
 
 def test_hot_loop_conversions_are_exact():
-    """The kernels' int32 -> fp32 conversion (an add on the bits) and INT8 coding (a code read from the rounded
-    float's bits) give exactly ``float(x)`` and round-half-even codes over their whole range, ties included."""
+    """The kernels' int32 -> fp32 conversion (an add on the bits), the same fused with a scale (one multiply-add),
+    and INT8 coding (a code read from the rounded float's bits) give exactly ``float(x)``, ``float(x) * scale``
+    and round-half-even codes over their whole range, ties included."""
     n = 4096
     gen = torch.Generator().manual_seed(0)
     largest = MAX_PRODUCT_TERMS * 127 * 127
@@ -252,9 +255,13 @@ def test_hot_loop_conversions_are_exact():
     floats[: ties.numel()], scales[: ties.numel()] = ties, 1.0
     floats[-4:], scales[-4:] = torch.tensor([127.0, -127.0, 0.0, -0.0]), 1.0
     as_float = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    scaled = torch.empty(n, dtype=torch.float32, device=DEVICE)
     codes = torch.empty(n, dtype=torch.int8, device=DEVICE)
-    _conversions_kernel[(1,)](ints.to(DEVICE), floats.to(DEVICE), scales.to(DEVICE), as_float, codes, N=n)
+    _conversions_kernel[(1,)](ints.to(DEVICE), floats.to(DEVICE), scales.to(DEVICE), as_float, scaled, codes, N=n)
     assert torch.equal(as_float.cpu(), ints.float())
+    # Converted and scaled in one rounding: the fp32 product with the scale cut to 22 significant bits.
+    cut = (scales.view(torch.int32) & -4).view(torch.float32)
+    assert torch.equal(scaled.cpu(), ints.float() * cut)
     expected = torch.round(floats / scales).clamp(-127, 127).to(torch.int8)
     # The GPU's division is within 2 ulp of IEEE, which may move a value sitting on a tie; exact ties have scale 1.
     mismatch = (codes.cpu() != expected).nonzero().flatten()

@@ -1,0 +1,78 @@
+"""Whether a call takes the Hopper path: the GPU, the Triton version it was verified on, the shapes it serves.
+
+``SAGE_LIGHTNING_HOPPER`` overrides the choice: ``off`` keeps every call on the portable kernels (to compare the
+two, or to step around a fault); ``force`` takes the Hopper path for every call whose shapes it serves, whatever
+the device and the Triton version (the interpreter tests, ``benchmarks/sm90_compile.py``'s offline compiles);
+the default, ``auto``, takes it only on a compute capability 9.0 GPU under a verified Triton.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .forward import HEAD_DIMS
+
+#: Triton versions (major.minor) on which the Hopper path ran on the GPU and passed the verification record
+#: (``benchmarks/gpu_verify.py``); elsewhere ``auto`` keeps the portable kernels.
+VERIFIED_TRITON = ("3.6",)
+#: The environment variable, and the values it takes.
+ENV = "SAGE_LIGHTNING_HOPPER"
+CHOICES = ("auto", "off", "force")
+
+
+def _choice() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
+    return value
+
+
+def _verified_here(device: torch.device) -> bool:
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device) == (9, 0)
+        and ".".join(triton.__version__.split(".")[:2]) in VERIFIED_TRITON
+    )
+
+
+def hopper_forward_applies(
+    q_op: torch.Tensor,
+    k_op: torch.Tensor,
+    *,
+    qk_int8: bool,
+    pv_int8: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+) -> bool:
+    """Whether :func:`.forward.hopper_forward` serves this forward.
+
+    It serves INT8 ``QK`` and ``PV`` (the default precision, with or without Q-smoothing), head dims 64 and
+    128, key counts that are multiples of 16 (the transposed V^'s rows must be 16-byte aligned for the copy
+    engine), a positive scale, Q blocks of a multiple of 128 rows and key tiles of 64 or 128, on a compute
+    capability 9.0 GPU under a verified Triton (:data:`VERIFIED_TRITON`), unless :data:`ENV` says otherwise.
+
+    Args:
+        q_op, k_op: the quantized Q'^ ``[B, Hq, N, D]`` and K'^ ``[B, Hkv, Nk, D]``.
+        qk_int8, pv_int8, scale, block_m, block_n: as :func:`..forward.forward`.
+
+    Example::
+
+        if hopper_forward_applies(q_op, k_op, qk_int8=True, pv_int8=True, scale=0.125, block_m=128, block_n=64):
+            out, lse2 = hopper_forward(...)
+    """
+    choice = _choice()
+    if choice == "off" or (choice == "auto" and not _verified_here(q_op.device)):
+        return False
+    return (
+        qk_int8
+        and pv_int8
+        and q_op.shape[-1] in HEAD_DIMS
+        and k_op.shape[2] % 16 == 0
+        and scale > 0
+        and block_m % 128 == 0
+        and block_n in (64, 128)
+    )

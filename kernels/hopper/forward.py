@@ -1,0 +1,219 @@
+"""Hopper (sm_90) forward of SageBwd: TMA-fed tiles and fewer instructions per score.
+
+The numerics are the portable forward's (:mod:`..forward`) and the reference's: INT8 ``Q'^ K'^T`` with one Q
+scale per ``Q_BLOCK`` rows and one K scale per ``BLOCK_N`` keys, P coded per row of each key tile with
+``s_P = rowmax(P~) / 127``, INT8 ``P^ V^`` with one V scale per key tile, an online softmax in base 2. What
+differs is how the hot loop spends instructions, which is what bounds it on Hopper: a tile's elementwise work
+issues at 128 lanes per clock per SM against the tensor cores' INT8 rate, and the portable loop spends about 25
+instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
+
+* Operand tiles arrive by the bulk tensor copy engine (TMA descriptors over ``[B*H, N, D]`` views), which
+  zero-fills past a head's end, in place of per-thread address arithmetic and masks.
+* ``P^`` is coded without a division: ``P~ / s_P = 127 * exp2(S - tile_max)``, so one ``exp2`` per score gives
+  the code (``E * 127``, rounded by the magic-number add) and, times ``exp2(tile_max - m)`` per row, the
+  softmax sum. The portable loop takes ``exp2(S - m)`` and then multiplies each score by ``127 / rowmax``.
+* ``P^ V^``'s int32 product is converted and scaled by one fused multiply-add per element
+  (:func:`..quant.int32_scaled`, which the portable kernels use too).
+
+The first changes no value beyond the last bit of fp32 arithmetic (a code can flip where ``127 * E`` sits
+within that of a rounding boundary, as with the portable loop's fast division); the agreement against the
+reference is checked by the same tests and bounds as the portable kernels (``benchmarks/gpu_verify.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..forward import LOG2E, key_range, scores_tile, tile_mask
+from ..quant import _INTERPRETED, _ROUNDER, _ROUNDER_BITS, dot_precision, int32_scaled, seq_bucket, to_dtype
+
+#: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
+#: D a multiple of 32.
+HEAD_DIMS = (64, 128)
+
+
+def _set_blocks(nargs: dict) -> None:
+    """Autotuning pre-hook: the descriptors' block shapes follow the candidate's tile sizes."""
+    bm, bn, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["HEAD_DIM"]
+    nargs["desc_q"].block_shape = [1, bm, d]
+    nargs["desc_k"].block_shape = [1, bn, d]
+    nargs["desc_vt"].block_shape = [1, d, bn]
+    nargs["desc_o"].block_shape = [1, bm, d]
+
+
+def _configs() -> list[triton.Config]:
+    """Candidates: 128 or 64 query rows per program (a program of 64 rows reads its Q block's scale), warps and
+    pipeline depth. One plain config under the interpreter."""
+    if _INTERPRETED:
+        return [triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1, pre_hook=_set_blocks)]
+    return [
+        triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s, pre_hook=_set_blocks)
+        for bm, w, s in ((128, 8, 2), (128, 8, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4))
+    ]
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "SMOOTH_Q", "Q_BLOCK", "BLOCK_N", "DOT_PRECISION"],
+)
+@triton.jit
+def _hopper_forward_kernel(
+    desc_q,
+    desc_k,
+    desc_vt,
+    desc_o,
+    Q_SCALE,
+    Q_MEAN,
+    K_SCALE,
+    V_SCALE,
+    LSE,
+    HEADS,
+    GROUP,
+    SEQ_Q,
+    SEQ_K,
+    SEQ_BUCKET,
+    HEADS_BUCKET,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    if CAUSAL:
+        # Heads vary fastest and the longest query tiles (the last) go first, so the first wave holds the
+        # heaviest work and the short tiles fill the tail.
+        pid_bh = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    b = pid_bh // HEADS
+    kv_bh = b * (HEADS // GROUP) + (pid_bh % HEADS) // GROUP
+    q_block = pid_m * BLOCK_M // Q_BLOCK
+    k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    q = desc_q.load([pid_bh, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+    q_scale = tl.load(Q_SCALE + pid_bh * tl.cdiv(SEQ_Q, Q_BLOCK) + q_block)
+    q_mean = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    if SMOOTH_Q:
+        q_mean = tl.load(Q_MEAN + (pid_bh * tl.cdiv(SEQ_Q, Q_BLOCK) + q_block) * HEAD_DIM + cols)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi, full_hi = key_range(pid_m, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, hi, BLOCK_N):
+        tile = start_n // BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = desc_k.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
+        # x * a is S (base 2): without Q-smoothing x is the int32 product read exactly as fp32 (one add) and
+        # a its scale, so the multiply folds into the exp2's argument.
+        if SMOOTH_Q:
+            x, _ = scores_tile(
+                q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale,
+                CAUSAL, True, True, DOT_PRECISION, False,
+            )  # fmt: skip
+            a = 1.0
+        else:
+            x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
+            a = q_scale * k_scale * qk_scale
+        if start_n >= full_hi:
+            x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
+        tile_max = tl.max(x, axis=1) * a
+        m_new = tl.maximum(m_i, tile_max)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        t_safe = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+        # E = P~ / rowmax(P~) of this tile, in [0, 1]: the codes are 127 * E, the sum is E's times exp2(t - m).
+        e = tl.math.exp2(x * a - t_safe[:, None])
+        beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(e, axis=1) * beta
+        codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
+        vt = desc_vt.load([kv_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+        v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+        # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
+        acc = acc * alpha[:, None] + int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None]
+    out = to_dtype(out, desc_o.dtype, DOT_PRECISION)
+    desc_o.store([pid_bh, pid_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM))
+    tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
+
+
+def hopper_forward(
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_op: torch.Tensor,
+    v_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    is_causal: bool,
+    scale: float,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward on Hopper, for INT8 ``QK`` and ``PV`` (what :func:`..forward.forward` takes, in its layouts).
+
+    Args:
+        q_op, q_scale, q_mean, k_op, k_scale: as :func:`..forward.forward`.
+        v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` int8 and its scales ``[B, Hkv, Nk / block_n]``.
+        out_dtype, is_causal, scale, block_m, block_n: as :func:`..forward.forward`; ``block_m`` is the Q
+            quantization block (programs take 128 or 64 of its rows), ``block_n`` the key tile.
+
+    Returns:
+        ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]``, as :func:`..forward.forward`.
+
+    Example::
+
+        out, lse2 = hopper_forward(*q_parts, *k_parts, v_codes, v_scale, out_dtype=torch.bfloat16,
+                                   is_causal=True, scale=0.125, block_m=128, block_n=64)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
+    blocks = [1, 1, 1]  # set per autotuning candidate by _set_blocks
+    desc_q = TensorDescriptor.from_tensor(q_op.view(batch * heads, seq_q, head_dim), blocks)
+    desc_k = TensorDescriptor.from_tensor(k_op.view(batch * kv_heads, seq_k, head_dim), blocks)
+    desc_vt = TensorDescriptor.from_tensor(v_op.view(batch * kv_heads, head_dim, seq_k), blocks)
+    desc_o = TensorDescriptor.from_tensor(out.view(batch * heads, seq_q, head_dim), blocks)
+
+    def grid(meta: dict) -> tuple[int, int]:
+        tiles = triton.cdiv(seq_q, meta["BLOCK_M"])
+        return (batch * heads, tiles) if is_causal else (tiles, batch * heads)
+
+    _hopper_forward_kernel[grid](
+        desc_q,
+        desc_k,
+        desc_vt,
+        desc_o,
+        q_scale,
+        q_mean if q_mean is not None else q_scale,
+        k_scale,
+        v_scale,
+        lse,
+        heads,
+        heads // kv_heads,
+        seq_q,
+        seq_k,
+        seq_bucket(max(seq_q, seq_k)),
+        seq_bucket(batch * heads),
+        scale * LOG2E,
+        HEAD_DIM=head_dim,
+        Q_BLOCK=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=is_causal,
+        SMOOTH_Q=q_mean is not None,
+        DOT_PRECISION=dot_precision(out_dtype),
+    )
+    return out, lse

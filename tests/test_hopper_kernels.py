@@ -1,0 +1,135 @@
+"""The Hopper path (``kernels/hopper``) against the reference, and the rule that picks it.
+
+On a CPU-only machine the Hopper kernels run in Triton's interpreter with the path forced
+(``SAGE_LIGHTNING_HOPPER=force``); on a Hopper GPU the same tests run on CUDA. The interpreter proves the
+logic only: what it cannot see (the GPU's operand layouts, TMA) is proven on the device by
+``benchmarks/gpu_verify.py``, whose record CI checks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from sage_lightning.kernels import AttentionPrecision, ops
+from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels.ops import sage_attention_triton
+from sage_lightning.kernels.reference import exact_attention, sage_attention_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+needs_kernels = pytest.mark.skipif(
+    not (INTERPRETED or ON_HOPPER), reason="the Hopper kernels need a Hopper GPU or TRITON_INTERPRET=1"
+)
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Force the Hopper path and count the calls that reach its forward."""
+    monkeypatch.setenv(dispatch.ENV, "force")
+    calls = []
+    original = ops.hopper_forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "hopper_forward", counted)
+    return calls
+
+
+# (batch, q heads, kv heads, N, Nk, head dim, causal, precision): each line one thing the path must do.
+CASES = [
+    pytest.param(1, 2, 2, 192, 192, 64, False, AttentionPrecision(), id="mha"),
+    pytest.param(1, 2, 1, 144, 144, 64, True, AttentionPrecision(), id="gqa-causal-ragged"),
+    pytest.param(1, 2, 2, 80, 208, 128, True, AttentionPrecision(), id="causal-n-lt-nk-d128"),
+    pytest.param(1, 2, 2, 144, 96, 64, True, AttentionPrecision(smooth_q=True), id="smooth-q-n-gt-nk"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("batch, hq, hkv, n, nk, d, causal, precision", CASES)
+def test_hopper_forward_matches_reference(hopper_calls, batch, hq, hkv, n, nk, d, causal, precision):
+    gen = torch.Generator().manual_seed(n + nk + d)
+    q = torch.randn(batch, hq, n, d, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    k = torch.randn(batch, hkv, nk, d, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    v = torch.randn(batch, hkv, nk, d, generator=gen).to(DEVICE, torch.bfloat16).requires_grad_()
+    do = torch.randn(batch, hq, n, d, generator=gen).to(DEVICE, torch.bfloat16)
+    kw = dict(is_causal=causal, precision=precision)
+    out, lse = sage_attention_triton(q, k, v, **kw)
+    assert hopper_calls, "the call did not take the Hopper path"
+    ref_out, ref_lse = sage_attention_reference(q, k, v, **kw)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert rel_l2(out, ref_out) < 4e-3
+    assert rel_l2(lse, ref_lse) < 2e-4
+    # The gradients flow through the saved operands as on the portable path.
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), do)
+    exact = exact_attention(q, k, v, do, is_causal=causal)
+    for name, g, ref in zip(("dQ", "dK", "dV"), grads, ref_grads, strict=True):
+        assert rel_l2(g, ref) < 2e-2, name
+        assert rel_l2(g, exact[name]) < 1.15 * rel_l2(ref, exact[name]) + 1e-3, name
+
+
+@needs_kernels
+def test_hopper_forward_propagates_nan(hopper_calls):
+    q = torch.randn(1, 1, 64, 64, device=DEVICE, dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    q[0, 0, 3, 5] = float("nan")
+    out, _ = sage_attention_triton(q, k, v)
+    assert hopper_calls
+    assert torch.isnan(out[0, 0]).any()
+
+
+def _applies(**overrides: object) -> bool:
+    q = torch.zeros(1, 2, 128, 128, dtype=torch.int8)
+    k = torch.zeros(1, 2, 128, 128, dtype=torch.int8)
+    args = dict(qk_int8=True, pv_int8=True, scale=0.125, block_m=128, block_n=64)
+    if "head_dim" in overrides:
+        q = q[..., : overrides.pop("head_dim")]
+    if "seq_k" in overrides:
+        k = k[:, :, : overrides.pop("seq_k")]
+    return dispatch.hopper_forward_applies(q, k, **{**args, **overrides})
+
+
+def test_dispatch_serves_the_default_precision_when_forced(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "force")
+    assert _applies()
+    assert _applies(head_dim=64, block_n=128)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"pv_int8": False},
+        {"qk_int8": False},
+        {"head_dim": 96},
+        {"seq_k": 100},  # V^'s transposed rows would not be 16-byte aligned for the copy engine
+        {"scale": -0.125},
+        {"block_m": 64},
+        {"block_n": 32},
+    ],
+)
+def test_dispatch_leaves_what_it_does_not_serve_to_the_portable_kernels(monkeypatch, overrides):
+    monkeypatch.setenv(dispatch.ENV, "force")
+    assert not _applies(**overrides)
+
+
+def test_dispatch_auto_takes_the_path_only_on_a_verified_hopper(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert not _applies()  # CPU tensors: not a Hopper GPU
+    monkeypatch.setenv(dispatch.ENV, "off")
+    assert not _applies()
+
+
+def test_dispatch_refuses_an_unknown_setting(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "fast")
+    with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_HOPPER must be one of auto, off, force; received 'fast'"):
+        _applies()
