@@ -42,7 +42,15 @@ from sage_lightning.policy import (
     StepSignals,
 )
 from sage_lightning.precision_image import LevelHistory
-from sage_lightning.signals import HEAD_FIELDS, VERDICT_LAG, SignalLayout, StepRecord, count_tokens, reduce
+from sage_lightning.signals import (
+    HEAD_FIELDS,
+    LAYER_FIELDS,
+    VERDICT_LAG,
+    SignalLayout,
+    StepRecord,
+    count_tokens,
+    reduce,
+)
 from sage_lightning.snapshots import Snapshots
 
 __all__ = ["AdaptivePrecision", "TrainingDiverged", "count_tokens"]
@@ -522,6 +530,7 @@ class AdaptivePrecision(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        state_dict = _upgrade_state(state_dict)
         _check_state(state_dict)
         self.history = [Decision(**decision) for decision in state_dict["history"]]
         self.tokens_seen = int(state_dict["tokens_seen"])
@@ -799,6 +808,37 @@ class AdaptivePrecision(Callback):
         if self._policy is None:
             raise RuntimeError("AdaptivePrecision: the policy is built in on_train_start; this hook ran before it.")
         return self._policy
+
+
+def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A controller state saved by the previous layout (version 2) in this version's (3); any other as it is.
+
+    Version 2 kept one pending verdict and one snapshot candidate (verdicts one step late), and its signal vectors
+    had no per-layer non-finite flag. Its pending record becomes a list of one whose vector gains a 0 flag per layer
+    (version 2 read the flags from the layers when the verdict came and did not save them, so a non-finite step
+    pending at the checkpoint is judged without knowing which layer started it), with its layers' precisions during
+    the step unknown (the check for stale measurements skips it); its candidate becomes a list of one. The resumed
+    run concludes that step at its new lag, one step later than version 2 would have.
+    """
+    if not isinstance(state, Mapping) or state.get("version") != 2:
+        return state
+    upgraded = dict(state, version=STATE_VERSION)
+    pending = state.get("pending")
+    if (
+        isinstance(pending, Mapping)
+        and isinstance(pending.get("values"), list)
+        and isinstance(state.get("bases"), Mapping)
+    ):
+        values, head, width = list(pending["values"]), len(HEAD_FIELDS), len(LAYER_FIELDS) - 1
+        rows = [values[head + i * width : head + (i + 1) * width] + [0.0] for i in range(len(state["bases"]))]
+        upgraded["pending"] = [dict(pending, values=values[:head] + [v for row in rows for v in row], precisions=[])]
+    elif pending is None:
+        upgraded["pending"] = []
+    snapshots = state.get("snapshots")
+    if isinstance(snapshots, Mapping) and "candidate" in snapshots:
+        candidate = snapshots["candidate"]
+        upgraded["snapshots"] = {"good": snapshots.get("good"), "candidates": [] if candidate is None else [candidate]}
+    return upgraded
 
 
 def _check_state(state: Mapping[str, Any]) -> None:

@@ -3,6 +3,7 @@ surviving a NaN, skipping a step, resuming, and its argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import logging
@@ -10,6 +11,7 @@ import math
 import os
 import shutil
 import traceback
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -239,6 +241,35 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, check_before_s
     assert resumed.tokens_seen == uninterrupted.tokens_seen and resumed.int8_fraction == uninterrupted.int8_fraction
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_a_checkpoint_of_the_previous_layout_resumes(tmp_path) -> None:
+    """A checkpoint written before the two-step verdict lag (controller state version 2: one pending verdict, one
+    snapshot candidate; ``tests/data/state_v2.ckpt``, made at 33c9433 by ``tests/data/make_state_v2_checkpoint.py``)
+    resumes: its decisions, counters and precisions carry over, its pending verdict is concluded, and training goes
+    on to a checkpoint of this version's layout."""
+    saved = torch.load(DATA / "state_v2.ckpt", weights_only=False)
+    (old,) = [value for key, value in saved["callbacks"].items() if key.startswith("AdaptivePrecision")]
+    assert old["version"] == 2 and old["pending"]["step"] == 5 and old["snapshots"]["good"] is not None
+    config = PolicyConfig(ds_stats_every_n_steps=1, probe_every_n_steps=4, probe_grad_cos_min=0.999999)
+    controller = AdaptivePrecision(config, verbose=False, check_before_step=False)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=12, enable_checkpointing=True), callbacks=[controller, checkpoints]
+    )
+    model = TinyLM(layers=1, d_model=16, heads=2)
+    trainer.fit(model, token_loader(6, same_batch=True), ckpt_path=DATA / "state_v2.ckpt")
+
+    assert trainer.global_step == 12
+    assert [dataclasses.asdict(d) for d in controller.history[: len(old["history"])]] == old["history"]
+    assert controller.tokens_seen > old["tokens_seen"] and controller.rollbacks == old["rollbacks"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    new = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    (state,) = [value for key, value in new["callbacks"].items() if key.startswith("AdaptivePrecision")]
+    assert state["version"] == 3 and isinstance(state["pending"], list)
 
 
 def test_misconfigurations_fail_at_train_start(tmp_path) -> None:
