@@ -8,7 +8,7 @@ fixed random Markov chain (learnable, so the loss moves like a real run's), once
 * ``callback, defaults``: ``AdaptivePrecision()`` as a user gets it (dS statistics every 25 steps, a probe every
   5000, a snapshot every 100, and on every step the gradient norm and one packed all-reduce). The optimizer is
   AdamW with ``fused=True`` on CUDA, which can skip a non-finite step on the device, so by default the signals
-  are read one step later, without a host sync;
+  of step ``t`` are read at step ``t + 2`` from a pinned host copy, without a host sync;
 * ``callback, defaults, check_before_step=True``: the same, the signals read with one host sync before every
   optimizer step (what the default does with an optimizer that cannot skip on the device).
 
@@ -19,18 +19,21 @@ snapshots off (the per-step cost, without and with the check before the step), a
 statistics, only the probe, or only the snapshot on
 every step (the cost of one such step, to set against its period).
 
-A run's step time is the wall time of its measured steps divided by their number (a mean, not a median: the
-rare armed steps are the cost being measured), the device synchronised at each step's end. Settings run in
-turn, ``--repeats`` rounds, the order reversed every other round. Identical runs differ by a few percent from
-one to the next (the machine, not the code), so each row reports the median over rounds (``step_ms``,
-``baseline_step_ms``) and ``overhead``, the median over rounds of the ratio to the baseline run of the same
-round (paired, so slow drifts of the machine cancel); ``round_step_ms`` keeps every round.
-``round_median_step_ms`` is each round's median step (a cost paid on every step moves it, one paid on rare
-steps does not), and ``round_decisions`` each round's decisions of the callback, warm-up included: the overhead
-is that of a calm run, and a run that escalates a layer runs another kernel afterwards and a verification probe
-(float64 attention per layer) on the next step, which the breakdown does not account for (the H100 run of
-2026-11-23 measured +20% with the defaults against +3.7% rebuilt from the breakdown, without a record of its
-decisions).
+A run's step time is the wall time of its measured steps divided by their number (a mean, not a median: the rare
+armed steps are the cost being measured), the device synchronised at each step's end. That sync is not what training
+does: it keeps the host from running ahead of the device, and it waits for a snapshot's copies on their side stream,
+which training overlaps with the next forward and backward. ``--no-step-sync`` times the same window with the device
+synchronised at its two ends only (each step's end is then a CUDA event, for the median step). Settings run in turn,
+``--repeats`` rounds, the order reversed every other round. Identical runs differ by a few percent from one to the
+next (the machine, not the code), so each row reports the median over rounds (``step_ms``, ``baseline_step_ms``) and
+``overhead``, the median over rounds of the ratio to the baseline run of the same round (paired, so slow drifts of
+the machine cancel); ``round_step_ms`` keeps every round. ``round_median_step_ms`` is each round's median step (a
+cost paid on every step moves it, one paid on rare steps does not), and ``round_decisions`` each round's decisions
+of the callback, warm-up included: the overhead is that of a calm run (``round_verdict_waits``: how many of the
+callback's fixed-lag reads found their step's signals not yet on the host and waited), and a run that escalates a
+layer runs another kernel afterwards and a verification probe (float64 attention per layer) on the next step, which
+the breakdown does not account for (the H100 run of 2026-11-23 measured +20% with the defaults against +3.7% rebuilt
+from the breakdown, without a record of its decisions).
 
 Example::
 
@@ -160,11 +163,30 @@ def markov_tokens(sequences: int, seq: int, seed: int = 0, branching: int = 8) -
 
 
 class StepTimer(Callback):
-    """Wall time of each optimizer step, the device synchronised at its end."""
+    """Wall time of each optimizer step, the device synchronised at its end; with ``step_sync=False`` on CUDA,
+    synchronised only where the measured window starts (the end of step ``skip - 1``) and ends, each step's end
+    marked by a CUDA event: the mean is then the window's wall time over its steps, the median the device's.
 
-    def __init__(self) -> None:
+    Args:
+        step_sync: synchronise the device at every step's end.
+        skip: the warm-up steps before the measured window.
+
+    Example::
+
+        timer = StepTimer(step_sync=False, skip=20)
+        trainer = L.Trainer(callbacks=[timer], max_steps=420)
+        trainer.fit(model, loader)
+        timer.step_ms(skip=20), timer.median_step_ms(skip=20)
+    """
+
+    def __init__(self, step_sync: bool = True, skip: int = 0) -> None:
         self.ends: list[float] = []
+        self.step_sync = step_sync
+        self.skip = skip
         self._step = -1
+        self._events: list[torch.cuda.Event] = []
+        self._window_start = 0.0
+        self._window_ms = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._synchronize(pl_module)
@@ -172,10 +194,27 @@ class StepTimer(Callback):
         self._step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step != self._step:  # an optimizer step ended with this batch
+        if trainer.global_step == self._step:
+            return  # an optimizer step did not end with this batch
+        self._step = trainer.global_step
+        if self._events_only(pl_module):
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+            if len(self._events) == self.skip:
+                self._synchronize(pl_module)
+                self._window_start = time.perf_counter()
+            return
+        self._synchronize(pl_module)
+        self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._events_only(pl_module):
             self._synchronize(pl_module)
-            self.ends.append(time.perf_counter())
-            self._step = trainer.global_step
+            self._window_ms = 1000 * (time.perf_counter() - self._window_start)
+
+    def _events_only(self, pl_module: L.LightningModule) -> bool:
+        return not self.step_sync and pl_module.device.type == "cuda"
 
     @staticmethod
     def _synchronize(pl_module: L.LightningModule) -> None:
@@ -184,12 +223,17 @@ class StepTimer(Callback):
 
     def step_ms(self, skip: int) -> float:
         """Mean milliseconds per step after the first ``skip`` steps."""
+        if self._events:
+            return self._window_ms / (len(self._events) - skip)
         ends = self.ends[skip:]
         return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
 
     def median_step_ms(self, skip: int) -> float:
         """Median milliseconds of one step after the first ``skip`` steps: a cost paid on every step moves it, one
         paid on rare steps (dS statistics, snapshots, probes) does not."""
+        if self._events:
+            measured = self._events[skip - 1 :]
+            return statistics.median(a.elapsed_time(b) for a, b in zip(measured, measured[1:], strict=False))
         ends = self.ends[skip:]
         return 1000 * statistics.median(later - earlier for earlier, later in zip(ends, ends[1:], strict=False))
 
@@ -239,6 +283,7 @@ class Run:
     median_step_ms: float
     steps: int
     decisions: list[str]
+    verdict_waits: int = 0
 
 
 def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
@@ -250,7 +295,7 @@ def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
     """
     torch.manual_seed(args.seed)
     model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
-    timer = StepTimer()
+    timer = StepTimer(step_sync=not args.no_step_sync, skip=args.warmup)
     factory, main_setting = SETTINGS[label]
     steps = args.steps if main_setting else args.breakdown_steps
     controller = None if factory is None else factory()
@@ -271,7 +316,8 @@ def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
     with use_backend(args.backend):
         trainer.fit(model, loader)
     decisions = [] if controller is None else [str(decision) for decision in controller.history]
-    return Run(timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup), steps, decisions)
+    waits = 0 if controller is None else controller.verdict_waits
+    return Run(timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup), steps, decisions, waits)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -300,6 +346,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="sage_attention's implementation (auto: the Triton kernels on CUDA, the reference elsewhere)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-step-sync",
+        action="store_true",
+        help="synchronise the device only where the measured steps start and end, not at every step's end",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     args = parser.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq", "batch", "steps", "breakdown_steps", "repeats"):
@@ -319,17 +370,18 @@ def format_table(result: dict) -> str:
     """
     lines = [
         "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms) | median step, rounds (ms) "
-        "| decisions, rounds |",
-        "|---|---:|---:|---:|---:|---|---|---|",
+        "| decisions, rounds | verdicts that waited, rounds |",
+        "|---|---:|---:|---:|---:|---|---|---|---|",
     ]
     by_label = {row["what"]: row for row in result["rows"]}
     for row in result["rows"]:
         each = ", ".join(f"{ms:.2f}" for ms in row["round_step_ms"])
         medians = ", ".join(f"{ms:.2f}" for ms in row.get("round_median_step_ms", [])) or "-"
         decided = ", ".join(str(len(made)) for made in row.get("round_decisions", [])) or "-"
+        waited = ", ".join(str(n) for n in row.get("round_verdict_waits", [])) or "-"
         lines.append(
             f"| {row['what']} | {row['steps']} | {row['step_ms']:.2f} | {row['baseline_step_ms']:.2f} | "
-            f"{row['overhead']:+.2%} | {each} | {medians} | {decided} |"
+            f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} |"
         )
     base = by_label["no callback"]["step_ms"]
     off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
@@ -404,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "round_step_ms": means,
                 "round_median_step_ms": [run.median_step_ms for run in rounds[label]],
                 "round_decisions": [run.decisions for run in rounds[label]],
+                "round_verdict_waits": [run.verdict_waits for run in rounds[label]],
                 **shape,
             }
         )
@@ -426,7 +479,13 @@ def main(argv: list[str] | None = None) -> dict:
         f"# AdaptivePrecision overhead per optimizer step\n\n{name}, {result['date']}, commit {result['commit']}\n\n"
         f"`{result['command']}`\n\n{args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
         f"batch {args.batch}, {args.precision}, backend {args.backend}; mean over the measured steps after "
-        f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, overhead paired by round.\n\n"
+        f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, overhead paired by round; "
+        + (
+            "the device synchronised where the measured steps start and end only"
+            if args.no_step_sync
+            else "the device synchronised at every step's end"
+        )
+        + ".\n\n"
     )
     out.with_suffix(".md").write_text(heading + table + "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")

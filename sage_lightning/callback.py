@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import shutil
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,7 +30,7 @@ from typing_extensions import override
 
 from sage_lightning import tensorboard
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.layer import AttentionLayerState, attention_layers
+from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import (
@@ -41,13 +42,21 @@ from sage_lightning.policy import (
     StepSignals,
 )
 from sage_lightning.precision_image import LevelHistory
-from sage_lightning.signals import HEAD_FIELDS, SignalLayout, StepRecord, count_tokens, reduce
+from sage_lightning.signals import (
+    HEAD_FIELDS,
+    LAYER_FIELDS,
+    VERDICT_LAG,
+    SignalLayout,
+    StepRecord,
+    count_tokens,
+    reduce,
+)
 from sage_lightning.snapshots import Snapshots
 
 __all__ = ["AdaptivePrecision", "TrainingDiverged", "count_tokens"]
 
 #: The version of :meth:`AdaptivePrecision.state_dict`'s layout.
-STATE_VERSION = 2
+STATE_VERSION = 3
 _STATE_KEYS = (
     "version",
     "policy",
@@ -143,13 +152,16 @@ class AdaptivePrecision(Callback):
         check_before_step: ``True``: read each step's signals before its optimizer step, so a step with
             non-finite gradients is skipped outright. That takes one host sync per step, which leaves the GPU
             idle while the host launches the optimizer step and the next forward (``benchmarks/overhead.py``
-            measures it). ``False``: read them one step later without waiting. Decisions land one step later; a
-            step with non-finite gradients is still skipped on the device by fused optimizers
-            (``torch.optim.AdamW(..., fused=True)``), as under a GradScaler, and undone by a rollback with other
-            optimizers; a loss spike or NaN loss rolls back one more step. Snapshots are then taken ahead of their
-            step's verdict, so two are kept in host memory. ``None`` (default): ``False`` when every optimizer
-            can skip a step on the device (fused Adam, AdamW, SGD, Adagrad) and there is no GradScaler,
-            ``True`` otherwise.
+            measures it). ``False``: the signals of step ``t`` are copied to pinned host memory without waiting
+            and read at step ``t + 2`` (:data:`~sage_lightning.signals.VERDICT_LAG`), on every rank, when the copy
+            is long done: no host sync on any step that does not probe or roll back. Decisions about step ``t`` then
+            take effect from step ``t + 3`` instead of ``t + 1``; a step with non-finite gradients is still
+            skipped on the device by fused optimizers (``torch.optim.AdamW(..., fused=True)``), as under a
+            GradScaler, and undone by a rollback with other optimizers; a NaN loss or a repeated loss spike rolls
+            back two more steps. Snapshots are then taken ahead of their step's verdict, so the good one and one
+            candidate (two with ``snapshot_every_n_steps=1``) are kept in host memory. ``None`` (default):
+            ``False`` when every optimizer can skip a step on the device (fused Adam, AdamW, SGD, Adagrad) and there
+            is no GradScaler, ``True`` otherwise.
 
     Raises:
         ValueError: an argument of the wrong type or out of range; the message names it, the value received
@@ -260,7 +272,9 @@ class AdaptivePrecision(Callback):
         self._micro_batches = 0
         self._window_tokens = 0
         self._last_action: str | None = None
-        self._pending: StepRecord | None = None
+        # Steps whose verdict is on its way (check_before_step=False), oldest first: at most VERDICT_LAG.
+        self._pending: deque[StepRecord] = deque()
+        self._verdict_waits = 0
 
     # ---------------------------------------------------------------------------------------------- reading
 
@@ -275,6 +289,13 @@ class AdaptivePrecision(Callback):
         and every product it runs in INT8 still did. A layer whose base precision is full counts as not low-bit
         (a run that starts in ``mode="full"`` shows 0). 1 before the first step."""
         return self._int8_layer_steps / self._layer_steps if self._layer_steps else 1.0
+
+    @property
+    def verdict_waits(self) -> int:
+        """How many verdicts (``check_before_step=False``) found their step's signals not yet on the host
+        :data:`~sage_lightning.signals.VERDICT_LAG` steps later and waited for them: on a GPU the host then ran
+        further ahead of the device than the lag; 0 on the CPU. ``benchmarks/overhead.py`` records it."""
+        return self._verdict_waits
 
     @property
     def snapshot_step(self) -> int | None:
@@ -361,7 +382,9 @@ class AdaptivePrecision(Callback):
         self._apply_precisions()
         self._window_open = False
         self._warm_up = True
-        self._pending = None if state is None else StepRecord.from_state(state.get("pending"))
+        self._pending = deque()
+        for saved in [] if state is None else state["pending"]:
+            self._pending.append(StepRecord.from_state(saved))
         self._check_first = self.check_before_step
         if self._check_first is None:
             scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -372,12 +395,10 @@ class AdaptivePrecision(Callback):
             # The uninterrupted run's snapshot (and candidate): a rollback lands where it would have.
             self._snapshots.load_state_dict(state["snapshots"])
         else:
-            self._snapshots.candidate = None
+            self._snapshots.candidates = []
             self._snapshots.take(trainer, pl_module)
         if not self._check_first:
-            candidate = self._snapshots.candidate
             self._snapshots.allocate_spare(trainer, pl_module)
-            self._snapshots.candidate = candidate
         tensorboard.log_layout(trainer)
         # The picture starts at this fit's first step (a resumed fit draws from its checkpoint's step on).
         policy = self._require_policy()
@@ -425,6 +446,7 @@ class AdaptivePrecision(Callback):
             request=self._request,
             grad_scaler=scaler is not None,
             ran_int8=sum(self._runs_low_bit(name) for name in self._layers),
+            precisions=tuple(layer.precision for layer in self._layers.values()),
         )
         for layer in self._layers.values():
             layer.collect_stats = False
@@ -441,17 +463,14 @@ class AdaptivePrecision(Callback):
             optimizer.found_inf = (~torch.isfinite(grad_norm2)).to(torch.float32).reshape(())
             step.skipped_on_device = True
         step.start_copy()
-        previous, self._pending = self._pending, step
+        self._pending.append(step)
         self._last_action = "pending"
-        if previous is not None and self._conclude(trainer, pl_module, previous, applied=True).action == "undone":
-            # The parameters went back to the snapshot: this step's gradients belong to the undone ones, so the
-            # step is dropped (its tokens and layer-steps were spent all the same).
-            self._pending = None
+        # The verdicts due now: a fixed lag, the same on every rank whatever its device's pace, so every rank
+        # decides the same at the same step (its copy is almost always done by then; if not, the read waits).
+        if self._conclude_pending(trainer, pl_module, until=step.step - VERDICT_LAG):
+            # The parameters went back to the snapshot: this step's gradients belong to the undone ones.
             for parameter in pl_module.parameters():
                 parameter.grad = None
-            self.tokens_seen += int(step.host_values()[HEAD_FIELDS.index("tokens")])
-            self._layer_steps += len(self._layers)
-            self._int8_layer_steps += step.ran_int8
 
     @override
     def on_train_batch_end(
@@ -466,18 +485,18 @@ class AdaptivePrecision(Callback):
         if trainer.global_step % self.snapshot_every_n_steps == 0:
             if action == "step":
                 self._snapshots.take(trainer, pl_module)
-            elif action == "pending" and self._pending is not None:
-                # Ahead of the step's verdict (next step): kept apart until the verdict says the step was good.
+            elif action == "pending" and self._pending:
+                # Ahead of the step's verdict: kept apart until the verdict says the step was good.
                 self._snapshots.take(trainer, pl_module, candidate=True)
         if self.progress_bar:
-            pl_module.log("int8_share", self.int8_fraction, prog_bar=True, logger=False)
-            pl_module.log("tokens_per_step", float(self.tokens_per_step), prog_bar=True, logger=False)
+            # Host tensors: LightningModule.log turns a number into a tensor on the module's device, a copy from
+            # pageable host memory that synchronises the stream (and the progress bar reads it back with .item()).
+            pl_module.log("int8_share", torch.tensor(self.int8_fraction), prog_bar=True, logger=False)
+            pl_module.log("tokens_per_step", torch.tensor(float(self.tokens_per_step)), prog_bar=True, logger=False)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending is not None:  # the last step's verdict, still on its way
-            pending, self._pending = self._pending, None
-            self._conclude(trainer, pl_module, pending, applied=True)
+        self._conclude_pending(trainer, pl_module, until=None)  # the last steps' verdicts, still on their way
         if self._level_history is not None and self._policy is not None:  # the picture to the run's last step
             last = max(trainer.global_step - 1, self._level_history.start)
             tensorboard.log_precision_image(trainer, self._level_history, last, self._levels())
@@ -500,9 +519,9 @@ class AdaptivePrecision(Callback):
             "int8_layer_steps": self._int8_layer_steps,
             "skipped_steps": self.skipped_steps,
             "rollbacks": self.rollbacks,
-            # Without the check before the step, the last step's verdict is still on its way: the resumed run
-            # concludes it first, as the uninterrupted one would have.
-            "pending": None if self._pending is None else self._pending.state(),
+            # Without the check before the step, the last steps' verdicts are still on their way: the resumed run
+            # concludes them at the steps the uninterrupted one would have.
+            "pending": [record.state() for record in self._pending],
             # What a rollback returns to, and its step: without it a resumed run would roll back to where it resumed.
             "snapshots": self._snapshots.state_dict() if self.snapshot_in_checkpoint else None,
         }
@@ -511,6 +530,7 @@ class AdaptivePrecision(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
+        state_dict = _upgrade_state(state_dict)
         _check_state(state_dict)
         self.history = [Decision(**decision) for decision in state_dict["history"]]
         self.tokens_seen = int(state_dict["tokens_seen"])
@@ -592,8 +612,9 @@ class AdaptivePrecision(Callback):
             if self._discard_stats:
                 ds_sums, qk_sums, self._discard_stats = None, None, False
         probes = [layer.take_probe() for layer in self._layers.values()] if self._request.probe else None
+        device = trainer.strategy.root_device
         packed = self._layout.pack(
-            trainer.strategy.root_device,
+            device,
             loss_sum=loss_sum,
             micro_batches=self._micro_batches,
             tokens=self._window_tokens,
@@ -601,6 +622,7 @@ class AdaptivePrecision(Callback):
             ds_sums=ds_sums,
             qk_sums=qk_sums,
             probes=probes,
+            nonfinite=take_nonfinite_flags(list(self._layers.values()), device),
         )
         return reduce(trainer, packed)
 
@@ -611,21 +633,21 @@ class AdaptivePrecision(Callback):
         self.tokens_per_step = int(head["tokens"])
         self.tokens_seen += int(head["tokens"])
         loss, grad_norm = head["loss"], head["grad_norm"]
-        if any(value is not None and not math.isfinite(value) for value in (loss, grad_norm)):
-            # Where did it start? Each layer's flag costs a host sync, so they are read only when it matters;
-            # every rank takes this branch (the reduced values agree), so the second all-reduce is matched.
-            device = trainer.strategy.root_device
-            flags = torch.tensor([float(layer.take_nonfinite()) for layer in self._layers.values()], device=device)
-            flags = reduce(trainer, flags).tolist()
-            layers = {
-                name: dataclasses.replace(signals, nonfinite=flag > 0)
-                for (name, signals), flag in zip(layers.items(), flags, strict=True)
-            }
-        elif record.request.ds_stats or record.request.probe:
-            # A flag that made nothing non-finite is moot; clear it now and then, so a later divergence is not
-            # pinned on a layer by a stale flag. Unread: reading it would cost a host sync per layer.
-            for layer in self._layers.values():
-                layer.clear_nonfinite()
+        if not any(value is not None and not math.isfinite(value) for value in (loss, grad_norm)):
+            # The layers' flags (taken with the step's signals, any rank's counts) say where a divergence started;
+            # a flag that made nothing non-finite is moot.
+            layers = {name: dataclasses.replace(signals, nonfinite=False) for name, signals in layers.items()}
+        if record.precisions:
+            # A verdict that lands after the verdict of an earlier step changed a layer's precision
+            # (check_before_step=False) finds that layer measured at the old precision: it says nothing about the
+            # new one, and acting on it would turn a lever a second time for what the first turn already answered.
+            stale = [
+                name
+                for name, ran in zip(self._layers, record.precisions, strict=True)
+                if self._layers[name].precision != ran
+            ]
+            for name in stale:
+                layers[name] = dataclasses.replace(layers[name], ds_rel_err=None, qk_rel_err=None, probe=None)
         return StepSignals(
             step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
         )
@@ -638,9 +660,9 @@ class AdaptivePrecision(Callback):
         """Decide about one step and carry it out.
 
         ``applied=False``: before the step's optimizer step (``check_before_step``): a skip or a rollback drops
-        its gradients. ``applied=True``: one step later; a step that should not have been applied is undone by
-        restoring the snapshot, unless the device already skipped it or it is harmless to keep (a one-off loss
-        spike with finite gradients). The returned action is then ``"undone"``.
+        its gradients. ``applied=True``: ``VERDICT_LAG`` steps later; a step that should not have been applied is
+        undone by restoring the snapshot, unless the device already skipped it or it is harmless to keep (a one-off
+        loss spike with finite gradients). The returned action is then ``"undone"``.
         """
         signals = self._signals(trainer, record, record.host_values())
         outcome = self._require_policy().decide(signals)
@@ -702,10 +724,30 @@ class AdaptivePrecision(Callback):
             self._stop(trainer, decisions[-1])
         return final
 
+    def _conclude_pending(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *, until: int | None) -> bool:
+        """Decide, in order, about every pending step up to step ``until`` (``None``: all of them).
+
+        Returns:
+            Whether one was undone (the weights went back to the snapshot). The pending steps after it are dropped
+            unjudged: their updates were made from the undone weights (and were overwritten by the restore); their
+            tokens and layer-steps were spent all the same.
+        """
+        while self._pending and (until is None or self._pending[0].step <= until):
+            record = self._pending.popleft()
+            self._verdict_waits += not record.ready()
+            if self._conclude(trainer, pl_module, record, applied=True).action == "undone":
+                while self._pending:
+                    dropped = self._pending.popleft()
+                    self.tokens_seen += int(dropped.host_values()[HEAD_FIELDS.index("tokens")])
+                    self._layer_steps += len(self._layers)
+                    self._int8_layer_steps += dropped.ran_int8
+                return True
+        return False
+
     def _stop(self, trainer: pl.Trainer, decision: Decision) -> None:
         """Save the last good weights (restored already) and end training with :class:`TrainingDiverged`."""
         path = self.last_good_checkpoint or os.path.join(trainer.default_root_dir, "sage-last-good.ckpt")
-        self._pending = None
+        self._pending.clear()
         trainer.save_checkpoint(path)  # every rank calls it (the decision is the same on all): it synchronises
         raise TrainingDiverged(
             f"AdaptivePrecision stopped training at step {decision.step}: {decision.reason}. The last good weights "
@@ -766,6 +808,37 @@ class AdaptivePrecision(Callback):
         if self._policy is None:
             raise RuntimeError("AdaptivePrecision: the policy is built in on_train_start; this hook ran before it.")
         return self._policy
+
+
+def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A controller state saved by the previous layout (version 2) in this version's (3); any other as it is.
+
+    Version 2 kept one pending verdict and one snapshot candidate (verdicts one step late), and its signal vectors
+    had no per-layer non-finite flag. Its pending record becomes a list of one whose vector gains a 0 flag per layer
+    (version 2 read the flags from the layers when the verdict came and did not save them, so a non-finite step
+    pending at the checkpoint is judged without knowing which layer started it), with its layers' precisions during
+    the step unknown (the check for stale measurements skips it); its candidate becomes a list of one. The resumed
+    run concludes that step at its new lag, one step later than version 2 would have.
+    """
+    if not isinstance(state, Mapping) or state.get("version") != 2:
+        return state
+    upgraded = dict(state, version=STATE_VERSION)
+    pending = state.get("pending")
+    if (
+        isinstance(pending, Mapping)
+        and isinstance(pending.get("values"), list)
+        and isinstance(state.get("bases"), Mapping)
+    ):
+        values, head, width = list(pending["values"]), len(HEAD_FIELDS), len(LAYER_FIELDS) - 1
+        rows = [values[head + i * width : head + (i + 1) * width] + [0.0] for i in range(len(state["bases"]))]
+        upgraded["pending"] = [dict(pending, values=values[:head] + [v for row in rows for v in row], precisions=[])]
+    elif pending is None:
+        upgraded["pending"] = []
+    snapshots = state.get("snapshots")
+    if isinstance(snapshots, Mapping) and "candidate" in snapshots:
+        candidate = snapshots["candidate"]
+        upgraded["snapshots"] = {"good": snapshots.get("good"), "candidates": [] if candidate is None else [candidate]}
+    return upgraded
 
 
 def _check_state(state: Mapping[str, Any]) -> None:

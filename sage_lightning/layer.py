@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -100,8 +101,9 @@ class AttentionLayerState:
 
     Signals cost nothing unless asked for: the dS error statistics are gathered only while
     :attr:`collect_stats` is on, the probe captures one call only after :meth:`arm_probe`, and the non-finite
-    check is a few reductions per call into a device flag, read (one host sync) only by :meth:`take_nonfinite`
-    (:meth:`clear_nonfinite` drops it unread).
+    check is a few reductions per call into a device flag, read (one host sync) by :meth:`take_nonfinite`, taken
+    on the device by :func:`take_nonfinite_flags` (what the controller does, every step) or dropped unread by
+    :meth:`clear_nonfinite`.
 
     Args:
         name: the layer's module path, e.g. ``"blocks.3.attn"`` (the root module is named by its class).
@@ -659,6 +661,35 @@ def attention_layers(module: torch.nn.Module) -> dict[str, AttentionLayerState]:
         if isinstance(state, AttentionLayerState):
             layers[state.name] = state
     return layers
+
+
+def take_nonfinite_flags(layers: Sequence[AttentionLayerState], device: torch.device) -> torch.Tensor:
+    """Every layer's non-finite flag (:meth:`AttentionLayerState.take_nonfinite`'s) as one bool tensor on
+    ``device``, in the given order, then clears them; no host sync (a stack and a zeroing, whatever the number of
+    layers). A flag still on another device (a layer not called yet) moves to ``device`` first, once.
+
+    Args:
+        layers: the layers, in the order the flags are wanted.
+        device: where the flags are read (the training device).
+
+    Returns:
+        A bool tensor of ``len(layers)`` elements on ``device``; empty when there are no layers.
+
+    Example::
+
+        flags = take_nonfinite_flags(list(attention_layers(model).values()), torch.device("cuda"))
+        packed = torch.cat([packed, flags.double()])        # read later, with the step's other signals
+    """
+    if not layers:
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    for layer in layers:
+        if layer._nonfinite.device != device:
+            layer._nonfinite = layer._nonfinite.to(device)
+    held = [layer._nonfinite for layer in layers]
+    flags = torch.stack(held)
+    # In place: a compiled call holds on to each layer's flag tensor.
+    torch._foreach_zero_(held)
+    return flags
 
 
 def compare_with_full_precision(

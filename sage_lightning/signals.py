@@ -3,6 +3,11 @@ with one all-reduce, unpacked into the policy's :class:`~sage_lightning.policy.S
 
 Raw sums travel, divisions happen after the reduction: the loss sum and the micro-batch count, the dS error and
 norm sums, flags (any rank's counts), probe metrics summed with the count of ranks that probed.
+
+Without the check before each step, the reduced vector goes to the host on its own: :meth:`StepRecord.start_copy`
+copies it into pinned host memory without waiting and records a CUDA event after the copy; the controller reads it
+:data:`VERDICT_LAG` optimizer steps later, when the event has (almost always) completed, so the read waits for
+nothing.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.policy import PROBE_TENSORS, LayerSignals, SignalRequest
 
 #: The head of the vector: the step's global numbers.
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "micro_batches", "tokens", "grad_norm2", "ranks_with_grads")
-#: Per layer, in module order: the dS sums, whether they were measured, whether the layer was probed, the probe.
+#: Per layer, in module order: the dS sums, whether they were measured, the forward's health, whether the layer
+#: was probed, the probe, and the ranks on which the layer returned a non-finite output from finite inputs.
 LAYER_FIELDS: tuple[str, ...] = (
     "ds_err2",
     "ds_norm2",
@@ -30,7 +37,11 @@ LAYER_FIELDS: tuple[str, ...] = (
     "qk_rows_k",
     "ranks_with_probe",
     *(f"{tensor}_{metric}" for tensor in PROBE_TENSORS for metric in ("cos", "rel_l2")),
+    "nonfinite",
 )
+#: How many optimizer steps after its own a step's signals are read without the check before each step: the signals
+#: of step ``t`` decide at step ``t + VERDICT_LAG``, on every rank and every device (``docs/controller.md``, Overhead).
+VERDICT_LAG = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +75,10 @@ class SignalLayout:
         ds_sums: Sequence[torch.Tensor | None] | None,
         qk_sums: Sequence[torch.Tensor | None] | None,
         probes: Sequence[Mapping[str, Mapping[str, float]] | None] | None,
+        nonfinite: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The step's raw signals in one float64 vector on ``device``, without a host sync.
+        """The step's raw signals in one float64 vector on ``device``, without a host sync (a probe step's metrics,
+        host numbers already, are copied to the device).
 
         Args:
             loss_sum: the sum of the step's micro-batch losses as ``training_step`` returned them (a device
@@ -78,6 +91,15 @@ class SignalLayout:
             qk_sums: per layer, the forward health's four sums on the device
                 (:func:`~sage_lightning.forward_health.qk_quant_error`); as ``ds_sums``.
             probes: per layer, the probe's metrics (``None`` where nothing was captured); ``None`` when not probed.
+            nonfinite: per layer, whether it returned a non-finite output from finite inputs during the step, on the
+                device (:func:`~sage_lightning.layer.take_nonfinite_flags`); ``None``: none did.
+
+        Example::
+
+            layout = SignalLayout(("attn",))
+            packed = layout.pack(torch.device("cpu"), loss_sum=torch.tensor(2.0), micro_batches=1, tokens=64,
+                                 grads=[torch.ones(3)], ds_sums=None, qk_sums=None, probes=None)
+            layout.unpack(packed.tolist())[0]["loss"]   # 2.0
         """
         zero = torch.zeros((), device=device, dtype=torch.float64)
         loss = zero if loss_sum is None else loss_sum.to(device=device, dtype=torch.float64)
@@ -104,14 +126,21 @@ class SignalLayout:
                 rows.append(row)
             rest = torch.tensor(rows, dtype=torch.float64, device=device)
         else:
-            rest = torch.zeros(count, len(LAYER_FIELDS) - 7, dtype=torch.float64, device=device)
-        return torch.cat([head, torch.cat([sums, has_ds, qk, rest], dim=1).flatten()])
+            rest = torch.zeros(count, len(LAYER_FIELDS) - 8, dtype=torch.float64, device=device)
+        if nonfinite is None:
+            flags = torch.zeros(count, 1, dtype=torch.float64, device=device)
+        else:
+            flags = nonfinite.to(device=device, dtype=torch.float64).reshape(count, 1)
+        return torch.cat([head, torch.cat([sums, has_ds, qk, rest, flags], dim=1).flatten()])
 
     def unpack(
         self, total: Sequence[float], *, sharded_grads: bool = False
     ) -> tuple[dict[str, float], dict[str, LayerSignals]]:
         """The reduced vector as ``(head, layers)``: the head's fields by name (``loss`` and ``grad_norm`` divided
         out, ``None`` where nothing was measured), and each layer's :class:`LayerSignals`.
+
+        ``nonfinite`` is set where any rank flagged the layer; the controller keeps it only on a step whose loss or
+        gradient norm is non-finite (where it tells where the divergence started).
 
         Args:
             total: the reduced vector, on the host.
@@ -140,7 +169,9 @@ class SignalLayout:
             qk_rel_err = None
             if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
                 qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
-            layers[name] = LayerSignals(ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err)
+            layers[name] = LayerSignals(
+                ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err, nonfinite=row["nonfinite"] > 0
+            )
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
         # over the ranks that had gradients is that norm (and a NaN on any rank stays NaN). FSDP's shards add up.
@@ -157,7 +188,18 @@ def reduce(trainer: pl.Trainer, values: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class StepRecord:
-    """One optimizer step's reduced signals on their way to the host, with what its verdict needs."""
+    """One optimizer step's reduced signals on their way to the host, with what its verdict needs: among it each
+    layer's precision during the step (``precisions``, in module order), since a verdict that lands after a decision
+    changed a layer's precision must not read that layer's measurements as the new precision's.
+
+    Example::
+
+        record = StepRecord(step=7, packed=packed, request=SignalRequest(False, False), grad_scaler=False, ran_int8=2)
+        record.start_copy()         # device -> pinned host memory, no wait
+        ...                         # VERDICT_LAG steps later
+        if record.ready():          # the copy is done: reading it waits for nothing
+            values = record.host_values()
+    """
 
     step: int
     packed: torch.Tensor
@@ -165,19 +207,30 @@ class StepRecord:
     grad_scaler: bool
     ran_int8: int
     skipped_on_device: bool = False
+    precisions: tuple[AttentionPrecision, ...] = ()
     _copied: torch.cuda.Event | None = None
 
     def start_copy(self) -> None:
-        """Copy the signals to (pinned) host memory without waiting; :meth:`host_values` waits if needed."""
+        """Copy the signals into pinned host memory without waiting, and record a CUDA event after the copy. On
+        the CPU the vector is on the host already: nothing to copy, :meth:`ready` at once."""
         if self.packed.is_cuda:
-            self.packed = self.packed.to("cpu", non_blocking=True)
+            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            host.copy_(self.packed, non_blocking=True)
+            self.packed = host
             self._copied = torch.cuda.Event()
             self._copied.record()
 
+    def ready(self) -> bool:
+        """Whether :meth:`host_values` would return without waiting (the copy's event has completed; asks the
+        driver, never blocks)."""
+        return self._copied is None or self._copied.query()
+
     def host_values(self) -> list[float]:
-        """The reduced vector on the host (waits for its copy)."""
+        """The reduced vector on the host; waits for its copy only if it is not :meth:`ready`."""
         if self._copied is not None:
-            self._copied.synchronize()
+            if not self._copied.query():
+                self._copied.synchronize()
+            self._copied = None
         return self.packed.tolist()
 
     def state(self) -> dict[str, Any]:
@@ -189,6 +242,7 @@ class StepRecord:
             "grad_scaler": self.grad_scaler,
             "ran_int8": self.ran_int8,
             "skipped_on_device": self.skipped_on_device,
+            "precisions": [dataclasses.asdict(precision) for precision in self.precisions],
         }
 
     @classmethod
@@ -203,6 +257,7 @@ class StepRecord:
             grad_scaler=state["grad_scaler"],
             ran_int8=state["ran_int8"],
             skipped_on_device=state["skipped_on_device"],
+            precisions=tuple(AttentionPrecision(**fields) for fields in state["precisions"]),
         )
 
 

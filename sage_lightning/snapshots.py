@@ -1,11 +1,13 @@
 """Host-memory snapshots of model and optimizer state, what a rollback restores.
 
-A snapshot is taken into reused (pinned, for CUDA tensors) host buffers on a side stream, so on a GPU it overlaps
-the next forward and backward; the next optimizer step, the first writer of the parameters, waits for it
-(:meth:`Snapshots.wait_before_write`). Without the check before each step (``check_before_step=False``) a
-snapshot is taken ahead of its step's verdict: it stays a *candidate* until the verdict, then becomes the good
-one (:meth:`Snapshots.settle`) or is dropped. The good snapshot and its step go into checkpoints, so a resumed run
-rolls back to the same weights as the uninterrupted one.
+A snapshot is taken into reused (pinned, for CUDA tensors) host buffers on a side stream, with ``non_blocking``
+copies and a CUDA event recorded after them, so on a GPU it overlaps the next forward and backward and the host
+never waits for it; the next optimizer step, the first writer of the parameters, makes the device wait for it
+(:meth:`Snapshots.wait_before_write`), and only a rollback or a checkpoint waits for it on the host. Without the
+check before each step (``check_before_step=False``) a snapshot is taken ahead of its step's verdict: it stays a
+*candidate* until the verdict, then becomes the good one (:meth:`Snapshots.settle`) or is dropped with every later
+candidate; the good one is never written into before a newer one replaces it. The good snapshot and the candidates
+go into checkpoints, so a resumed run rolls back to the same weights as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 
 class Snapshots:
-    """The last good snapshot, a candidate awaiting its verdict, and spare buffers for the next one.
+    """The last good snapshot, candidates awaiting their verdicts (oldest first), and spare buffers.
 
     Example::
 
@@ -29,9 +31,12 @@ class Snapshots:
 
     def __init__(self) -> None:
         self.good: dict[str, Any] | None = None
-        self.candidate: dict[str, Any] | None = None
-        self._spare: dict[str, Any] | None = None
+        self.candidates: list[dict[str, Any]] = []
+        self._spares: list[dict[str, Any]] = []
         self._copy_stream: torch.cuda.Stream | None = None
+        # The last snapshot's copies: the next optimizer step's stream waits for _unwritten (then dropped), a host
+        # read of the buffers (a rollback, a checkpoint) for _copied.
+        self._unwritten: torch.cuda.Event | None = None
         self._copied: torch.cuda.Event | None = None
 
     @property
@@ -43,10 +48,10 @@ class Snapshots:
         """Copy model and optimizer state to host memory, overlapping the next forward and backward on CUDA.
 
         Args:
-            candidate: keep it apart from the good snapshot (in the spare buffers) until :meth:`settle`.
+            candidate: keep it apart from the good snapshot (in spare buffers) until :meth:`settle`.
         """
         if candidate:
-            previous, self._spare = self._spare or {}, None
+            previous = self._spares.pop() if self._spares else {}
         else:
             previous = self.good or {}
         device = trainer.strategy.root_device
@@ -74,36 +79,40 @@ class Snapshots:
             self._keep(copy(), candidate)
         self._copied = torch.cuda.Event()
         self._copied.record(self._copy_stream)
+        self._unwritten = self._copied
 
     def allocate_spare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Allocate the candidate's buffers now rather than in the middle of training (pinning a gigabyte of host
+        """Allocate a candidate's buffers now rather than in the middle of training (pinning a gigabyte of host
         memory takes a while)."""
+        candidates = list(self.candidates)
         self.take(trainer, pl_module, candidate=True)
-        self._spare, self.candidate = self.candidate, None
+        self._spares.append(self.candidates.pop())
+        self.candidates = candidates
 
     def wait_before_write(self, device: torch.device) -> None:
-        """Make the current stream wait for the last snapshot's copies (call before the optimizer step)."""
-        if self._copied is not None:
-            torch.cuda.current_stream(device).wait_event(self._copied)
-            self._copied = None
+        """Make the current stream wait for the last snapshot's copies (call before the optimizer step); the host
+        does not wait."""
+        if self._unwritten is not None:
+            torch.cuda.current_stream(device).wait_event(self._unwritten)
+            self._unwritten = None
 
     def settle(self, step: int, undone: bool) -> None:
-        """The verdict of ``step`` is in: the candidate taken after it becomes the good snapshot, unless the step was
-        undone."""
-        if self.candidate is None or self.candidate["step"] != step + 1:
-            return
+        """The verdict of ``step`` is in: the candidate taken after it becomes the good snapshot; if the step was
+        undone, every candidate (all taken after it) is dropped."""
         if undone:
-            self._spare, self.candidate = self.candidate, None
-        else:
-            self._spare, self.good, self.candidate = self.good, self.candidate, None
+            self._spares += self.candidates
+            self.candidates = []
+        elif self.candidates and self.candidates[0]["step"] == step + 1:
+            if self.good is not None:
+                self._spares.append(self.good)
+            self.good = self.candidates.pop(0)
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Load the good snapshot into the model and the optimizers (keeping their current hyperparameters)."""
         snapshot = self.good
         if snapshot is None:
             raise RuntimeError("Snapshots.restore: no snapshot was taken; take() one when training starts.")
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the snapshot's copies to host memory were not waited for
+        self._wait_for_copies()
         pl_module.load_state_dict(snapshot["model"])
         for optimizer, saved in zip(trainer.optimizers, snapshot["optimizers"], strict=True):
             # Keep the schedule's current hyperparameters (lr, ...): only parameters and moments go back.
@@ -115,18 +124,23 @@ class Snapshots:
                 group.update(values)
 
     def state_dict(self) -> dict[str, Any]:
-        """The good snapshot and the candidate (host tensors, waited for), for a checkpoint."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        return {"good": self.good, "candidate": self.candidate}
+        """The good snapshot and the candidates (host tensors, waited for), for a checkpoint."""
+        self._wait_for_copies()
+        return {"good": self.good, "candidates": list(self.candidates)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s snapshots."""
-        self.good, self.candidate = state["good"], state["candidate"]
+        self.good, self.candidates = state["good"], list(state["candidates"])
+
+    def _wait_for_copies(self) -> None:
+        # The host is about to read the buffers: the last snapshot's copies (on the side stream) must be done.
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _keep(self, snapshot: dict[str, Any], candidate: bool) -> None:
         if candidate:
-            self.candidate = snapshot
+            self.candidates.append(snapshot)
         else:
             self.good = snapshot
 

@@ -3,6 +3,7 @@ surviving a NaN, skipping a step, resuming, and its argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import logging
@@ -10,6 +11,7 @@ import math
 import os
 import shutil
 import traceback
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -197,26 +199,28 @@ def test_non_finite_gradients_skip_the_step_and_leave_optimizer_state_alone(tmp_
 
 def resume_config() -> PolicyConfig:
     """Probes every 4 steps find every layer worse than an impossible 0.999999 cosine (up one rung each time);
-    rungs are left after 3 calm steps when the dS error (about 0.015) is below 0.5: escalations, step-downs
-    and a backoff, all depending on state kept across the checkpoint."""
+    rungs are left after 4 calm steps when the dS error (about 0.015) is below 0.5: escalations, step-downs
+    and a backoff, all depending on state kept across the checkpoint (4, not 3: with verdicts two steps late a
+    relapse is seen three steps after its step down)."""
     return PolicyConfig(
         ds_stats_every_n_steps=1,
         probe_every_n_steps=4,
         probe_grad_cos_min=0.999999,
         ds_rel_err_high=0.9,
         ds_rel_err_low=0.5,
-        calm_steps=3,
+        calm_steps=4,
     )
 
 
 @pytest.mark.parametrize("check_before_step", [True, False])
 def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, check_before_step: bool) -> None:
-    # check_before_step=False: the checkpoint is taken while the last step's verdict is still pending.
+    # check_before_step=False: the checkpoint is taken while the last two steps' verdicts are still pending, and
+    # each escalation is checked three steps after its step (two with the check), so it needs more steps.
     def fit(ckpt_path=None, seed: int = 0) -> tuple[AdaptivePrecision, TinyLM]:
         controller = AdaptivePrecision(resume_config(), verbose=False, check_before_step=check_before_step)
         # Saved where Lightning resumes cleanly: at the end of each 6-step epoch.
         checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1, save_on_train_epoch_end=True)
-        kwargs = trainer_kwargs(tmp_path, max_steps=14, enable_checkpointing=True)
+        kwargs = trainer_kwargs(tmp_path, max_steps=14 if check_before_step else 20, enable_checkpointing=True)
         trainer = L.Trainer(**kwargs, callbacks=[controller, checkpoints])
         torch.manual_seed(seed)
         model = TinyLM()
@@ -231,12 +235,41 @@ def test_a_resumed_run_decides_as_the_uninterrupted_one(tmp_path, check_before_s
     decisions = [str(d) for d in uninterrupted.history]
     assert [str(d) for d in resumed.history] == decisions
     assert any(d.step < 6 for d in uninterrupted.history) and any(d.step >= 6 for d in uninterrupted.history)
-    assert any("calm period now 6" in d for d in decisions)  # the backoff counted across the checkpoint
+    assert any("calm period now 8" in d for d in decisions)  # the backoff counted across the checkpoint
     assert resumed.precisions() == uninterrupted.precisions()
     assert {n: s.precision for n, s in attention_layers(model_b).items()} == uninterrupted.precisions()
     assert resumed.tokens_seen == uninterrupted.tokens_seen and resumed.int8_fraction == uninterrupted.int8_fraction
     for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_a_checkpoint_of_the_previous_layout_resumes(tmp_path) -> None:
+    """A checkpoint written before the two-step verdict lag (controller state version 2: one pending verdict, one
+    snapshot candidate; ``tests/data/state_v2.ckpt``, made at 33c9433 by ``tests/data/make_state_v2_checkpoint.py``)
+    resumes: its decisions, counters and precisions carry over, its pending verdict is concluded, and training goes
+    on to a checkpoint of this version's layout."""
+    saved = torch.load(DATA / "state_v2.ckpt", weights_only=False)
+    (old,) = [value for key, value in saved["callbacks"].items() if key.startswith("AdaptivePrecision")]
+    assert old["version"] == 2 and old["pending"]["step"] == 5 and old["snapshots"]["good"] is not None
+    config = PolicyConfig(ds_stats_every_n_steps=1, probe_every_n_steps=4, probe_grad_cos_min=0.999999)
+    controller = AdaptivePrecision(config, verbose=False, check_before_step=False)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=12, enable_checkpointing=True), callbacks=[controller, checkpoints]
+    )
+    model = TinyLM(layers=1, d_model=16, heads=2)
+    trainer.fit(model, token_loader(6, same_batch=True), ckpt_path=DATA / "state_v2.ckpt")
+
+    assert trainer.global_step == 12
+    assert [dataclasses.asdict(d) for d in controller.history[: len(old["history"])]] == old["history"]
+    assert controller.tokens_seen > old["tokens_seen"] and controller.rollbacks == old["rollbacks"]
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    new = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    (state,) = [value for key, value in new["callbacks"].items() if key.startswith("AdaptivePrecision")]
+    assert state["version"] == 3 and isinstance(state["pending"], list)
 
 
 def test_misconfigurations_fail_at_train_start(tmp_path) -> None:
@@ -305,7 +338,7 @@ def test_count_tokens_asks_for_tokens_fn() -> None:
 # ------------------------------------------------------------------ check_before_step=False: verdicts one step late
 
 
-def test_without_the_per_step_sync_a_nan_is_rolled_back_one_step_later(tmp_path) -> None:
+def test_without_the_per_step_sync_a_nan_is_rolled_back_two_steps_later(tmp_path) -> None:
     torch.manual_seed(0)
     controller = AdaptivePrecision(
         PolicyConfig(ds_stats_every_n_steps=1000, probe_every_n_steps=1000),
@@ -323,9 +356,10 @@ def test_without_the_per_step_sync_a_nan_is_rolled_back_one_step_later(tmp_path)
     rollback, escalation = controller.history
     assert (rollback.step, rollback.lever, rollback.reason) == (3, "rollback", "loss is nan")
     assert (escalation.layer, escalation.new) == ("blocks.1.attn", "full")
-    # Every step counted, the last verdict at the end of training; the escalation landed one step later than
-    # with the check before the step, so step 4 still ran both layers on INT8.
-    assert controller.int8_fraction == pytest.approx((2 * 5 + 1 * 3) / (2 * 8))
+    # Every step counted, the last verdicts at the end of training; the escalation, decided at step 5 (the
+    # verdict of step 3), landed two steps later than with the check before the step: steps 4 and 5 still ran
+    # both layers on INT8 (and were dropped by the rollback).
+    assert controller.int8_fraction == pytest.approx((2 * 6 + 1 * 2) / (2 * 8))
     assert controller.tokens_seen == 8 * 2 * 33
 
 
@@ -353,32 +387,34 @@ def test_without_the_per_step_sync_non_finite_gradients_are_skipped_or_undone(
         assert torch.equal(trace.params[bad_step], trace.params[bad_step - 1])
         assert torch.equal(trace.momentum[bad_step], trace.momentum[bad_step - 1])
     else:
-        # Applied, found one step later, undone by the snapshot (taken at the start: step 0).
+        # Applied, found two steps later, undone by the snapshot (taken at the start: step 0).
         assert levers == [(bad_step, "optimizer_step"), (bad_step, "rollback")] and controller.rollbacks == 1
         assert "were applied" in controller.history[-1].reason
-        assert torch.equal(trace.params[bad_step + 1], initial)  # back to the start, and that step dropped
+        assert not torch.equal(trace.params[bad_step + 1], initial)  # the step after it was applied too, ...
+        assert torch.equal(trace.params[bad_step + 2], initial)  # ... then back to the start, and that step dropped
 
 
 def test_without_the_per_step_sync_a_snapshot_taken_after_a_bad_step_is_not_restored(tmp_path) -> None:
-    # Snapshots every 2 steps are taken before the verdict of the step they follow. The bad steps 5 and 7 are
-    # applied (plain SGD cannot skip on the device); the snapshots after them must be dropped, and both rollbacks
-    # must land on the one taken after step 3, which its own verdict had confirmed.
+    # Snapshots every 2 steps are taken before the verdict of the step they follow. The bad steps 5 and 9 are
+    # applied (plain SGD cannot skip on the device); the snapshots after them (taken after steps 5 and 9) must be
+    # dropped, and both rollbacks must land on the one taken after step 3, which its own verdict had confirmed
+    # (the one after step 7 was never taken: steps 6 and 7 were dropped with the first rollback).
     torch.manual_seed(0)
     model = TinyLM()
-    bad_steps = (5, 7)
+    bad_steps = (5, 9)
 
     poison_gradients(model, bad_steps)
     controller = AdaptivePrecision(snapshot_every_n_steps=2, check_before_step=False, verbose=False)
     trace = ParameterTrace()
-    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=10), callbacks=[controller, trace])
-    trainer.fit(model, token_loader(10))
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=12), callbacks=[controller, trace])
+    trainer.fit(model, token_loader(12))
 
     levers = [(d.step, d.lever) for d in controller.history]
     assert levers == [(step, lever) for step in bad_steps for lever in ("optimizer_step", "rollback")]
     for step in bad_steps:
         assert not torch.isfinite(trace.params[step]).all()  # it was applied
-        # Found in the next step's hook: back to the state after step 3, and that step's gradients dropped.
-        assert torch.equal(trace.params[step + 1], trace.params[3])
+        # Found two steps later: back to the state after step 3, and that step's gradients dropped.
+        assert torch.equal(trace.params[step + 2], trace.params[3])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -400,11 +436,12 @@ def test_by_default_the_check_waits_only_for_optimizers_that_cannot_skip_on_the_
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             seen.append(len(controller.history))
 
-    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[controller, DecisionsAtBatchEnd()])
-    trainer.fit(model, token_loader(4))
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=5), callbacks=[controller, DecisionsAtBatchEnd()])
+    trainer.fit(model, token_loader(5))
 
-    # Checked before the step: the skip is decided within step 2; otherwise within step 3 (one step later).
+    # Checked before the step: the skip is decided within step 2; otherwise within step 4 (two steps later).
     assert seen[bad_step] == (1 if checked_first else 0)
+    assert seen[bad_step + 1] == (1 if checked_first else 0) and seen[bad_step + 2] == 1
     assert controller.skipped_steps == 1 and controller.rollbacks == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -366,7 +366,8 @@ class PrecisionPolicy:
         }
         for signal, seen in measured.items():
             # Measured, or the step after the armed one was decided without it (a layer in full precision has no dS
-            # to measure): a verdict lands at most one step late, so the arm has had its chance.
+            # to measure): the step after the decision that armed it has opened with the arm by then (a verdict lands
+            # at most VERDICT_LAG = 2 steps late), so the arm has had its chance.
             if signal in self._armed and (seen and self._armed[signal] <= step or self._armed[signal] < step):
                 del self._armed[signal]
 
