@@ -1,8 +1,11 @@
 """The Triton kernels compile for a Hopper GPU and use its 8-bit tensor-core instructions, checked without one.
 
 ``benchmarks/sm90_compile.py`` swaps Triton's CUDA driver for a stand-in (target sm_90, launches that do
-nothing) and compiles every kernel and autotuning candidate of a forward and backward. Here it runs with the
-installed Triton (CI: the current release); on the GPU image's Triton 3.6, see the script's docstring.
+nothing) and compiles every kernel and autotuning candidate of a forward and backward, the portable ones and the
+Hopper path's. It runs here under two Tritons: the installed one (CI: the current release, which users get), and
+the one the GPU image has and the Hopper path is verified on (``VERIFIED_TRITON``, 3.6), in the Python that
+``SAGE_SM90_TRITON_PYTHON`` names. ``.ci/run`` makes that Python (a venv with ``triton==3.6.0``); without the
+variable those cases are skipped, and CI fails if it is not set.
 """
 
 from __future__ import annotations
@@ -21,21 +24,44 @@ SCRIPT = REPO / "benchmarks" / "sm90_compile.py"
 pytest.importorskip("triton.backends.nvidia.driver", reason="Triton's NVIDIA backend is not installed")
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+#: The environment variable naming a Python whose Triton is the GPU image's (the one the Hopper path is verified on).
+VERIFIED_PYTHON = "SAGE_SM90_TRITON_PYTHON"
+#: The kernels of a forward and backward at the default precision, the Hopper path's among them.
+HOT_KERNELS = ("_forward_kernel", "_hopper_forward_kernel", "_dkdv_kernel", "_dq_kernel")
+
+
+def _python(which: str) -> str:
+    if which == "installed":
+        return sys.executable
+    python = os.environ.get(VERIFIED_PYTHON)
+    if not python:
+        if os.environ.get("CI"):
+            pytest.fail(f"{VERIFIED_PYTHON} is not set: CI compiles under the GPU image's Triton too (.ci/run)")
+        pytest.skip(f"{VERIFIED_PYTHON} is not set (a Python with the GPU image's Triton, as .ci/run makes)")
+    return python
+
+
+@pytest.fixture(scope="module", params=["installed", "verified"])
+def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("sm90") / "sm90.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [sys.executable, str(SCRIPT), "--head-dim", "64", "--seq", "256", "--out", str(out)]
+    command = [_python(request.param), str(SCRIPT), "--head-dim", "64", "--seq", "256", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if request.param == "verified":
+        from sage_lightning.kernels.hopper.dispatch import VERIFIED_TRITON
+
+        version = ".".join(result["triton"].split(".")[:2])
+        assert version in VERIFIED_TRITON, f"{VERIFIED_PYTHON} has Triton {result['triton']}, not {VERIFIED_TRITON}"
+    return result
 
 
 def test_every_entry_point_compiles_and_fits(compiled: dict) -> None:
     """Forward and backward, causal and not: no entry point failed, each hot kernel has a candidate that fits."""
     rows = compiled["rows"]
     assert not [row for row in rows if row["kernel"] == "(entry point)"]
-    for kernel in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel"):
+    for kernel in HOT_KERNELS:
         fitting = [row for row in rows if row["kernel"] == kernel and row["fits"] and not row["error"]]
         assert fitting, f"{kernel}: no autotuning candidate compiles within sm_90's shared memory"
 
@@ -43,7 +69,7 @@ def test_every_entry_point_compiles_and_fits(compiled: dict) -> None:
 def test_hot_loops_use_8bit_wgmma_not_mma_sync(compiled: dict) -> None:
     """QK^T, PV and the INT8 backward products run on Hopper's ``wgmma`` with s8 operands; no ``mma.sync``."""
     for row in compiled["rows"]:
-        if row["kernel"] in ("_forward_kernel", "_dkdv_kernel", "_dq_kernel"):
+        if row["kernel"] in HOT_KERNELS:
             assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["kernel"], row["wgmma"])
             assert row["mma_sync"] == 0, row
 
