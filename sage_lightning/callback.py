@@ -830,6 +830,13 @@ def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
         and isinstance(state.get("bases"), Mapping)
     ):
         values, head, width = list(pending["values"]), len(HEAD_FIELDS), len(LAYER_FIELDS) - 1
+        expected = head + len(state["bases"]) * width
+        if len(values) != expected:
+            raise ValueError(
+                f"AdaptivePrecision.load_state_dict: the checkpoint's pending verdict (layout version 2) holds "
+                f"{len(values)} signal values; one of {len(state['bases'])} layers holds {expected}. The state was not "
+                "written by AdaptivePrecision.state_dict(): fit without ckpt_path and load the weights alone."
+            )
         rows = [values[head + i * width : head + (i + 1) * width] + [0.0] for i in range(len(state["bases"]))]
         upgraded["pending"] = [dict(pending, values=values[:head] + [v for row in rows for v in row], precisions=[])]
     elif pending is None:
@@ -873,6 +880,10 @@ def _check_state(state: Mapping[str, Any]) -> None:
             raise ValueError(f"{where}: {key!r} must be an int; received {state[key]!r}.")
     if not isinstance(state["history"], list) or not all(isinstance(d, Mapping) for d in state["history"]):
         raise ValueError(f"{where}: 'history' must be a list of decisions (dicts); received {state['history']!r}.")
+    if not isinstance(state["pending"], list) or not all(isinstance(r, Mapping) for r in state["pending"]):
+        raise ValueError(
+            f"{where}: 'pending' must be a list of pending steps (dicts, oldest first); received {state['pending']!r}."
+        )
 
 
 def _check_positive_int(name: str, value: object) -> None:

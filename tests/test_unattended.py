@@ -230,6 +230,9 @@ def test_a_changed_starting_precision_on_resume_is_warned_about(tmp_path) -> Non
         (lambda s: s["policy"]["layers"]["blocks.0.attn"].update(path="ds_bf16"), "must be a list of rung names"),
         (lambda s: s["bases"].update({"blocks.0.attn": {"ds": "fp4"}}), "base precision of layer 'blocks.0.attn'"),
         (lambda s: s["policy"].pop("tokens"), r"lacks \['tokens'\]"),
+        (lambda s: s.update(pending=None), "'pending' must be a list of pending steps"),
+        # The previous layout (version 2), upgraded when it loads, with a signal vector of the wrong length.
+        (lambda s: s.update(version=2, pending={"values": [0.0] * 3}), "holds 3 signal values; one of 2 layers"),
     ],
 )
 def test_a_malformed_controller_state_is_a_clear_error(tmp_path, corrupt, message: str) -> None:
