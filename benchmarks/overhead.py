@@ -13,27 +13,24 @@ fixed random Markov chain (learnable, so the loss moves like a real run's), once
   optimizer step (what the default does with an optimizer that cannot skip on the device).
 
 These three run ``--steps`` measured steps (1000 by default: the dS statistics and snapshots come at their real
-rate; the probe's share, one step in 5000, is added in the rebuilt estimate below the table). To see where
-the cost goes, five more settings run ``--breakdown-steps`` steps each: the callback with signals and
-snapshots off (the per-step cost, without and with the check before the step), and with only the dS
-statistics, only the probe, or only the snapshot on
-every step (the cost of one such step, to set against its period).
+rate; the probe's share, one step in 5000, is added in the rebuilt estimate below the table). To see where the cost
+goes, five more settings run ``--breakdown-steps`` steps each: signals and snapshots off (the per-step cost, without
+and with the check before the step), and only the dS statistics, the probe or the snapshot, on every step (the cost
+of one such step, to set against its period). ``--profile-steps N`` then profiles ``N`` steps of the baseline, the
+defaults and the dS statistics (``overhead_profile.py``: kernels, and the host time of the callback's hooks).
 
-A run's step time is the wall time of its measured steps divided by their number (a mean, not a median: the rare
-armed steps are the cost being measured), the device synchronised at each step's end. That sync is not what training
-does: it keeps the host from running ahead of the device, and it waits for a snapshot's copies on their side stream,
-which training overlaps with the next forward and backward. ``--no-step-sync`` times the same window with the device
-synchronised at its two ends only (each step's end is then a CUDA event, for the median step). Settings run in turn,
-``--repeats`` rounds, the order reversed every other round. Identical runs differ by a few percent from one to the
-next (the machine, not the code), so each row reports the median over rounds (``step_ms``, ``baseline_step_ms``) and
-``overhead``, the median over rounds of the ratio to the baseline run of the same round (paired, so slow drifts of
-the machine cancel); ``round_step_ms`` keeps every round. ``round_median_step_ms`` is each round's median step (a
-cost paid on every step moves it, one paid on rare steps does not), and ``round_decisions`` each round's decisions
-of the callback, warm-up included: the overhead is that of a calm run (``round_verdict_waits``: how many of the
-callback's fixed-lag reads found their step's signals not yet on the host and waited), and a run that escalates a
-layer runs another kernel afterwards and a verification probe (float64 attention per layer) on the next step, which
-the breakdown does not account for (the H100 run of 2026-11-23 measured +20% with the defaults against +3.7% rebuilt
-from the breakdown, without a record of its decisions).
+A run's step time is the wall time of its measured steps over their number (a mean: the rare armed steps are the
+cost being measured), the device synchronised at each step's end. That sync is not what training does: it keeps the
+host from running ahead of the device, and waits for a snapshot's side-stream copies, which training overlaps with
+the next forward and backward. ``--no-step-sync`` synchronises at the window's two ends only (each step's end is then
+a CUDA event, for the median step). Settings run in turn, ``--repeats`` rounds, the order reversed every other
+round. Identical runs differ by a few percent (the machine, not the code), so each row reports the median over
+rounds (``step_ms``, ``baseline_step_ms``) and ``overhead``, the median over rounds of the ratio to the baseline run
+of the same round (paired: slow drifts cancel); ``round_step_ms`` keeps every round, ``round_median_step_ms`` each
+round's median step (a cost on every step moves it, one on rare steps does not), ``round_decisions`` the callback's
+decisions, warm-up included (the overhead is that of a calm run: an escalation runs another kernel afterwards and a
+verification probe on the next step), and ``round_verdict_waits`` the fixed-lag reads that found their step's
+signals not yet on the host.
 
 Example::
 
@@ -67,6 +64,7 @@ from sage_lightning import AdaptivePrecision, PolicyConfig, SageAttentionMixin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402  (benchmarks/ is not a package: the result-file helpers live there)
+from overhead_profile import PROFILED, ProfilerWindow, format_profile, traced_hooks  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -286,8 +284,9 @@ class Run:
     verdict_waits: int = 0
 
 
-def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
-    """Train one setting for ``--warmup`` plus its measured steps; return its times, step count and decisions.
+def run_once(args: argparse.Namespace, label: str, data: torch.Tensor, window: ProfilerWindow | None = None) -> Run:
+    """Train one setting for ``--warmup`` plus its measured steps (``window``: the profiled ones instead, the
+    controller's hooks traced); return its times, step count and decisions.
 
     Example::
 
@@ -297,9 +296,11 @@ def run_once(args: argparse.Namespace, label: str, data: torch.Tensor) -> Run:
     model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
     timer = StepTimer(step_sync=not args.no_step_sync, skip=args.warmup)
     factory, main_setting = SETTINGS[label]
-    steps = args.steps if main_setting else args.breakdown_steps
+    steps = window.steps if window else args.steps if main_setting else args.breakdown_steps
     controller = None if factory is None else factory()
-    callbacks = [timer] if controller is None else [controller, timer]
+    callbacks = ([] if controller is None else [controller]) + [timer] + ([window] if window else [])
+    if window and controller:
+        traced_hooks(controller)
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
@@ -351,6 +352,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="synchronise the device only where the measured steps start and end, not at every step's end",
     )
+    parser.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps of three settings")
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     args = parser.parse_args(argv)
     for name in ("layers", "d_model", "heads", "seq", "batch", "steps", "breakdown_steps", "repeats"):
@@ -421,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("overhead.py: --device cuda needs a GPU; pass --device cpu (with small sizes) to try it")
-    data = markov_tokens(args.batch * (args.warmup + max(args.steps, args.breakdown_steps)), args.seq, seed=args.seed)
+    most = max(args.steps, args.breakdown_steps, args.profile_steps)
+    data = markov_tokens(args.batch * (args.warmup + most), args.seq, seed=args.seed)
     rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
     for repeat in range(args.repeats):
         for label in list(SETTINGS)[:: 1 if repeat % 2 == 0 else -1]:
@@ -434,13 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
             for decision in run.decisions:
                 print(f"  {decision}", flush=True)
     shape = {
-        "layers": args.layers,
-        "d_model": args.d_model,
-        "heads": args.heads,
-        "seq": args.seq,
-        "batch": args.batch,
-        "precision": args.precision,
-        "backend": args.backend,
+        name: getattr(args, name) for name in ("layers", "d_model", "heads", "seq", "batch", "precision", "backend")
     }
     baseline = [run.step_ms for run in rounds["no callback"]]
     rows = []
@@ -472,6 +469,12 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": rows,
     }
     table = format_table(result)
+    if args.profile_steps > 0:  # benchmarks/overhead_profile.py: where the time goes, per kernel and hook
+        windows = {label: ProfilerWindow(args.warmup, args.profile_steps) for label in PROFILED}
+        for label, window in windows.items():
+            run_once(args, label, data, window)
+        result["profile"] = {label: window.per_step() for label, window in windows.items()}
+        table += "\n\nProfiled (`--profile-steps`):\n\n" + format_profile(result["profile"])
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(accuracy.to_json(result))

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import controller_thresholds  # noqa: E402  (benchmarks/ is not a package)
@@ -64,3 +66,30 @@ def test_overhead_records_each_round_s_median_step_and_decisions(tmp_path, monke
     for row in rows.values():
         assert len(row["round_median_step_ms"]) == 1 and row["round_median_step_ms"][0] > 0
     assert json.loads(out.read_text())["rows"][1]["round_decisions"] == [escalated]
+
+
+def test_overhead_profiles_where_the_time_goes(tmp_path, monkeypatch) -> None:
+    """``--profile-steps``: the baseline, the defaults and the dS statistics on every step, profiled; each names its
+    operators' time per step, and the callback's hooks carry their host time (none for the baseline)."""
+    monkeypatch.setattr(overhead, "format_table", lambda result: "table")
+    out = tmp_path / "overhead.json"
+    argv = [*TINY, "--steps", "2", "--breakdown-steps", "1", "--warmup", "1", "--precision", "32-true"]
+    result = overhead.main([*argv, "--repeats", "1", "--profile-steps", "2", "--out", str(out)])
+    profile = json.loads(out.read_text())["profile"]
+    assert profile == json.loads(json.dumps(result["profile"]))
+    assert list(profile) == ["no callback", "callback, defaults", "callback, dS statistics every step"]
+    assert all(
+        found["steps"] == 2 and found["device_ms"] and found["device_ms_total"] > 0 for found in profile.values()
+    )
+    assert profile["no callback"]["host_ms"] == {}
+    hooks = profile["callback, dS statistics every step"]["host_ms"]
+    assert {"on_before_optimizer_step", "on_train_batch_end"} <= set(hooks) and all(ms > 0 for ms in hooks.values())
+    assert "kernels that add most" in out.with_suffix(".md").read_text()
+
+
+def test_a_profile_window_the_run_never_reaches_says_so() -> None:
+    from overhead_profile import ProfilerWindow
+
+    window = ProfilerWindow(start_step=5, steps=10)
+    with pytest.raises(RuntimeError, match="steps 5 to 14 were not all run"):
+        window.per_step()

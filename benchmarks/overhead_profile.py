@@ -1,0 +1,145 @@
+"""Where ``AdaptivePrecision``'s time goes: a window of training steps under ``torch.profiler``, per setting.
+
+``benchmarks/overhead.py --profile-steps N`` runs the baseline (no callback), the defaults and the dS statistics on
+every step once more, ``N`` steps each after the warm-up, with the profiler on, and reports per optimizer step:
+
+* ``device_ms``: each kernel's (on CUDA; each operator's self time on the CPU) time, so the setting's extra
+  kernels show against the baseline's (the dS-statistics variant of the backward, the forward-health passes,
+  the snapshot's copies);
+* ``host_ms``: the wall time of each of the controller's hooks on the host (``AdaptivePrecision.<hook>`` ranges),
+  where a host sync, or work the host does while the device waits, shows.
+
+Example::
+
+    window = ProfilerWindow(start_step=20, steps=30)
+    trainer = L.Trainer(callbacks=[controller, window], max_steps=50)
+    traced_hooks(controller)
+    trainer.fit(model, loader)
+    window.per_step()   # {"device_ms": {...}, "host_ms": {...}, "steps": 30}
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.profiler import ProfilerActivity, profile, record_function
+
+#: The controller's hooks that run during training steps, each traced as ``AdaptivePrecision.<hook>``.
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+#: Prefix of the host ranges :func:`traced_hooks` adds.
+PREFIX = "AdaptivePrecision."
+
+
+def traced_hooks(controller: Callback) -> None:
+    """Wrap ``controller``'s training hooks (those of :data:`HOOKS` it has) in ``record_function`` ranges, so a
+    profile shows the host time of each; the hooks themselves do what they did."""
+    for name in HOOKS:
+        hook = getattr(controller, name, None)
+        if hook is None:
+            continue
+
+        def traced(*args: Any, _hook: Any = hook, _name: str = name, **kwargs: Any) -> Any:
+            with record_function(PREFIX + _name):
+                return _hook(*args, **kwargs)
+
+        setattr(controller, name, functools.wraps(hook)(traced))
+
+
+class ProfilerWindow(Callback):
+    """Profile optimizer steps ``start_step`` to ``start_step + steps - 1`` (the device synchronised at both ends).
+
+    Args:
+        start_step: the first profiled optimizer step (the steps before it are warm-up: compilation, autotuning).
+        steps: how many optimizer steps to profile.
+    """
+
+    def __init__(self, start_step: int, steps: int) -> None:
+        self.start_step, self.steps = start_step, steps
+        self._profile: profile | None = None
+        self._averages: Any = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._profile is None and self._averages is None and trainer.global_step == self.start_step:
+            _synchronize(pl_module)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else [])
+            self._profile = profile(activities=activities)
+            self._profile.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._profile is not None and trainer.global_step >= self.start_step + self.steps:
+            _synchronize(pl_module)
+            self._profile.__exit__(None, None, None)
+            self._averages, self._profile = self._profile.key_averages(), None
+
+    def per_step(self, top: int = 25) -> dict[str, Any]:
+        """Milliseconds per profiled step: the ``top`` kernels (or CPU operators) by self device time, and every
+        traced hook's host time.
+
+        Raises:
+            RuntimeError: the window never closed (the run ended before ``start_step + steps``).
+        """
+        if self._averages is None:
+            raise RuntimeError(
+                f"ProfilerWindow: steps {self.start_step} to {self.start_step + self.steps - 1} were not all run; "
+                "give the Trainer max_steps of at least start_step + steps."
+            )
+        device: dict[str, float] = {}
+        host: dict[str, float] = {}
+        for event in self._averages:
+            if event.key.startswith(PREFIX):
+                host[event.key[len(PREFIX) :]] = event.cpu_time_total / 1000 / self.steps
+                continue
+            us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+            if us <= 0 and not torch.cuda.is_available():
+                us = event.self_cpu_time_total
+            if us > 0:
+                device[event.key] = device.get(event.key, 0.0) + us / 1000 / self.steps
+        ranked = dict(sorted(device.items(), key=lambda item: -item[1])[:top])
+        return {"steps": self.steps, "device_ms": ranked, "device_ms_total": sum(device.values()), "host_ms": host}
+
+
+#: The settings profiled (labels of ``benchmarks/overhead.py``'s ``SETTINGS``), the baseline first.
+PROFILED = ("no callback", "callback, defaults", "callback, dS statistics every step")
+
+
+def _synchronize(pl_module: L.LightningModule) -> None:
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
+
+
+def format_profile(profiles: dict[str, dict[str, Any]], baseline: str = "no callback", top: int = 12) -> str:
+    """Markdown: each setting's kernels that cost more per step than the baseline's, and the controller's hooks'
+    host time per step.
+
+    Example::
+
+        print(format_profile({"no callback": base.per_step(), "callback, defaults": defaults.per_step()}))
+    """
+    base = profiles[baseline]["device_ms"]
+    lines = []
+    for label, found in profiles.items():
+        if label == baseline:
+            continue
+        extra = {name: ms - base.get(name, 0.0) for name, ms in found["device_ms"].items()}
+        ranked = sorted(extra.items(), key=lambda item: -item[1])[:top]
+        total = found["device_ms_total"] - profiles[baseline]["device_ms_total"]
+        lines += [
+            f"**{label}**, {found['steps']} profiled steps: device time {total:+.3f} ms per step against "
+            f"{baseline}; the kernels that add most:",
+            "",
+            "| kernel | ms per step | against the baseline |",
+            "|---|---:|---:|",
+            *(f"| `{name[:70]}` | {found['device_ms'][name]:.3f} | {delta:+.3f} |" for name, delta in ranked),
+            "",
+            "Host time of the controller's hooks per step: "
+            + (", ".join(f"{hook} {ms:.3f} ms" for hook, ms in sorted(found["host_ms"].items())) or "none traced")
+            + ".",
+            "",
+        ]
+    return "\n".join(lines)
