@@ -6,7 +6,9 @@ dimension a product keeps, so finer blocks are allowed:
 
 * ``dV = P^T dO`` sums over queries: P may take one scale per key column of the tile;
 * ``dQ = dS K`` sums over keys: dS may take one scale per query row of the tile;
-* ``dK = dS^T Q`` sums over queries: dS may take one scale per key column (a second set of codes).
+* ``dK = dS^T Q`` sums over queries: dS may take one scale per key column (a second set of codes);
+* any of them may take its scale over fewer queries: a 64 x 64 tile for dS, a key column of 64 queries for P (what
+  a kernel walking 64 queries at a time computes alone, FA3's shape).
 
 This script isolates each product: the float64 reference's P and dS (no upstream error), quantized per
 tile or per row/column, times the bf16 inputs quantized as SageBwd does (dO per 128 rows, K and Q not at
@@ -35,23 +37,29 @@ import accuracy  # noqa: E402  (benchmarks/ is not a package; same header, input
 from sage_lightning.kernels.reference import exact_attention, quantize_int8  # noqa: E402
 
 BLOCK_M, BLOCK_N = 128, 64
-SCHEMES = {  # name: (P or dS blocks for the product) as dims of [B, H, Mb, BM, Nt, BN] one scale spans
-    "per tile": (-3, -1),
-    "per query row": (-1,),
-    "per key column": (-3,),
+#: name: (query rows of a block, the dims of ``[B, H, N / rows, rows, Nk / 64, 64]`` one scale spans). The 64-row
+#: schemes are what a kernel that walks 64 queries at a time can compute alone (FA3's backward at D=128: one
+#: warpgroup owns 64 keys, each iteration 64 queries); SageBwd's tile is 128 x 64.
+SCHEMES = {
+    "per tile": (BLOCK_M, (-3, -1)),
+    "per 64 x 64 tile": (64, (-3, -1)),
+    "per query row": (BLOCK_M, (-1,)),
+    "per key column": (BLOCK_M, (-3,)),
+    "per key column of 64 queries": (64, (-3,)),
 }
 PRODUCTS = {  # product: the schemes allowed for it (the contraction must not cross a scale)
-    "dv": ("per tile", "per key column"),
-    "dq": ("per tile", "per query row"),
-    "dk": ("per tile", "per key column"),
+    "dv": ("per tile", "per key column", "per key column of 64 queries"),
+    "dq": ("per tile", "per 64 x 64 tile", "per query row"),
+    "dk": ("per tile", "per 64 x 64 tile", "per key column"),
 }
 
 
 def quantized(x: torch.Tensor, scheme: str) -> torch.Tensor:
     """``deq(psi(x))`` for ``x`` ``[B, H, N, Nk]`` (N, Nk multiples of the tile) with the scheme's blocks."""
     b, h, n, nk = x.shape
-    blocks = x.reshape(b, h, n // BLOCK_M, BLOCK_M, nk // BLOCK_N, BLOCK_N)
-    codes, scale = quantize_int8(blocks, SCHEMES[scheme])
+    rows, dims = SCHEMES[scheme]
+    blocks = x.reshape(b, h, n // rows, rows, nk // BLOCK_N, BLOCK_N)
+    codes, scale = quantize_int8(blocks, dims)
     return (codes * scale).reshape(b, h, n, nk)
 
 

@@ -23,3 +23,9 @@ def test_finer_blocks_lower_the_product_error_and_the_file_follows_the_format(tm
         tile = "P per tile" if product == "dv" else "dS per tile"
         assert rows[(sigma1, f"{product}: {finer}")]["rel_l2"] < rows[(sigma1, f"{product}: {tile}")]["rel_l2"]
     assert rows[(sigma1, "dq: dS per query row")]["rel_l2"] < 0.5 * rows[(sigma1, "dq: dS per tile")]["rel_l2"]
+    # Half the tile's queries: dS's error between the tile's and the row's; P's per key column no worse.
+    for product in ("dq", "dk"):
+        half = rows[(sigma1, f"{product}: dS per 64 x 64 tile")]["rel_l2"]
+        assert half <= rows[(sigma1, f"{product}: dS per tile")]["rel_l2"]
+    half = rows[(sigma1, "dv: P per key column of 64 queries")]["rel_l2"]
+    assert half <= rows[(sigma1, "dv: P per key column")]["rel_l2"] * 1.05
