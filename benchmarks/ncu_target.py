@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,30 +33,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--tokens must be a multiple of --seq; received {args.tokens} and {args.seq}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ncu_target.py runs the CUDA kernels for ncu; no CUDA device is available.")
-    from sage_lightning.kernels.ops import sage_attention_triton
+    from speed import training_call
 
-    batch, heads = args.tokens // args.seq, 2048 // args.head_dim
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(
-            batch, heads, args.seq, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen
-        ).requires_grad_()
-        for _ in range(3)
-    )
-    grad = torch.randn(batch, heads, args.seq, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-    def call() -> None:
-        out = sage_attention_triton(q, k, v, is_causal=args.causal, with_lse=False)[0]
-        torch.autograd.grad(out, (q, k, v), grad)
-
-    for _ in range(args.warmup):
-        call()
-    torch.cuda.synchronize()
+    call = training_call(args.seq, args.head_dim, args.causal, args.tokens, warmup=args.warmup)
     torch.cuda.cudart().cudaProfilerStart()
     call()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"profiled one forward and backward: B={batch} H={heads} N={args.seq} D={args.head_dim} causal={args.causal}")
+    shape = f"{args.tokens} tokens, N={args.seq}, D={args.head_dim}, causal={args.causal}"
+    print(f"profiled one forward and backward: {shape}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from profiling import kernel_ms
 from torch.profiler import ProfilerActivity, profile, record_function
 
 #: The controller's hooks that run during training steps, each traced as ``AdaptivePrecision.<hook>``.
@@ -89,17 +90,10 @@ class ProfilerWindow(Callback):
                 f"ProfilerWindow: steps {self.start_step} to {self.start_step + self.steps - 1} were not all run; "
                 "give the Trainer max_steps of at least start_step + steps."
             )
-        device: dict[str, float] = {}
-        host: dict[str, float] = {}
-        for event in self._averages:
-            if event.key.startswith(PREFIX):
-                host[event.key[len(PREFIX) :]] = event.cpu_time_total / 1000 / self.steps
-                continue
-            us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
-            if us <= 0 and not torch.cuda.is_available():
-                us = event.self_cpu_time_total
-            if us > 0:
-                device[event.key] = device.get(event.key, 0.0) + us / 1000 / self.steps
+        hooks = [event for event in self._averages if event.key.startswith(PREFIX)]
+        host = {event.key[len(PREFIX) :]: event.cpu_time_total / 1000 / self.steps for event in hooks}
+        others = (event for event in self._averages if not event.key.startswith(PREFIX))
+        device = kernel_ms(others, self.steps, cpu_time=not torch.cuda.is_available())
         ranked = dict(sorted(device.items(), key=lambda item: -item[1])[:top])
         return {"steps": self.steps, "device_ms": ranked, "device_ms_total": sum(device.values()), "host_ms": host}
 

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accuracy import REPO, _commit, _versions, compare, device_name, device_slug, to_json  # noqa: E402
+from profiling import kernel_ms  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels.hopper.dispatch import ENV as HOPPER_ENV  # noqa: E402
 from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
@@ -158,10 +159,15 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     return rows
 
 
-def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 10) -> list[dict]:
-    """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration."""
-    from torch.profiler import ProfilerActivity, profile
+def training_call(seq: int, head_dim: int, causal: bool, tokens: int, warmup: int = 3) -> Callable[[], None]:
+    """One SageBwd forward and backward at this benchmark's shape (``batch x seq = tokens``, ``heads = 2048 /
+    head_dim``, bf16, random inputs on CUDA), run ``warmup`` times first (compile, autotune, warm), as a callable.
 
+    Example::
+
+        step = training_call(4096, 128, False, 16384)
+        step()   # the kernels of one training call, tuned already
+    """
     batch, heads = tokens // seq, 2048 // head_dim
     q, k, v = (
         torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -173,19 +179,22 @@ def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 1
         out, _ = sage_attention_triton(q, k, v, is_causal=causal, with_lse=False)
         torch.autograd.grad(out, (q, k, v), do)
 
-    for _ in range(3):  # compile, autotune, warm
+    for _ in range(warmup):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 10) -> list[dict]:
+    """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = training_call(seq, head_dim, causal, tokens)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_type.name == "CUDA" or getattr(event, "self_device_time_total", 0) > 0:
-            us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-            if us > 0:
-                totals[event.key] = totals.get(event.key, 0.0) + us / 1000 / iters
+    totals = kernel_ms(prof.key_averages(), iters)
     whole = sum(totals.values())
     return [
         {"kernel": name, "seq": seq, "head_dim": head_dim, "causal": causal, "ms": ms, "share": ms / whole}

@@ -228,8 +228,7 @@ class StepRecord:
     def host_values(self) -> list[float]:
         """The reduced vector on the host; waits for its copy only if it is not :meth:`ready`."""
         if self._copied is not None:
-            if not self._copied.query():
-                self._copied.synchronize()
+            self._copied.synchronize()  # returns at once where the copy is done
             self._copied = None
         return self.packed.tolist()
 

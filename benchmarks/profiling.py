@@ -1,0 +1,32 @@
+"""Per-kernel time from a ``torch.profiler`` profile, shared by ``speed.py``'s breakdown and ``overhead_profile.py``.
+
+Example::
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+    kernel_ms(prof.key_averages(), 10)   # {"_dkdv_kernel": 4.2, ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def kernel_ms(events: Iterable[Any], iterations: int, *, cpu_time: bool = False) -> dict[str, float]:
+    """Milliseconds per iteration of each kernel in a profile's key averages (its self device time).
+
+    Args:
+        events: ``profile.key_averages()``, or a selection of it.
+        iterations: what the profile covered, to divide by.
+        cpu_time: take an event's self CPU time where it has no device time (a run on the CPU).
+    """
+    totals: dict[str, float] = {}
+    for event in events:
+        us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
+        if us <= 0 and cpu_time:
+            us = event.self_cpu_time_total
+        if us > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + us / 1000 / iterations
+    return totals
