@@ -1,0 +1,288 @@
+"""First GPU check of the Gluon dK/dV kernel (``kernels/hopper/gluon_backward.py``) against ``_dkdv_kernel``.
+
+One device call on an H100/H200 (Triton 3.6), after ``python3 -m pip install --no-deps --no-build-isolation -e .``::
+
+    python3 benchmarks/pending/gluon_dkdv_check.py --out $OUT/gluon-dkdv.json
+
+For each shape (small ones against the reference too) it builds the backward's real inputs with the real
+forward (``sagebwd_forward``, SageBwd's default precision), then runs the portable dK/dV launch of
+``backward()`` and the Gluon kernel (both variants: warp-specialised ``ws`` and one 8-warp partition ``plain``)
+on the same inputs and prints, per output: max |diff|, rel_l2 and cosine against the portable kernel, the
+fraction of bf16 values that are bitwise equal (every INT8 code and scale equal gives 100%: the int32
+products are exact and both accumulate tiles in the same order; a code flipped by a last-bit difference in dP
+or exp2 shows up below 100%), and rel_l2 against the reference where it is run. Then it times both kernels
+with ``triton.testing.do_bench`` at the large shapes.
+
+Exits 1 on a mismatch (non-finite values, cosine < 0.9999 or rel_l2 > 5e-3 against the portable kernel, an
+error against the reference more than 5% above the portable kernel's, dS statistics off by more than 1e-3
+relative), 2 on a compile or launch error, 3 when a step hangs past ``--hang-s`` (a barrier deadlock would
+otherwise hold the device to the call's limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from sage_lightning.kernels import AttentionPrecision  # noqa: E402
+from sage_lightning.kernels import backward as bwd  # noqa: E402
+from sage_lightning.kernels.forward import LOG2E  # noqa: E402
+from sage_lightning.kernels.hopper import gluon_backward as gb  # noqa: E402
+from sage_lightning.kernels.ops import sagebwd_forward  # noqa: E402
+from sage_lightning.kernels.quant import (
+    backward_preprocess,
+    dot_precision,
+    padded_head_dim,
+    seq_bucket,
+    transpose_rows,
+)  # noqa: E402
+from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
+
+#: (batch, q heads, kv heads, seq, head dim, run the reference)
+SHAPES = [
+    (1, 2, 2, 256, 64, True),
+    (1, 2, 2, 256, 128, True),
+    (1, 4, 2, 512, 128, True),  # GQA: the program loops over the group's two query heads
+    (2, 4, 4, 1024, 64, False),
+    (4, 16, 16, 4096, 128, False),  # the profile's shape: 16K tokens
+]
+TIMED = {(4, 16, 16, 4096, 128), (2, 4, 4, 1024, 64)}
+#: Gluon variants, safest first: one 8-warp partition or warp-specialised (a TMA load warp); ``-defer`` finishes
+#: each tile's dV and dK products in the next iteration (spills a little at D=128: see gluon-dkdv.md).
+VARIANTS = ("plain", "ws", "ws-defer", "plain-defer")
+
+
+class Watchdog:
+    """Ends the process (exit 3) when a step runs past ``seconds``: a hung kernel cannot be interrupted."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.step, self.started = seconds, "", time.monotonic()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def set(self, step: str) -> None:
+        self.step, self.started = step, time.monotonic()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self.step and time.monotonic() - self.started > self.seconds:
+                print(f"HANG: {self.step!r} ran past {self.seconds:.0f} s; exiting", flush=True)
+                os._exit(3)
+
+
+def tl_dkdv(x: dict, causal: bool, tau: float, stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``backward()``'s ``_dkdv_kernel`` launch alone (same arguments), for comparison and timing."""
+    q_op, k_op, do = x["q_op"], x["k_op"], x["do"]
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=do.dtype, device=do.device)
+    dv = torch.empty_like(dk)
+    bwd._dkdv_kernel[(triton.cdiv(seq_k, 64), batch * kv_heads)](
+        q_op, x["q_op_t"], x["q_scale"], x["q_scale"], k_op, x["k_scale"], x["v"], x["k_scale"],
+        do, do, x["do_codes_t"], x["do_scale"], x["lse"], x["delta"], dk, dv,
+        stats if stats is not None else x["delta"],
+        *do.stride(),
+        heads, heads // kv_heads, seq_q, seq_k, head_dim, seq_bucket(max(seq_q, seq_k)), seq_bucket(batch * heads),
+        tau * LOG2E, tau,
+        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_INT8=True, DP_INT8=False,
+        DS_INT8=True, SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype), DV_INT8=True, WITH_STATS=stats is not None,
+    )  # fmt: skip
+    return dk, dv
+
+
+def gluon(x: dict, causal: bool, tau: float, stats: torch.Tensor | None, variant: str) -> tuple:
+    return gb.gluon_dkdv(
+        x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
+        x["k_scale"], x["v"], x["lse"], stats, is_causal=causal, scale=tau,
+        warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
+    )  # fmt: skip
+
+
+def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
+    """The backward's inputs from the real forward, SageBwd's default precision (K-smoothing on)."""
+    batch, heads, kv_heads, seq, head_dim = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
+    do = torch.randn(batch, heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
+    tau = head_dim**-0.5
+    prec = AttentionPrecision()
+    out, lse, q_op, q_scale, _q_mean, k_op, k_scale = sagebwd_forward(
+        q, k, v, None, causal, tau, True, True, True, False, True, prec.smooth_k, False, 128, 64
+    )
+    delta, _, do_codes_t, do_scale = backward_preprocess(do, out, 128, codes=False, codes_t=True)
+    x = dict(do=do, delta=delta, do_codes_t=do_codes_t, do_scale=do_scale, q_op=q_op, q_op_t=transpose_rows(q_op),
+             q_scale=q_scale, k_op=k_op, k_scale=k_scale, v=v.contiguous(), lse=lse)  # fmt: skip
+    return x, dict(q=q, k=k, v=v, do=do, tau=tau)
+
+
+def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+    a32, b32 = a.float(), b.float()
+    diff = (a32 - b32).norm().item()
+    return {
+        "max_abs": (a32 - b32).abs().max().item(),
+        "rel_l2": diff / max(b32.norm().item(), 1e-30),
+        "cosine": torch.nn.functional.cosine_similarity(a32.flatten(), b32.flatten(), dim=0).item(),
+        "bitwise_equal": (a.view(torch.int16) == b.view(torch.int16)).float().mean().item(),
+        "finite": bool(torch.isfinite(a32).all().item()),
+    }
+
+
+def check_drop_in() -> list[str]:
+    """``gluon_backward.backward`` against ``backward.backward`` (same arguments) at one small GQA shape: dQ comes
+    from the same kernel (bitwise equal), dK and dV from the Gluon kernel (close)."""
+    x, raw = inputs((1, 4, 2, 256, 128), causal=True)
+    k_op_t = transpose_rows(x["k_op"])
+    args = (x["do"], x["delta"], None, x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], None,
+            x["k_op"], k_op_t, x["k_scale"], x["v"], None, x["lse"], None)  # fmt: skip
+    kw = dict(is_causal=True, scale=raw["tau"], block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
+              ds_int8=True)  # fmt: skip
+    dq_p, dk_p, dv_p = bwd.backward(*args, **kw)
+    dq_g, dk_g, dv_g = gb.backward(*args, **kw)
+    torch.cuda.synchronize()
+    bad = []
+    if not torch.equal(dq_p, dq_g):
+        bad.append("drop-in backward(): dQ differs (the same kernel should give the same bits)")
+    for name, a, b in (("dK", dk_g, dk_p), ("dV", dv_g, dv_p)):
+        c = compare(a, b)
+        if not c["finite"] or c["cosine"] < 0.9999 or c["rel_l2"] > 5e-3:
+            bad.append(f"drop-in backward(): {name} {c}")
+    print(f"{'ok  ' if not bad else 'FAIL'} drop-in backward() (B=1 H=4/2 N=256 D=128 causal)", flush=True)
+    return bad
+
+
+def time_case(x: dict, causal: bool, tau: float) -> dict:
+    """Milliseconds of the portable dK/dV launch and of each Gluon variant (``do_bench``'s median)."""
+    times = {"tl": triton.testing.do_bench(lambda: tl_dkdv(x, causal, tau, None))}
+    for variant in VARIANTS:
+        try:
+            times[variant] = triton.testing.do_bench(lambda v=variant: gluon(x, causal, tau, None, v))
+        except Exception as error:  # noqa: BLE001 - reported; the table goes on
+            times[variant] = float("nan")
+            print(f"ERROR timing {variant}: {error}", flush=True)
+    return times
+
+
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--hang-s", type=float, default=90.0, help="a step running longer is a hang (exit 3)")
+    parser.add_argument("--quick", action="store_true", help="the first three shapes only, no timing")
+    args = parser.parse_args(argv)
+    dog = Watchdog(args.hang_s)
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    rows, failures, errors = [], [], 0
+    shapes = SHAPES[:3] if args.quick else SHAPES
+    for *shape, with_ref in shapes:
+        shape = tuple(shape)
+        for causal in (False, True):
+            name = f"B={shape[0]} H={shape[1]}/{shape[2]} N={shape[3]} D={shape[4]} causal={causal}"
+            dog.set(f"inputs {name}")
+            x, raw = inputs(shape, causal)
+            tau = raw["tau"]
+            # The dS statistics at the small shapes (a second compile of each kernel; not timed).
+            stats_tl = torch.zeros(2, device="cuda") if with_ref else None
+            dog.set(f"tl {name}")
+            dk_tl, dv_tl = tl_dkdv(x, causal, tau, stats_tl)
+            torch.cuda.synchronize()
+            ref = None
+            if with_ref:
+                dog.set(f"reference {name}")
+                q, k, v = (raw[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+                out_ref, _ = sage_attention_reference(q, k, v, is_causal=causal, scale=tau)
+                out_ref.backward(raw["do"])
+                ref = (k.grad, v.grad)
+                ref_err = {"dk": rel_l2(dk_tl, ref[0]), "dv": rel_l2(dv_tl, ref[1])}
+            for variant in VARIANTS:
+                case = f"{name} {variant}"
+                dog.set(f"gluon {case}")
+                stats_g = torch.zeros(2, device="cuda") if with_ref else None
+                try:
+                    dk_g, dv_g = gluon(x, causal, tau, stats_g, variant)
+                    torch.cuda.synchronize()
+                except Exception as error:  # noqa: BLE001 - reported; the other cases go on
+                    errors += 1
+                    print(f"ERROR {case}: {type(error).__name__}: {error}", flush=True)
+                    traceback.print_exc()
+                    rows.append({"case": case, "error": f"{type(error).__name__}: {error}"[:2000]})
+                    continue
+                row = {"case": case, "dk": compare(dk_g, dk_tl), "dv": compare(dv_g, dv_tl)}
+                row["stats_rel"] = (
+                    ((stats_g - stats_tl).abs() / stats_tl.abs().clamp_min(1e-30)).max().item() if with_ref else 0.0
+                )
+                if ref is not None:
+                    row["ref_rel_l2"] = {"dk": rel_l2(dk_g, ref[0]), "dv": rel_l2(dv_g, ref[1])}
+                    row["tl_ref_rel_l2"] = ref_err
+                bad = []
+                for out in ("dk", "dv"):
+                    c = row[out]
+                    if not c["finite"] or c["cosine"] < 0.9999 or c["rel_l2"] > 5e-3:
+                        bad.append(f"{out} vs tl {c}")
+                    if ref is not None and row["ref_rel_l2"][out] > 1.05 * ref_err[out] + 1e-4:
+                        bad.append(f"{out} vs reference {row['ref_rel_l2'][out]:.4g} (tl {ref_err[out]:.4g})")
+                if not row["stats_rel"] <= 1e-3:
+                    bad.append(f"stats {stats_g.tolist()} vs tl {stats_tl.tolist()}")  # type: ignore[union-attr]
+                row["ok"] = not bad
+                failures += [f"{case}: {b}" for b in bad]
+                rows.append(row)
+                refs = (
+                    f" ref dk {row['ref_rel_l2']['dk']:.4f} (tl {ref_err['dk']:.4f}) dv {row['ref_rel_l2']['dv']:.4f}"
+                    f" (tl {ref_err['dv']:.4f})"
+                    if ref is not None
+                    else ""
+                )
+                print(
+                    f"{'ok  ' if not bad else 'FAIL'} {case:<44} "
+                    + " ".join(
+                        f"{o} max {row[o]['max_abs']:.3g} rel {row[o]['rel_l2']:.2e} cos {row[o]['cosine']:.6f} "
+                        f"bits {100 * row[o]['bitwise_equal']:.2f}%"
+                        for o in ("dk", "dv")
+                    )
+                    + f" stats {row['stats_rel']:.1e}{refs}",
+                    flush=True,
+                )
+            if not args.quick and shape in TIMED:
+                dog.set(f"timing {name}")
+                times = time_case(x, causal, tau)
+                rows.append({"case": f"{name} timing", "ms": times})
+                line = " ".join(f"{k} {v:.3f} ms" for k, v in times.items())
+                speedups = " ".join(f"{v} {times['tl'] / times[v]:.2f}x" for v in VARIANTS)
+                print(f"TIME {name:<44} {line}  (tl / gluon: {speedups})", flush=True)
+            x = raw = None
+            torch.cuda.empty_cache()
+    dog.set("drop-in backward()")
+    failures += check_drop_in()
+    dog.set("")
+    print("\nSummary:")
+    for row in rows:
+        if "ms" in row:
+            print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
+    if args.out:
+        args.out.write_text(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
+                                        "device": torch.cuda.get_device_name(), "rows": rows,
+                                        "failures": failures, "errors": errors}, indent=1))  # fmt: skip
+    for failure in failures:
+        print("MISMATCH", failure)
+    if errors:
+        print(f"{errors} compile/launch errors")
+        return 2
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
