@@ -26,3 +26,7 @@ def test_every_parked_patch_is_listed_in_the_pending_readme() -> None:
 def test_parked_patch_applies_to_this_tree(patch: Path) -> None:
     done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, f"{patch.name} no longer applies: {done.stderr}"
+
+
+def test_the_device_script_parses() -> None:
+    subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "pending" / "check_patch.sh")], check=True)

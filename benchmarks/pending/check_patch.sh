@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call for a parked kernel patch: main's speed, then the patch applied, its speed (with the
+# correctness check), then the kernel tests on CUDA. Everything also goes to $OUT/log.txt, so a call cut short
+# still brings back what ran. Usage, from the repository root on the GPU (working tree of main, no .git needed):
+#
+#   bash benchmarks/pending/check_patch.sh issue-14-dq-tile-scales-and-peak-memory.patch <sha of main>
+#
+# About 8 minutes on an H100 (run it with the device tool's timeout_s at 590): speed before ~70 s, after ~200 s
+# (speed.py prints only its final table), the tests ~250 s. Limits per step keep one slow step from eating the
+# others; rc 124 on a step means its limit, not a failure of the code.
+set -uo pipefail
+patch="${1:?the patch's file name in benchmarks/pending}"
+sha="${2:?main's commit, for the result files}"
+out="${OUT:-/tmp}"
+exec > >(tee -a "${out}/log.txt") 2>&1
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/../.."
+step() { echo "== $(date -u +%T) $*"; }
+install() { python3 -m pip install --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }; }
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+install
+step "speed of main (${sha})"
+GIT_COMMIT="${sha}" timeout 150 python3 benchmarks/speed.py --impl sage --impl sdpa_cudnn --head-dim 128 \
+    --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
+step "git apply ${patch}"
+git apply "benchmarks/pending/${patch}" || exit 3
+install
+step "speed with ${patch}"
+GIT_COMMIT="${sha}+${patch%.patch}" timeout 260 python3 benchmarks/speed.py --impl sage --impl sdpa_cudnn \
+    --impl sdpa_flash --head-dim 128 --seq 4096 --seq 8192 --no-breakdown --out "${out}/after.json" 2>&1 \
+    | grep -v Warning | grep -E "^\||^check|FAIL|Error"
+step "kernel tests on CUDA with ${patch}"
+timeout 280 python3 -m pytest tests/test_triton_kernels.py tests/test_hopper_kernels.py -q -p no:cacheprovider \
+    2>&1 | tail -8
+step "done"
