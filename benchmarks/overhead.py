@@ -23,14 +23,21 @@ A run's step time is the wall time of its measured steps over their number (a me
 cost being measured), the device synchronised at each step's end. That sync is not what training does: it keeps the
 host from running ahead of the device, and waits for a snapshot's side-stream copies, which training overlaps with
 the next forward and backward. ``--no-step-sync`` synchronises at the window's two ends only (each step's end is then
-a CUDA event, for the median step). Settings run in turn, ``--repeats`` rounds, the order reversed every other
-round. Identical runs differ by a few percent (the machine, not the code), so each row reports the median over
-rounds (``step_ms``, ``baseline_step_ms``) and ``overhead``, the median over rounds of the ratio to the baseline run
-of the same round (paired: slow drifts cancel); ``round_step_ms`` keeps every round, ``round_median_step_ms`` each
-round's median step (a cost on every step moves it, one on rare steps does not), ``round_decisions`` the callback's
-decisions, warm-up included (the overhead is that of a calm run: an escalation runs another kernel afterwards and a
-verification probe on the next step), and ``round_verdict_waits`` the fixed-lag reads that found their step's
-signals not yet on the host.
+a CUDA event, for the median step). Each of ``--repeats`` rounds runs every setting once, in turn (the order
+reversed every other round), with a baseline run before the first, between each two and after the last (as long as
+the longer of its neighbours); every run starts with the earlier runs' Trainers, models and callbacks collected and
+the CUDA cache emptied (``overhead_timing.isolated``: they had stayed alive in reference cycles for several runs).
+Run order mattered (at dc3c3c8 on an H100, the defaults' median step was 42.65 ms in the round they ran early and
+49.33 in the one they ran after the probe and snapshot settings, the baseline's 40.34 and 41.80), so a setting is
+paired with the mean of the two baseline runs around it. Identical runs differ by a few percent (the machine, not
+the code), so each row reports the median over rounds (``step_ms``, ``baseline_step_ms``, its paired baseline's)
+and ``overhead``, the median over rounds of the ratio to the paired baseline; ``round_step_ms`` and
+``round_baseline_step_ms`` keep every round, ``round_median_step_ms`` each round's median step (a cost on every
+step moves it, one on rare steps does not), ``round_decisions`` the callback's decisions, warm-up included (the
+overhead is that of a calm run: an escalation runs another kernel afterwards and a verification probe on the next
+step), ``round_verdict_waits`` the fixed-lag reads that found their step's signals not yet on the host, and
+``round_gc_ms``, ``round_alloc_retries`` the garbage collector's time and the CUDA allocator's retries in each run.
+The ``no callback`` row's rounds are the medians of each round's baseline runs.
 
 Example::
 
@@ -48,14 +55,12 @@ import logging
 import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback
 from sage_lightning.kernels import use_backend
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -65,6 +70,7 @@ from sage_lightning import AdaptivePrecision, PolicyConfig, SageAttentionMixin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402  (benchmarks/ is not a package: the result-file helpers live there)
 from overhead_profile import PROFILED, ProfilerWindow, format_profile, traced_hooks  # noqa: E402
+from overhead_timing import StepTimer, isolated  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -160,82 +166,6 @@ def markov_tokens(sequences: int, seq: int, seed: int = 0, branching: int = 8) -
     return ids
 
 
-class StepTimer(Callback):
-    """Wall time of each optimizer step, the device synchronised at its end; with ``step_sync=False`` on CUDA,
-    synchronised only where the measured window starts (the end of step ``skip - 1``) and ends, each step's end
-    marked by a CUDA event: the mean is then the window's wall time over its steps, the median the device's.
-
-    Args:
-        step_sync: synchronise the device at every step's end.
-        skip: the warm-up steps before the measured window.
-
-    Example::
-
-        timer = StepTimer(step_sync=False, skip=20)
-        trainer = L.Trainer(callbacks=[timer], max_steps=420)
-        trainer.fit(model, loader)
-        timer.step_ms(skip=20), timer.median_step_ms(skip=20)
-    """
-
-    def __init__(self, step_sync: bool = True, skip: int = 0) -> None:
-        self.ends: list[float] = []
-        self.step_sync = step_sync
-        self.skip = skip
-        self._step = -1
-        self._events: list[torch.cuda.Event] = []
-        self._window_start = 0.0
-        self._window_ms = 0.0
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._synchronize(pl_module)
-        self.ends.append(time.perf_counter())
-        self._step = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == self._step:
-            return  # an optimizer step did not end with this batch
-        self._step = trainer.global_step
-        if self._events_only(pl_module):
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._events.append(event)
-            if len(self._events) == self.skip:
-                self._synchronize(pl_module)
-                self._window_start = time.perf_counter()
-            return
-        self._synchronize(pl_module)
-        self.ends.append(time.perf_counter())
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._events_only(pl_module):
-            self._synchronize(pl_module)
-            self._window_ms = 1000 * (time.perf_counter() - self._window_start)
-
-    def _events_only(self, pl_module: L.LightningModule) -> bool:
-        return not self.step_sync and pl_module.device.type == "cuda"
-
-    @staticmethod
-    def _synchronize(pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-
-    def step_ms(self, skip: int) -> float:
-        """Mean milliseconds per step after the first ``skip`` steps."""
-        if self._events:
-            return self._window_ms / (len(self._events) - skip)
-        ends = self.ends[skip:]
-        return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
-
-    def median_step_ms(self, skip: int) -> float:
-        """Median milliseconds of one step after the first ``skip`` steps: a cost paid on every step moves it, one
-        paid on rare steps (dS statistics, snapshots, probes) does not."""
-        if self._events:
-            measured = self._events[skip - 1 :]
-            return statistics.median(a.elapsed_time(b) for a, b in zip(measured, measured[1:], strict=False))
-        ends = self.ends[skip:]
-        return 1000 * statistics.median(later - earlier for earlier, later in zip(ends, ends[1:], strict=False))
-
-
 #: A period that never comes within a benchmark run: turns one signal off.
 NEVER = 10**9
 
@@ -255,6 +185,8 @@ def _callback(
     )
 
 
+#: The setting every other one is compared with.
+BASELINE = "no callback"
 #: label -> (callback factory or None, whether it runs --steps (True) or --breakdown-steps (False)).
 SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
     "no callback": (None, True),
@@ -282,43 +214,55 @@ class Run:
     steps: int
     decisions: list[str]
     verdict_waits: int = 0
+    gc_ms: float = 0.0
+    alloc_retries: int = 0
 
 
-def run_once(args: argparse.Namespace, label: str, data: torch.Tensor, window: ProfilerWindow | None = None) -> Run:
-    """Train one setting for ``--warmup`` plus its measured steps (``window``: the profiled ones instead, the
-    controller's hooks traced); return its times, step count and decisions.
+def run_once(
+    args: argparse.Namespace,
+    label: str,
+    data: torch.Tensor,
+    window: ProfilerWindow | None = None,
+    steps: int | None = None,
+) -> Run:
+    """Train one setting for ``--warmup`` plus its measured steps (``steps``: that many instead; ``window``: the
+    profiled ones, the controller's hooks traced), after collecting what earlier runs left; return its times, step
+    count and decisions.
 
     Example::
 
         run_once(parse_args(["--device", "cpu", "--steps", "4"]), "no callback", data)
     """
-    torch.manual_seed(args.seed)
-    model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
-    timer = StepTimer(step_sync=not args.no_step_sync, skip=args.warmup)
     factory, main_setting = SETTINGS[label]
-    steps = window.steps if window else args.steps if main_setting else args.breakdown_steps
-    controller = None if factory is None else factory()
-    callbacks = ([] if controller is None else [controller]) + [timer] + ([window] if window else [])
-    if window and controller:
-        traced_hooks(controller)
-    trainer = L.Trainer(
-        accelerator=args.device,
-        devices=1,
-        precision=args.precision,
-        max_steps=args.warmup + steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    loader = DataLoader(TensorDataset(data), batch_size=args.batch, shuffle=False, num_workers=0)
-    with use_backend(args.backend):
-        trainer.fit(model, loader)
+    if steps is None:
+        steps = window.steps if window else args.steps if main_setting else args.breakdown_steps
+    with isolated(args.device) as costs:
+        torch.manual_seed(args.seed)
+        model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
+        timer = StepTimer(step_sync=not args.no_step_sync, skip=args.warmup)
+        controller = None if factory is None else factory()
+        callbacks = ([] if controller is None else [controller]) + [timer] + ([window] if window else [])
+        if window and controller:
+            traced_hooks(controller)
+        trainer = L.Trainer(
+            accelerator=args.device,
+            devices=1,
+            precision=args.precision,
+            max_steps=args.warmup + steps,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        loader = DataLoader(TensorDataset(data), batch_size=args.batch, shuffle=False, num_workers=0)
+        with use_backend(args.backend):
+            trainer.fit(model, loader)
     decisions = [] if controller is None else [str(decision) for decision in controller.history]
     waits = 0 if controller is None else controller.verdict_waits
-    return Run(timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup), steps, decisions, waits)
+    mean, median = timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup)
+    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -371,13 +315,16 @@ def format_table(result: dict) -> str:
         print(format_table(main([...])))
     """
     lines = [
-        "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms) | median step, rounds (ms) "
-        "| decisions, rounds | verdicts that waited, rounds |",
+        "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms; / paired baseline) "
+        "| median step, rounds (ms) | decisions, rounds | verdicts that waited, rounds |",
         "|---|---:|---:|---:|---:|---|---|---|---|",
     ]
     by_label = {row["what"]: row for row in result["rows"]}
     for row in result["rows"]:
-        each = ", ".join(f"{ms:.2f}" for ms in row["round_step_ms"])
+        paired = row.get("round_baseline_step_ms") if row["what"] != BASELINE else None
+        each = ", ".join(
+            f"{ms:.2f}" + (f" / {paired[i]:.2f}" if paired else "") for i, ms in enumerate(row["round_step_ms"])
+        )
         medians = ", ".join(f"{ms:.2f}" for ms in row.get("round_median_step_ms", [])) or "-"
         decided = ", ".join(str(len(made)) for made in row.get("round_decisions", [])) or "-"
         waited = ", ".join(str(n) for n in row.get("round_verdict_waits", [])) or "-"
@@ -385,7 +332,7 @@ def format_table(result: dict) -> str:
             f"| {row['what']} | {row['steps']} | {row['step_ms']:.2f} | {row['baseline_step_ms']:.2f} | "
             f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} |"
         )
-    base = by_label["no callback"]["step_ms"]
+    base = by_label[BASELINE]["step_ms"]
     off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
     config, callback = PolicyConfig(), AdaptivePrecision()
     periods = {
@@ -404,7 +351,59 @@ def format_table(result: dict) -> str:
         + " + ".join(f"{what} {cost:.3f}" for what, cost in parts)
         + f" = {estimate:.3f} ms, {estimate / base:+.2%} of the baseline.",
     ]
+    if all("round_gc_ms" in row for row in result["rows"]):
+        gc_ms = max(max(row["round_gc_ms"]) for row in result["rows"])
+        retries = sum(sum(row["round_alloc_retries"]) for row in result["rows"])
+        lines.append(f"Garbage collector: at most {gc_ms:.1f} ms in a run; CUDA allocator retries: {retries}.")
     return "\n".join(lines)
+
+
+def measure_rounds(args: argparse.Namespace, data: torch.Tensor) -> tuple[dict[str, list[Run]], dict[str, list[float]]]:
+    """``--repeats`` rounds of every setting, each between two baseline runs; returns each setting's runs by round
+    (the baseline's: one per round, the medians of that round's baseline runs) and, for the others, by round, the
+    mean step time of the two baseline runs around it.
+
+    Example::
+
+        rounds, baselines = measure_rounds(parse_args([...]), data)
+    """
+    others = [label for label in SETTINGS if label != BASELINE]
+    rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
+    paired: dict[str, list[float]] = {label: [] for label in others}
+
+    def measured(label: str, steps: int | None = None) -> Run:
+        run = run_once(args, label, data, steps=steps)
+        print(
+            f"{label}: {run.step_ms:.2f} ms/step (median {run.median_step_ms:.2f}) over {run.steps} steps, "
+            f"{len(run.decisions)} decisions, {run.gc_ms:.1f} ms in the garbage collector",
+            flush=True,
+        )
+        for decision in run.decisions:
+            print(f"  {decision}", flush=True)
+        return run
+
+    for repeat in range(args.repeats):
+        order = others[:: 1 if repeat % 2 == 0 else -1]
+        around: list[Run] = []
+        for i in range(len(order) + 1):
+            neighbours = order[max(0, i - 1) : i + 1]
+            lengths = [args.steps if SETTINGS[label][1] else args.breakdown_steps for label in neighbours]
+            around.append(measured(BASELINE, max(lengths, default=args.steps)))
+            if i < len(order):
+                rounds[order[i]].append(measured(order[i]))
+        for i, label in enumerate(order):
+            paired[label].append((around[i].step_ms + around[i + 1].step_ms) / 2)
+        rounds[BASELINE].append(
+            Run(
+                statistics.median(run.step_ms for run in around),
+                statistics.median(run.median_step_ms for run in around),
+                max(run.steps for run in around),
+                [],
+                gc_ms=max(run.gc_ms for run in around),
+                alloc_retries=sum(run.alloc_retries for run in around),
+            )
+        )
+    return rounds, paired
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -425,35 +424,29 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("overhead.py: --device cuda needs a GPU; pass --device cpu (with small sizes) to try it")
     most = max(args.steps, args.breakdown_steps, args.profile_steps)
     data = markov_tokens(args.batch * (args.warmup + most), args.seq, seed=args.seed)
-    rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
-    for repeat in range(args.repeats):
-        for label in list(SETTINGS)[:: 1 if repeat % 2 == 0 else -1]:
-            run = run_once(args, label, data)
-            rounds[label].append(run)
-            print(
-                f"{label}: {run.step_ms:.2f} ms/step (median {run.median_step_ms:.2f}), {len(run.decisions)} decisions",
-                flush=True,
-            )
-            for decision in run.decisions:
-                print(f"  {decision}", flush=True)
+    rounds, baselines = measure_rounds(args, data)
     shape = {
         name: getattr(args, name) for name in ("layers", "d_model", "heads", "seq", "batch", "precision", "backend")
     }
-    baseline = [run.step_ms for run in rounds["no callback"]]
     rows = []
     for label in SETTINGS:
-        means = [run.step_ms for run in rounds[label]]
+        runs = rounds[label]
+        means = [run.step_ms for run in runs]
+        paired = baselines.get(label, means)
         rows.append(
             {
                 "what": label,
                 "step_ms": statistics.median(means),
-                "baseline_step_ms": statistics.median(baseline),
-                "overhead": statistics.median(ms / base - 1 for ms, base in zip(means, baseline, strict=True)),
-                "steps": rounds[label][0].steps,
+                "baseline_step_ms": statistics.median(paired),
+                "overhead": statistics.median(ms / base - 1 for ms, base in zip(means, paired, strict=True)),
+                "steps": runs[0].steps,
                 "round_step_ms": means,
-                "round_median_step_ms": [run.median_step_ms for run in rounds[label]],
-                "round_decisions": [run.decisions for run in rounds[label]],
-                "round_verdict_waits": [run.verdict_waits for run in rounds[label]],
+                "round_baseline_step_ms": paired,
+                "round_median_step_ms": [run.median_step_ms for run in runs],
+                "round_decisions": [run.decisions for run in runs],
+                "round_verdict_waits": [run.verdict_waits for run in runs],
+                "round_gc_ms": [run.gc_ms for run in runs],
+                "round_alloc_retries": [run.alloc_retries for run in runs],
                 **shape,
             }
         )
@@ -482,7 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"# AdaptivePrecision overhead per optimizer step\n\n{name}, {result['date']}, commit {result['commit']}\n\n"
         f"`{result['command']}`\n\n{args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
         f"batch {args.batch}, {args.precision}, backend {args.backend}; mean over the measured steps after "
-        f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, overhead paired by round; "
+        f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, each setting paired with the baseline runs "
+        "just before and after it; "
         + (
             "the device synchronised where the measured steps start and end only"
             if args.no_step_sync

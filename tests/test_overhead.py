@@ -3,8 +3,10 @@ files in the format of /work/shared/RESULTS.md."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,8 @@ def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
         assert row["step_ms"] > 0 and row["baseline_step_ms"] > 0 and len(row["round_step_ms"]) == 1
         assert row["steps"] == (3 if overhead.SETTINGS[row["what"]][1] else 2)
         assert row["round_verdict_waits"] == [0]  # on the CPU the signals are on the host at once
+        assert len(row["round_baseline_step_ms"]) == 1 and row["round_alloc_retries"] == [0]
+        assert len(row["round_gc_ms"]) == 1 and row["round_gc_ms"][0] >= 0
     assert saved["rows"][0]["overhead"] == 0.0
     table = out.with_suffix(".md").read_text()
     assert "| callback, defaults | 3 |" in table and "Defaults rebuilt from the breakdown" in table
@@ -93,3 +97,55 @@ def test_a_profile_window_the_run_never_reaches_says_so() -> None:
     window = ProfilerWindow(start_step=5, steps=10)
     with pytest.raises(RuntimeError, match="steps 5 to 14 were not all run"):
         window.per_step()
+
+
+def test_each_setting_is_paired_with_the_baseline_runs_around_it(tmp_path, monkeypatch) -> None:
+    """Each round runs a baseline before, between and after the settings (the order reversed every other round), each
+    as long as its longer neighbour; a setting's overhead is against the mean of the two baseline runs beside it, so a
+    machine that slows down steadily over the rounds shows no overhead."""
+    ran = []
+    drift = iter(range(1, 100))
+
+    def run_once(args, label, data, window=None, steps=None):  # noqa: ANN001, ANN202
+        steps = steps or (args.steps if overhead.SETTINGS[label][1] else args.breakdown_steps)
+        ran.append((label, steps))
+        ms = float(next(drift))  # every run 1 ms slower than the one before
+        return overhead.Run(ms, ms, steps, [])
+
+    base, defaults, off = "no callback", "callback, defaults", "callback, signals and snapshots off"
+    monkeypatch.setattr(overhead, "SETTINGS", {label: overhead.SETTINGS[label] for label in (base, defaults, off)})
+    monkeypatch.setattr(overhead, "run_once", run_once)
+    monkeypatch.setattr(overhead, "format_table", lambda result: "table")
+    argv = [*TINY, "--steps", "5", "--breakdown-steps", "2", "--repeats", "2", "--out", str(tmp_path / "o.json")]
+    rows = {row["what"]: row for row in overhead.main(argv)["rows"]}
+    assert ran == [(base, 5), (defaults, 5), (base, 5), (off, 2), (base, 2)] + [
+        (base, 2),
+        (off, 2),
+        (base, 5),
+        (defaults, 5),
+        (base, 5),
+    ]
+    assert rows[defaults]["round_baseline_step_ms"] == [2.0, 9.0] and rows[off]["round_baseline_step_ms"] == [4.0, 7.0]
+    assert rows[defaults]["overhead"] == rows[off]["overhead"] == rows[base]["overhead"] == 0.0
+    assert rows[base]["round_step_ms"] == [3.0, 8.0] and rows[base]["steps"] == 5
+
+
+def test_a_run_starts_with_the_earlier_runs_collected() -> None:
+    """A Trainer and its model hold each other in reference cycles: what an earlier run left is collected before the
+    next starts, and the collector's time during the run is measured."""
+    from overhead_timing import isolated
+
+    class Run:
+        pass
+
+    earlier = Run()
+    earlier.trainer = earlier  # a cycle, as Trainer and LightningModule make
+    left = weakref.ref(earlier)
+    del earlier
+    with isolated("cpu") as costs:
+        assert left() is None
+        garbage = Run()
+        garbage.cycle = garbage
+        del garbage
+        gc.collect()
+    assert costs.gc_ms > 0 and costs.alloc_retries == 0
