@@ -48,15 +48,19 @@ from sage_lightning.kernels.quant import (
 )  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
 
-#: (batch, q heads, kv heads, seq, head dim, run the reference)
+#: (batch, q heads, kv heads, queries, keys, head dim, run the reference)
 SHAPES = [
-    (1, 2, 2, 256, 64, True),
-    (1, 2, 2, 256, 128, True),
-    (1, 4, 2, 512, 128, True),  # GQA: the program loops over the group's two query heads
-    (2, 4, 4, 1024, 64, False),
-    (4, 16, 16, 4096, 128, False),  # the profile's shape: 16K tokens
+    (1, 2, 2, 256, 256, 64, True),
+    (1, 2, 2, 256, 256, 128, True),
+    (1, 4, 2, 512, 512, 128, True),  # GQA: the program loops over the group's two query heads
+    # More keys than queries (causal: the key blocks past the last query get no tile, total = 0) and fewer, GQA at
+    # D=64: SEQ_Q and SEQ_K differ, so a mix-up of the two shows.
+    (1, 4, 2, 256, 512, 64, True),
+    (1, 2, 2, 512, 256, 128, True),
+    (2, 4, 4, 1024, 1024, 64, False),
+    (4, 16, 16, 4096, 4096, 128, False),  # the profile's shape: 16K tokens
 ]
-TIMED = {(4, 16, 16, 4096, 128), (2, 4, 4, 1024, 64)}
+TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64)}
 #: Gluon variants, safest first: one 8-warp partition or warp-specialised (a TMA load warp); ``-defer`` finishes
 #: each tile's dV and dK products in the next iteration (spills a little at D=128: see gluon-dkdv.md).
 VARIANTS = ("plain", "ws", "ws-defer", "plain-defer")
@@ -110,11 +114,11 @@ def gluon(x: dict, causal: bool, tau: float, stats: torch.Tensor | None, variant
 
 def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
     """The backward's inputs from the real forward, SageBwd's default precision (K-smoothing on)."""
-    batch, heads, kv_heads, seq, head_dim = shape
+    batch, heads, kv_heads, seq, seq_k, head_dim = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(batch, kv_heads, seq_k, head_dim, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(batch, kv_heads, seq_k, head_dim, device="cuda", generator=gen).bfloat16()
     do = torch.randn(batch, heads, seq, head_dim, device="cuda", generator=gen).bfloat16()
     tau = head_dim**-0.5
     prec = AttentionPrecision()
@@ -142,7 +146,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
 def check_drop_in() -> list[str]:
     """``gluon_backward.backward`` against ``backward.backward`` (same arguments) at one small GQA shape: dQ comes
     from the same kernel (bitwise equal), dK and dV from the Gluon kernel (close)."""
-    x, raw = inputs((1, 4, 2, 256, 128), causal=True)
+    x, raw = inputs((1, 4, 2, 256, 256, 128), causal=True)
     k_op_t = transpose_rows(x["k_op"])
     args = (x["do"], x["delta"], None, x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], None,
             x["k_op"], k_op_t, x["k_scale"], x["v"], None, x["lse"], None)  # fmt: skip
@@ -182,16 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--hang-s", type=float, default=90.0, help="a step running longer is a hang (exit 3)")
-    parser.add_argument("--quick", action="store_true", help="the first three shapes only, no timing")
+    parser.add_argument(
+        "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
+    )
     args = parser.parse_args(argv)
     dog = Watchdog(args.hang_s)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows, failures, errors = [], [], 0
-    shapes = SHAPES[:3] if args.quick else SHAPES
+    shapes = [s for s in SHAPES if s[-1]] if args.quick else SHAPES
     for *shape, with_ref in shapes:
         shape = tuple(shape)
         for causal in (False, True):
-            name = f"B={shape[0]} H={shape[1]}/{shape[2]} N={shape[3]} D={shape[4]} causal={causal}"
+            name = f"B={shape[0]} H={shape[1]}/{shape[2]} N={shape[3]}/{shape[4]} D={shape[5]} causal={causal}"
             dog.set(f"inputs {name}")
             x, raw = inputs(shape, causal)
             tau = raw["tau"]
