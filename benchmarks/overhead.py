@@ -218,6 +218,11 @@ class Run:
     alloc_retries: int = 0
 
 
+def setting_steps(args: argparse.Namespace, label: str) -> int:
+    """The measured steps of a setting: ``--steps`` for the baseline and the defaults, ``--breakdown-steps`` else."""
+    return args.steps if SETTINGS[label][1] else args.breakdown_steps
+
+
 def run_once(
     args: argparse.Namespace,
     label: str,
@@ -233,9 +238,9 @@ def run_once(
 
         run_once(parse_args(["--device", "cpu", "--steps", "4"]), "no callback", data)
     """
-    factory, main_setting = SETTINGS[label]
+    factory = SETTINGS[label][0]
     if steps is None:
-        steps = window.steps if window else args.steps if main_setting else args.breakdown_steps
+        steps = window.steps if window else setting_steps(args, label)
     with isolated(args.device) as costs:
         torch.manual_seed(args.seed)
         model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
@@ -387,7 +392,7 @@ def measure_rounds(args: argparse.Namespace, data: torch.Tensor) -> tuple[dict[s
         around: list[Run] = []
         for i in range(len(order) + 1):
             neighbours = order[max(0, i - 1) : i + 1]
-            lengths = [args.steps if SETTINGS[label][1] else args.breakdown_steps for label in neighbours]
+            lengths = [setting_steps(args, label) for label in neighbours]
             around.append(measured(BASELINE, max(lengths, default=args.steps)))
             if i < len(order):
                 rounds[order[i]].append(measured(order[i]))

@@ -474,7 +474,7 @@ class AdaptivePrecision(Callback):
         # decides the same at the same step (its copy is almost always done by then; if not, the read waits).
         if self._conclude_pending(trainer, pl_module, until=step.step - VERDICT_LAG):
             # The parameters went back to the snapshot: this step's gradients belong to the undone ones.
-            for parameter in pl_module.parameters():
+            for parameter in self._parameters:
                 parameter.grad = None
 
     @override
@@ -718,7 +718,7 @@ class AdaptivePrecision(Callback):
         if not applied and outcome.action in ("skip", "rollback", "stop"):
             # No gradient, no update: torch optimizers skip parameters whose .grad is None (moments, step
             # counters and weight decay included); a GradScaler, if any, already recorded its inf checks.
-            for parameter in pl_module.parameters():
+            for parameter in self._parameters:
                 parameter.grad = None
         self.skipped_steps += skipped
         self._apply_precisions()
