@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
+from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
 from .quant import (
+    backward_preprocess,
     dot_precision,
     hp_dot,
     int8_codes,
@@ -29,9 +31,11 @@ from .quant import (
     int32_scaled,
     nan_max,
     padded_head_dim,
+    quantize_rows,
     round_half_even,
     seq_bucket,
     to_dtype,
+    transpose_rows,
     tuning_configs,
 )
 
@@ -346,19 +350,13 @@ def _dq_kernel(
 
 def backward(
     grad_out: torch.Tensor,
-    delta: torch.Tensor,
-    do_codes: torch.Tensor | None,
-    do_codes_t: torch.Tensor | None,
-    do_scale: torch.Tensor | None,
+    out: torch.Tensor,
     q_op: torch.Tensor,
-    q_op_t: torch.Tensor | None,
     q_scale: torch.Tensor,
     q_mean: torch.Tensor | None,
     k_op: torch.Tensor,
-    k_op_t: torch.Tensor | None,
     k_scale: torch.Tensor,
-    v_dp: torch.Tensor,
-    v_dp_scale: torch.Tensor | None,
+    v: torch.Tensor,
     lse: torch.Tensor,
     stats: torch.Tensor | None,
     *,
@@ -371,16 +369,19 @@ def backward(
     dp_int8: bool,
     ds_int8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the dK/dV and dQ kernels; returns ``(dQ, dK, dV)`` contiguous in dO's dtype.
+    """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)``
+    contiguous in dO's dtype.
+
+    Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
+    copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before K'^'s ``[D, N]`` copy and dQ
+    (the dQ kernel's) are allocated.
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
-        delta, do_codes, do_codes_t, do_scale: from :func:`.quant.backward_preprocess`: dO's codes ``[N, D]``
-            when ``dp`` is INT8, ``[D, N]`` when ``dv`` is.
-        q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands.
-        q_op_t, k_op_t: Q'^ and K'^ stored ``[D, N]`` when ``qk`` and ``ds`` are INT8 (the dK and dQ products sum
-            over queries and keys, which 8-bit tensor-core products want contiguous); else ``None``.
-        v_dp, v_dp_scale: dP's V operand: V's INT8 codes and scales when ``dp="int8"``, else V contiguous.
+        out: the forward's O, for ``delta`` (:func:`.quant.backward_preprocess`).
+        q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands (``q_mean`` ``None`` without
+            Q-smoothing).
+        v: V itself; its INT8 codes are made here when ``dp="int8"``.
         lse: the forward's internal logsumexp (base 2).
         stats: fp32 ``(2,)`` buffer the dS statistics are added to, or ``None`` (nothing computed).
         is_causal, scale, block_m, block_n: as the forward.
@@ -388,25 +389,26 @@ def backward(
 
     Example::
 
-        dq, dk, dv = backward(grad_out, delta, None, codes_t, dscale, q_op, q_op_t, q_scale, None, k_op,
-                              k_op_t, k_scale, v, None, lse, None,
+        dq, dk, dv = backward(grad_out, out, q_op, q_scale, None, k_op, k_scale, v, lse, None,
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk_int8=True,
                               dv_int8=True, dp_int8=False, ds_int8=True)
     """
+    delta, do_codes, do_codes_t, do_scale = backward_preprocess(grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8)
+    if dp_int8:
+        v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
+    else:
+        v_dp, v_dp_scale = v.contiguous(), None
+    # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
+    # cores want those contiguous, so each kernel reads a transposed copy, made just before it.
+    transposed = qk_int8 and ds_int8
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     io_dtype = grad_out.dtype
-    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
-    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
-    dv = torch.empty_like(dk)
     d_pad = padded_head_dim(head_dim)
     bucket = seq_bucket(max(seq_q, seq_k))
     heads_bucket = seq_bucket(batch * heads)
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out
-    codes_t_arg = do_codes_t if do_codes_t is not None else grad_out
-    q_t_arg = q_op_t if q_op_t is not None else q_op
-    k_t_arg = k_op_t if k_op_t is not None else k_op
     code_scale_arg = do_scale if do_scale is not None else delta
     v_scale_arg = v_dp_scale if v_dp_scale is not None else k_scale
     common = dict(
@@ -420,16 +422,32 @@ def backward(
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(io_dtype),
     )
-    _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
-        q_op, q_t_arg, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
-        grad_out, codes_arg, codes_t_arg, code_scale_arg, lse, delta, dk, dv,
-        stats if stats is not None else delta,
-        *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
-        DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
-    )  # fmt: skip
+    q_op_t = transpose_rows(q_op) if transposed else q_op
+    formats = dict(qk_int8=qk_int8, dv_int8=dv_int8, dp_int8=dp_int8, ds_int8=ds_int8)
+    if gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n,
+                          **formats):  # fmt: skip
+        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py).
+        dk, dv = gluon_dkdv(
+            grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
+            is_causal=is_causal, scale=scale,
+        )  # fmt: skip
+    else:
+        dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
+        dv = torch.empty_like(dk)
+        _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+            q_op, q_op_t, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
+            grad_out, codes_arg, do_codes_t if do_codes_t is not None else grad_out, code_scale_arg, lse, delta, dk, dv,
+            stats if stats is not None else delta,
+            *grad_out.stride(),
+            heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
+            DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
+        )  # fmt: skip
+    # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
+    del q_op_t, do_codes_t
+    k_op_t = transpose_rows(k_op) if transposed else k_op
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
     _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
-        q_op, q_scale, q_mean_arg, k_op, k_t_arg, k_scale, v_dp, v_scale_arg,
+        q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,
         grad_out, codes_arg, code_scale_arg, lse, delta, dq,
         *grad_out.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,

@@ -19,7 +19,7 @@ from .forward import LOG2E, forward
 from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
-from .quant import MAX_PRODUCT_TERMS, backward_preprocess, quantize_rows, transpose_rows
+from .quant import MAX_PRODUCT_TERMS, quantize_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
@@ -111,31 +111,15 @@ def sagebwd_backward(
     block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd backward: ``(dQ, dK, dV)``; adds the dS statistics into ``stats`` when given."""
-    delta, do_codes, do_codes_t, do_scale = backward_preprocess(grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8)
-    # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
-    # cores want those contiguous, so the backward reads transposed copies (made here, freed on return).
-    transposed = qk_int8 and ds_int8
-    q_op_t = transpose_rows(q_op) if transposed else None
-    k_op_t = transpose_rows(k_op) if transposed else None
-    if dp_int8:
-        v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
-    else:
-        v_dp, v_dp_scale = v.contiguous(), None
     return backward(
         grad_out,
-        delta,
-        do_codes,
-        do_codes_t,
-        do_scale,
+        out,
         q_op,
-        q_op_t,
         q_scale,
         q_mean if q_mean.numel() else None,
         k_op,
-        k_op_t,
         k_scale,
-        v_dp,
-        v_dp_scale,
+        v,
         lse,
         stats,
         is_causal=is_causal,

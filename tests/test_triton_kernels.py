@@ -275,3 +275,40 @@ def test_tiles_out_of_range_are_refused(tile):
     ((name, value),) = tile.items()
     with pytest.raises(ValueError, match=f"{name} must be a power of two from 16 to 256 .*; received {value}"):
         sage_attention_triton(q, k, v, **tile)
+
+
+def test_backward_frees_the_dkdv_kernels_temporaries_before_the_dq_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peak memory: Q'^'s [D, N] copy and dO's [D, N] codes (the dK/dV kernel's) are gone when K'^'s copy (the dQ
+    kernel's) is made, so the backward never holds the three at once; the gradients are unchanged."""
+    import weakref
+
+    from sage_lightning.kernels import backward as backward_module
+
+    made: list[tuple[str, weakref.ref]] = []
+    alive_at_second_copy: list[str] = []
+
+    def preprocess(*args, **kwargs):
+        result = backward_preprocess(*args, **kwargs)
+        made.append(("dO codes [D, N]", weakref.ref(result[2])))
+        return result
+
+    def transpose(x: torch.Tensor) -> torch.Tensor:
+        if any(name == "Q'^ [D, N]" for name, _ in made):
+            alive_at_second_copy.extend(name for name, ref in made if ref() is not None)
+        out = transpose_rows(x)
+        made.append(("Q'^ [D, N]" if len(made) == 1 else "K'^ [D, N]", weakref.ref(out)))
+        return out
+
+    q, k, v, do = _inputs((1, 2, 80, 32), (1, 2, 80, 32), torch.bfloat16, seed=3)
+    expected = _run(sage_attention_triton, q, k, v, do, is_causal=True)
+    for t in (q, k, v):
+        t.grad = None
+    monkeypatch.setattr(backward_module, "backward_preprocess", preprocess)
+    monkeypatch.setattr(backward_module, "transpose_rows", transpose)
+    got = _run(sage_attention_triton, q, k, v, do, is_causal=True)
+    assert [name for name, _ in made] == ["dO codes [D, N]", "Q'^ [D, N]", "K'^ [D, N]"]
+    assert alive_at_second_copy == []
+    (out, lse, grads, stats), (out2, lse2, grads2, stats2) = expected, got
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(stats, stats2)
+    for name, a, b in zip(("dQ", "dK", "dV"), grads, grads2, strict=True):
+        assert torch.equal(a, b), name

@@ -23,14 +23,16 @@ ENV = "SAGE_LIGHTNING_HOPPER"
 CHOICES = ("auto", "off", "force")
 
 
-def _choice() -> str:
+def choice() -> str:
+    """The value of :data:`ENV` (``auto`` when unset); an unknown value raises ``ValueError`` naming it."""
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
     return value
 
 
-def _verified_here(device: torch.device) -> bool:
+def verified_here(device: torch.device) -> bool:
+    """Whether ``device`` is a compute capability 9.0 GPU and the installed Triton is one of :data:`VERIFIED_TRITON`."""
     return (
         device.type == "cuda"
         and torch.cuda.get_device_capability(device) == (9, 0)
@@ -64,8 +66,8 @@ def hopper_forward_applies(
         if hopper_forward_applies(q_op, k_op, qk_int8=True, pv_int8=True, scale=0.125, block_m=128, block_n=64):
             out, lse2 = hopper_forward(...)
     """
-    choice = _choice()
-    if choice == "off" or (choice == "auto" and not _verified_here(q_op.device)):
+    setting = choice()
+    if setting == "off" or (setting == "auto" and not verified_here(q_op.device)):
         return False
     return (
         qk_int8

@@ -2,7 +2,7 @@
 
 One device call on an H100/H200 (Triton 3.6), after ``python3 -m pip install --no-deps --no-build-isolation -e .``::
 
-    python3 benchmarks/pending/gluon_dkdv_check.py --out $OUT/gluon-dkdv.json
+    python3 benchmarks/gluon_dkdv_check.py --out $OUT/gluon-dkdv.json [--crossover]
 
 For each shape (small ones against the reference too) it builds the backward's real inputs with the real
 forward (``sagebwd_forward``, SageBwd's default precision), then runs the portable dK/dV launch of
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
@@ -126,8 +127,9 @@ def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
         q, k, v, None, causal, tau, True, True, True, False, True, prec.smooth_k, False, 128, 64
     )
     delta, _, do_codes_t, do_scale = backward_preprocess(do, out, 128, codes=False, codes_t=True)
-    x = dict(do=do, delta=delta, do_codes_t=do_codes_t, do_scale=do_scale, q_op=q_op, q_op_t=transpose_rows(q_op),
-             q_scale=q_scale, k_op=k_op, k_scale=k_scale, v=v.contiguous(), lse=lse)  # fmt: skip
+    x = dict(do=do, out=out, delta=delta, do_codes_t=do_codes_t, do_scale=do_scale, q_op=q_op,
+             q_op_t=transpose_rows(q_op), q_scale=q_scale, k_op=k_op, k_scale=k_scale, v=v.contiguous(),
+             lse=lse)  # fmt: skip
     return x, dict(q=q, k=k, v=v, do=do, tau=tau)
 
 
@@ -143,27 +145,69 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
     }
 
 
-def check_drop_in() -> list[str]:
-    """``gluon_backward.backward`` against ``backward.backward`` (same arguments) at one small GQA shape: dQ comes
-    from the same kernel (bitwise equal), dK and dV from the Gluon kernel (close)."""
-    x, raw = inputs((1, 4, 2, 256, 256, 128), causal=True)
-    k_op_t = transpose_rows(x["k_op"])
-    args = (x["do"], x["delta"], None, x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], None,
-            x["k_op"], k_op_t, x["k_scale"], x["v"], None, x["lse"], None)  # fmt: skip
-    kw = dict(is_causal=True, scale=raw["tau"], block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
-              ds_int8=True)  # fmt: skip
-    dq_p, dk_p, dv_p = bwd.backward(*args, **kw)
-    dq_g, dk_g, dv_g = gb.backward(*args, **kw)
+def run_backward(x: dict, raw: dict, causal: bool) -> tuple:
+    """``backward.backward`` (what the autograd formula calls) on :func:`inputs`' tensors."""
+    return bwd.backward(
+        x["do"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], raw["v"], x["lse"], None,
+        is_causal=causal, scale=raw["tau"], block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
+        ds_int8=True,
+    )  # fmt: skip
+
+
+def full_backward(shape: tuple, causal: bool, setting: str) -> tuple:
+    """:func:`run_backward` with :data:`gb.ENV` at ``setting``."""
+    x, raw = inputs(shape, causal)
+    os.environ[gb.ENV] = setting
+    try:
+        return run_backward(x, raw, causal)
+    finally:
+        os.environ[gb.ENV] = "force"
+
+
+def check_dispatch() -> list[str]:
+    """``backward.backward`` with the Gluon kernel forced and switched off, at one small GQA shape: dQ, dK and dV
+    bitwise equal (dQ is the same kernel; dK and dV are the same numerics)."""
+    shape = (1, 4, 2, 256, 256, 128)
+    got, want = full_backward(shape, True, "force"), full_backward(shape, True, "off")
     torch.cuda.synchronize()
-    bad = []
-    if not torch.equal(dq_p, dq_g):
-        bad.append("drop-in backward(): dQ differs (the same kernel should give the same bits)")
-    for name, a, b in (("dK", dk_g, dk_p), ("dV", dv_g, dv_p)):
-        c = compare(a, b)
-        if not c["finite"] or c["cosine"] < 0.9999 or c["rel_l2"] > 5e-3:
-            bad.append(f"drop-in backward(): {name} {c}")
-    print(f"{'ok  ' if not bad else 'FAIL'} drop-in backward() (B=1 H=4/2 N=256 D=128 causal)", flush=True)
+    bad = [
+        f"backward(): d{n} differs with the Gluon kernel"
+        for n, a, b in zip("QKV", got, want, strict=True)
+        if not torch.equal(a, b)
+    ]
+    print(f"{'ok  ' if not bad else 'FAIL'} backward() dispatch (B=1 H=4/2 N=256 D=128 causal): bitwise", flush=True)
     return bad
+
+
+#: (batch, heads, queries = keys, head dim) of the crossover sweep: scores from 2^22 to 2^30.
+CROSSOVER = [(1, 4, 1024, 128), (2, 8, 1024, 64), (2, 8, 1024, 128), (4, 8, 2048, 64), (4, 8, 2048, 128),
+             (2, 16, 4096, 64), (2, 16, 4096, 128), (4, 16, 4096, 128)]  # fmt: skip
+
+
+def crossover() -> list[dict]:
+    """Milliseconds of the whole ``backward.backward`` with the Gluon kernel and without, over :data:`CROSSOVER`:
+    where ``auto`` should start taking it (:data:`gb.MIN_SCORES`)."""
+    rows = []
+    for batch, heads, seq, head_dim in CROSSOVER:
+        for causal in (False, True):
+            shape = (batch, heads, heads, seq, seq, head_dim)
+            x, raw = inputs(shape, causal)
+            times = {}
+            for setting in ("off", "force"):
+                os.environ[gb.ENV] = setting
+                times[setting] = triton.testing.do_bench(lambda x=x, raw=raw, c=causal: run_backward(x, raw, c))
+            os.environ[gb.ENV] = "force"
+            scores = batch * heads * seq * seq // (2 if causal else 1)
+            row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
+                   "scores_log2": round(math.log2(scores), 2), "portable_ms": times["off"],
+                   "gluon_ms": times["force"], "speedup": times["off"] / times["force"]}  # fmt: skip
+            rows.append(row)
+            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal} scores 2^{row['scores_log2']}: "
+                  f"backward portable {times['off']:.3f} ms, gluon {times['force']:.3f} ms, {row['speedup']:.2f}x",
+                  flush=True)  # fmt: skip
+            x = raw = None
+            torch.cuda.empty_cache()
+    return rows
 
 
 def time_case(x: dict, causal: bool, tau: float) -> dict:
@@ -189,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
     )
+    parser.add_argument("--crossover", action="store_true", help="then time the whole backward with and without")
+    parser.add_argument("--dispatch-only", action="store_true", help="skip the kernel cases (the dispatch check)")
     args = parser.parse_args(argv)
     dog = Watchdog(args.hang_s)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows, failures, errors = [], [], 0
-    shapes = [s for s in SHAPES if s[-1]] if args.quick else SHAPES
+    shapes = [] if args.dispatch_only else [s for s in SHAPES if s[-1]] if args.quick else SHAPES
     for *shape, with_ref in shapes:
         shape = tuple(shape)
         for causal in (False, True):
@@ -271,17 +317,21 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"TIME {name:<44} {line}  (tl / gluon: {speedups})", flush=True)
             x = raw = None
             torch.cuda.empty_cache()
-    dog.set("drop-in backward()")
-    failures += check_drop_in()
+    dog.set("backward() dispatch")
+    failures += check_dispatch()
+    cross = []
+    if args.crossover:
+        dog.set("crossover")
+        cross = crossover()
     dog.set("")
     print("\nSummary:")
     for row in rows:
         if "ms" in row:
             print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
     if args.out:
-        args.out.write_text(json.dumps({"torch": torch.__version__, "triton": triton.__version__,
-                                        "device": torch.cuda.get_device_name(), "rows": rows,
-                                        "failures": failures, "errors": errors}, indent=1))  # fmt: skip
+        record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+                  "rows": rows, "crossover": cross, "failures": failures, "errors": errors}  # fmt: skip
+        args.out.write_text(json.dumps(record, indent=1))
     for failure in failures:
         print("MISMATCH", failure)
     if errors:

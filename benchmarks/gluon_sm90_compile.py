@@ -1,0 +1,142 @@
+"""Compile the Gluon dK/dV kernel (``kernels/hopper/gluon_backward.py``) for sm_90 on a machine without a GPU,
+beside the portable ``_dkdv_kernel`` it would replace, and print both kernels' resources side by side.
+
+It reuses :mod:`sm90_compile`'s stand-in CUDA driver and per-kernel report (registers and spills from ``ptxas
+-v``, shared memory, CTAs per SM, the hot loop's SASS size and wgmma shapes); nothing runs and no value is
+checked (``benchmarks/gluon_dkdv_check.py`` does that on a GPU). Run it with the GPU image's Triton
+(3.6) and ``sage_lightning.kernels`` resolving to this tree::
+
+    python benchmarks/gluon_sm90_compile.py --head-dim 64 128 --out /tmp/gluon-sm90.json
+
+Exits 1 when a Gluon case fails to compile or does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sm90_compile as offline  # noqa: E402  (sets a fresh Triton cache before triton is imported)
+import torch  # noqa: E402
+
+#: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
+#: in the next iteration.
+VARIANTS = ("ws", "plain", "ws-defer", "plain-defer")
+
+
+def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> dict:
+    """CPU tensors of the shapes and dtypes the backward's dK/dV launch takes (values never read)."""
+    i8, f32, bf16 = torch.int8, torch.float32, torch.bfloat16
+    return dict(
+        grad_out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
+        delta=torch.zeros(batch, heads, seq, dtype=f32),
+        do_codes_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
+        do_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
+        q_op=torch.zeros(batch, heads, seq, head_dim, dtype=i8),
+        q_op_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
+        q_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
+        k_op=torch.zeros(batch, kv_heads, seq, head_dim, dtype=i8),
+        k_op_t=torch.zeros(batch, kv_heads, head_dim, seq, dtype=i8),
+        k_scale=torch.zeros(batch, kv_heads, seq // 64, dtype=f32),
+        v=torch.zeros(batch, kv_heads, seq, head_dim, dtype=bf16),
+        lse=torch.zeros(batch, heads, seq, dtype=f32),
+        stats=torch.zeros(2, dtype=f32),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=[0], help="Gluon TMA ring depths to compile (0: the wrapper's default)"
+    )
+    parser.add_argument(
+        "--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        help="Gluon variants: warp-specialised (a load warp) or one 8-warp partition; -defer finishes each tile's "
+        "dV and dK in the next iteration",
+    )  # fmt: skip
+    parser.add_argument("--no-portable", action="store_true", help="skip the portable _dkdv_kernel")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--verbose", action="store_true", help="print failures' tracebacks")
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
+    args = parser.parse_args(argv)
+    offline._DUMP["dir"] = args.dump
+    offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
+    os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
+    from sage_lightning.kernels.backward import backward
+    from sage_lightning.kernels.hopper import gluon_backward as gb
+
+    failures = 0
+    for head_dim in args.head_dim:
+        for causal in (False, True):
+            for with_stats in (False, True):
+                x = _inputs(1, 2, 2, args.seq, head_dim)
+                stats = x["stats"] if with_stats else None
+                for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
+                    offline._CASE["name"] = (
+                        f"gluon-{variant} D={head_dim} causal={causal} stats={with_stats} st={stages}"
+                    )
+                    try:
+                        assert gb.gluon_dkdv_applies(
+                            x["grad_out"], x["q_op"], None, x["k_op"], block_m=128, block_n=64, qk_int8=True,
+                            dv_int8=True, dp_int8=False, ds_int8=True,
+                        )  # fmt: skip
+                        gb.gluon_dkdv(
+                            x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
+                            x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"], stats,
+                            is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
+                            warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
+                        )  # fmt: skip
+                    except Exception as error:  # noqa: BLE001 - reported, the other cases go on
+                        failures += 1
+                        message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
+                        offline._RECORDS.append(
+                            offline.Compiled(kernel="_gluon_dkdv_kernel", case=offline._CASE["name"], constants={},
+                                             num_warps=8, num_stages=stages, fits=False, error=message)
+                        )  # fmt: skip
+                if args.no_portable or with_stats:
+                    continue
+                offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
+                backward(
+                    x["grad_out"], x["delta"], None, x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
+                    x["q_scale"], None, x["k_op"], x["k_op_t"], x["k_scale"], x["v"], None, x["lse"], None,
+                    is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk_int8=True, dv_int8=True,
+                    dp_int8=False, ds_int8=True,
+                )  # fmt: skip
+    failures += sum(1 for r in offline._RECORDS if r.kernel == "_gluon_dkdv_kernel" and not r.error and not r.fits)
+
+    import triton
+
+    print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
+    print(f"{'case':<48} {'kernel':<20} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} "
+          f"{'CTA/SM':>6} {'loop':>14}  wgmma")  # fmt: skip
+    for row in offline._RECORDS:
+        if row.kernel == "_dq_kernel":
+            continue
+        if row.error:
+            print(f"{row.case:<48} {row.kernel:<20} FAILED {row.error.splitlines()[0][:160]}")
+            if args.verbose:
+                print(row.error)
+            continue
+        mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
+        print(
+            f"{row.case:<48} {row.kernel[:20]:<20} {row.num_warps:>2} {row.num_stages:>2} "
+            f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
+            f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
+            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {offline._loop_cell(row):>14}  {mma}"
+        )
+    if args.out:
+        args.out.write_text(json.dumps({"triton": triton.__version__, "rows": [asdict(r) for r in offline._RECORDS]},
+                                       indent=1))  # fmt: skip
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

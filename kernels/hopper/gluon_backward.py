@@ -1,0 +1,567 @@
+"""Gluon (``triton.experimental.gluon``) dK/dV kernel of SageBwd for Hopper (sm_90): TMA loads, async wgmma.
+
+``backward.backward`` calls it for the dK/dV work where :func:`gluon_dkdv_applies` says it serves the call (by
+default on a compute capability 9.0 GPU under Triton 3.6, SageBwd's default formats, large enough calls); every
+other call keeps the portable ``_dkdv_kernel``. On an H100 its dK and dV equal ``_dkdv_kernel``'s bit for bit and
+it takes 2.59 against 4.27 ms at B=4, 16 heads, N=4096, D=128 (``benchmarks/gluon_dkdv_check.py``).
+
+The numerics are ``_dkdv_kernel``'s (:mod:`..backward`) for SageBwd's default formats (INT8 ``QK``, ``dV``,
+``dS``; ``dP`` in bf16; no Q-smoothing), tile for tile:
+
+* ``S = tau log2(e) s_Q s_K (Q'^ K'^T)`` from the int32 product, ``P = exp2(S - lse)`` (zero where masked);
+* ``dP = dO V^T`` in bf16 with fp32 accumulation, ``dS = P (dP - delta)``;
+* ``dV += (psi(P)^T dO^) s_P s_dO``, P coded per key column of the 128-query tile;
+* ``dK += (psi(dS)^T Q'^) s_dS s_Q``, one dS scale per 128-query x 64-key tile; ``dK`` times ``tau`` at the end.
+
+The layout is transposed against ``_dkdv_kernel``'s: a program holds ``S^T``, ``dP^T`` ``[64 keys, 128
+queries]`` over two warpgroups (``warps_per_cta=[4, 2]``: each warpgroup computes the 64 keys against its 64
+of the tile's 128 queries). P's per-key scale (a reduction over queries) and dS's tile scale (over the whole
+tile) therefore cross both warpgroups; the reductions go through shared memory, so both warpgroups see the
+same scales and the granularity is SageBwd's (one scale per 128 x 64 tile). The codes of P^T and dS^T are
+written to shared memory once per tile and are the A operands of ``dV`` and ``dK``'s INT8 wgmma (each
+warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma requires: ``dO^`` and ``Q'^``
+are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
+
+Per program: one kv head's ``BLOCK_N = 64`` keys; it walks every query tile of every query head of the group
+(one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage). Variants: warp-
+specialised (default: ``gl.warp_specialize`` with the two consumer warpgroups as the default partition at 240
+registers and one TMA load warp at 24) or one 8-warp partition that also issues the loads; ``defer`` waits for
+each tile's dV/dK products in the next iteration, after its S and dP are issued. Design, offline figures and the
+device test: ``benchmarks/gluon-dkdv.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..forward import LOG2E
+from . import dispatch
+
+try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernel.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "async_copy_global_to_shared")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+#: The environment variable that selects the Gluon dK/dV kernel, and the values it takes (:func:`gluon_dkdv_applies`).
+ENV = "SAGE_LIGHTNING_GLUON_DKDV"
+CHOICES = ("auto", "off", "force")
+#: Fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto`` takes the Gluon
+#: kernel. Measured on an H100 (``benchmarks/gluon_dkdv_check.py``): 1.6x faster than ``_dkdv_kernel`` at 2^30
+#: (B=4, 16 heads, N=4096, D=128), 0.4x at 2^23 (B=2, 4 heads, N=1024, D=64), where the launch's fixed cost
+#: dominates; the crossover lies between.
+MIN_SCORES = 2**27
+#: Triton versions (major.minor) whose Gluon API the kernel is written against (``gl.warp_specialize`` taking a
+#: list of (function, args), ``warpgroup_mma`` returning an accumulator token); it compiled offline under 3.6.0.
+GLUON_TRITON = ("3.6",)
+#: Head dims it serves.
+HEAD_DIMS = (64, 128)
+#: The query tile (the Q and dO quantization block) and key tile it is written for.
+BLOCK_M = 128
+BLOCK_N = 64
+#: Registers per thread of the load partition (the fewest setmaxnreg allows) and the launch's cap: 8 consumer
+#: warps and 1 load warp take 3 warpgroups; 65536 registers over 12 warps are 170 each, rounded down to 168, so
+#: that after the load warpgroup gives its surplus back the consumers hold (168 * 12 - 24 * 4) / 8 = 240.
+LOAD_REGS = 24
+WS_MAXNREG = 168
+
+
+if HAVE_GLUON:
+    _ROUNDER = gl.constexpr(12582912.0)
+    _ROUNDER_BITS = gl.constexpr(0x4B400000)
+
+    @gluon.jit
+    def _max_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _nan_max(x, axis: gl.constexpr):
+        """``max`` along ``axis`` that returns NaN when any element is NaN (``quant.nan_max``)."""
+        return gl.reduce(x, axis, _max_nan)
+
+    @gluon.jit
+    def _int8_scale(amax):
+        scale = amax / 127.0
+        return gl.where(scale == 0.0, 1.0, scale)
+
+    @gluon.jit
+    def _int8_codes(x, scale):
+        """``quant.int8_codes`` (not EXACT): the fma's rounded float's low byte is the code."""
+        return gl.fma(x, 1.0 / scale, _ROUNDER).to(gl.int32, bitcast=True).to(gl.int8)
+
+    @gluon.jit
+    def _int32_scaled(x, scale):
+        """``quant.int32_scaled``: ``x.to(fp32) * scale`` for an int32 INT8 product, one fma per element."""
+        c = (scale.to(gl.int32, bitcast=True) & -4).to(gl.float32, bitcast=True)
+        return gl.fma((x + _ROUNDER_BITS).to(gl.float32, bitcast=True), c, -(c * _ROUNDER))
+
+    @gluon.jit
+    def _issue_loads(
+        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+        q_smem, qt_smem, do_smem, dot_smem, ready,
+        SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
+        stage ``t % STAGES``; nothing when ``t >= total``. ``row_q0``: the group's first head's first row in the
+        ``[B*H*N, D]`` views; ``col_t0``: its first row in the ``[B*H*D, N]`` views."""
+        s = t % STAGES
+        live = t < total
+        g = t // n_m
+        start_m = (lo_tile + t % n_m) * BLOCK_M
+        row = row_q0 + g * SEQ_Q + start_m
+        row_t = col_t0 + g * HEAD_DIM
+        bar = ready.index(s)
+        nbytes: gl.constexpr = (
+            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
+            + desc_dot.block_type.nbytes
+        )  # fmt: skip
+        mbarrier.expect(bar, nbytes, pred=live)
+        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
+
+    @gluon.jit
+    def _dkdv_loader(
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The load partition (one warp): K'^ and V once, then every iteration's four tiles into the ring, each
+        stage refilled once the compute partition has released it (``empty``)."""
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem = bufs
+        ready, empty, kv_bar = bars
+        mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
+        for t in range(total):
+            # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
+            # ring does not wait.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_loads(
+                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dkdv_compute(
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+        Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+        DEFER: gl.constexpr,
+    ):  # fmt: skip
+        """The two consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
+        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead)."""
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem = bufs
+        ready, empty, kv_bar = bars
+        # Accumulator layouts, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps and
+        # the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_M // 2, 32]
+        )
+        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_M // 2, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 32]
+        )
+        key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+        pid_n = gl.program_id(0)
+        pid_bkv = gl.program_id(1)
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
+        bh0 = row_q0 // SEQ_Q
+        if not WARP_SPECIALIZE:
+            mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
+            tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
+            # n_m is 0 or less where the key block starts past the last query (causal, more keys than queries):
+            # total <= 0 and nothing loads, but _issue_loads still divides by n_m (undefined in LLVM IR for 0).
+            # Inside the loop total > 0, so n_m >= 1 there.
+            for i in gl.static_range(STAGES - 1):
+                _issue_loads(
+                    i, total, gl.maximum(n_m, 1), lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                    q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                )  # fmt: skip
+        k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
+
+        offs_key = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+        offs_q_tile = gl.arange(0, BLOCK_M, layout=query_l)
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
+        dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, dp_layout)
+        acc_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.int32, acc_layout)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        err2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        norm2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        mbarrier.wait(kv_bar, 0)
+        if DEFER:
+            # The tile before's dV and dK products, finished in the next iteration (their scales with them).
+            dv_tok = warpgroup_mma_init(acc_zero)
+            dk_tok = warpgroup_mma_init(acc_zero)
+            dv_c = gl.zeros([BLOCK_N], gl.float32, acc_row_l)
+            dk_c = k_scale * 0.0
+
+        for t in range(total):
+            stage = t % STAGES
+            if not WARP_SPECIALIZE and not DEFER:
+                # Stage (t - 1) % STAGES was last read by iteration t - 1's products, which every warp waited
+                # for before the barrier that ended that iteration: refill it with iteration t + STAGES - 1's.
+                _issue_loads(
+                    t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                    q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                )  # fmt: skip
+            g = t // n_m
+            m_block = lo_tile + t % n_m
+            start_m = m_block * BLOCK_M
+            bh = bh0 + g
+            offs_q = start_m + offs_q_tile
+            if not DEFER:
+                lse = gl.load(LSE + bh * SEQ_Q + offs_q)
+                delta = gl.load(DELTA + bh * SEQ_Q + offs_q)
+            q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
+            do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
+
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once.
+            s_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            if DEFER:
+                # The tile before's dV and dK were committed before S and dP: two groups may stay in flight.
+                # Their scaling overlaps this tile's S and dP on the tensor cores; the order of the additions
+                # into dV and dK is the same as without DEFER.
+                dv_int = warpgroup_mma_wait(num_outstanding=2, deps=[dv_tok])
+                dk_int = warpgroup_mma_wait(num_outstanding=2, deps=[dk_tok])
+                dv += _int32_scaled(dv_int, dv_c[:, None])
+                dk += _int32_scaled(dk_int, dk_c)
+                # Both warpgroups are done with the codes and the tile before's stage.
+                gl.thread_barrier()
+                if WARP_SPECIALIZE:
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+                else:
+                    _issue_loads(
+                        t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                        q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                    )  # fmt: skip
+                # Loaded here, after the tile before's dV and dK are out of the registers.
+                lse = gl.load(LSE + bh * SEQ_Q + offs_q)
+                delta = gl.load(DELTA + bh * SEQ_Q + offs_q)
+            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[None, :])
+            if CAUSAL:
+                # Only the first query tile of a key block can hold a key after its query (top-left).
+                if start_m + 1 < (pid_n + 1) * BLOCK_N:
+                    p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
+            # P's codes, one scale per key over the tile's 128 queries (a reduction across both warpgroups).
+            p_scale = _int8_scale(_nan_max(p, 1))
+            p_smem.store(_int8_codes(p, p_scale[:, None]))
+            dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+            ds = p * (dp - delta[None, :])
+            # One dS scale for the 64 x 128 tile.
+            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
+            ds_smem.store(_int8_codes(ds, ds_scale))
+            if WITH_STATS:
+                err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
+                err2 += gl.sum(err * err, axis=1)
+                norm2 += gl.sum(ds * ds, axis=1)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dV and dK of the tile: A = the codes [64 keys, 128 queries], B = dO^ and Q'^ (K-major, [D, 128]).
+            dv_tok = warpgroup_mma(
+                p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
+            dk_tok = warpgroup_mma(
+                ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
+            if DEFER:
+                dv_c = gl.convert_layout(p_scale, acc_row_l) * do_scale
+                dk_c = ds_scale * q_scale
+            else:
+                dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
+                p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
+                dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
+                dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+                dk += _int32_scaled(dk_int, ds_scale * q_scale)
+                # Both warpgroups are done with the codes and this stage before either overwrites them (and,
+                # with the load partition, before the stage is handed back to it).
+                gl.thread_barrier()
+                if WARP_SPECIALIZE:
+                    mbarrier.arrive(empty.index(stage), count=1)
+        if DEFER:
+            dv_int = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok])
+            dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+            dv += _int32_scaled(dv_int, dv_c[:, None])
+            dk += _int32_scaled(dk_int, dk_c)
+
+        rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=acc_row_l)
+        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
+        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
+        io_dtype: gl.constexpr = DK.dtype.element_ty
+        gl.store(DK + out, (dk * tau).to(io_dtype))
+        gl.store(DV + out, dv.to(io_dtype))
+        if WITH_STATS:
+            gl.atomic_add(STATS, gl.sum(err2, axis=0))
+            gl.atomic_add(STATS + 1, gl.sum(norm2, axis=0))
+
+    @gluon.jit
+    def _gluon_dkdv_kernel(
+        desc_q,
+        desc_qt,
+        desc_k,
+        desc_v,
+        desc_do,
+        desc_dot,
+        Q_SCALE,
+        K_SCALE,
+        DO_SCALE,
+        LSE,
+        DELTA,
+        DK,
+        DV,
+        STATS,
+        HEADS,
+        GROUP,
+        SEQ_Q,
+        SEQ_K,
+        qk_scale,
+        tau,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        WITH_STATS: gl.constexpr,
+        WARP_SPECIALIZE: gl.constexpr,
+        DEFER: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+    ):
+        pid_n = gl.program_id(0)
+        pid_bkv = gl.program_id(1)
+        kv_heads = HEADS // GROUP
+        b = pid_bkv // kv_heads
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        lo_tile = 0
+        if CAUSAL:
+            # Query tiles that end before this key block starts see none of its keys.
+            lo_tile = pid_n * BLOCK_N // BLOCK_M
+        n_m = m_blocks - lo_tile
+        total = GROUP * n_m
+        bh0 = b * HEADS + (pid_bkv % kv_heads) * GROUP
+        row_q0 = bh0 * SEQ_Q
+        col_t0 = bh0 * HEAD_DIM
+        kv_row = pid_bkv * SEQ_K + pid_n * BLOCK_N
+
+        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
+        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
+        k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+        v_smem = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+        dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
+        p_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+        ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+
+        descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot)
+        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem)
+        bars = (ready, empty, kv_bar)
+        if WARP_SPECIALIZE:
+            gl.warp_specialize(
+                [
+                    (
+                        _dkdv_compute,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
+                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
+                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
+                    ),
+                    (
+                        _dkdv_loader,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
+                         STAGES),
+                    ),
+                ],
+                [1],
+                [LOAD_REGS],
+            )  # fmt: skip
+        else:
+            _dkdv_compute(
+                descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
+                WITH_STATS, WARP_SPECIALIZE, DEFER,
+            )  # fmt: skip
+
+
+def _choice() -> str:
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
+    return value
+
+
+def gluon_dkdv_applies(
+    grad_out: torch.Tensor,
+    q_op: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    *,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    qk_int8: bool,
+    dv_int8: bool,
+    dp_int8: bool,
+    ds_int8: bool,
+) -> bool:
+    """Whether :func:`gluon_dkdv` computes this backward's dK and dV instead of ``_dkdv_kernel``.
+
+    It serves SageBwd's default formats (INT8 ``qk``, ``dv``, ``ds``, bf16 ``dp``, no Q-smoothing), bf16, head
+    dim 64 or 128, 128 x 64 tiles, a query count that is a multiple of 128 and a key count that is a multiple
+    of 64 (every TMA tile lies inside one head: no masks for padding), and at least :data:`MIN_SCORES` scores
+    (below that the launch's fixed cost outweighs the faster loop). :data:`ENV` chooses: ``auto`` (default)
+    takes it on a compute capability 9.0 GPU under a Triton of :data:`GLUON_TRITON` unless
+    ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it serves, whatever the device and the
+    size (the device check and tests).
+
+    Args:
+        grad_out: dO ``[B, Hq, N, D]``.
+        q_op, q_mean, k_op: the forward's Q'^, its smoothing mean (``None`` without), K'^.
+        is_causal, block_m, block_n: as the forward.
+        qk_int8, dv_int8, dp_int8, ds_int8: the products' formats.
+
+    Example::
+
+        if gluon_dkdv_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk_int8=True,
+                              dv_int8=True, dp_int8=False, ds_int8=True):
+            dk, dv = gluon_dkdv(...)
+    """
+    choice = _choice()
+    if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
+        return False
+    if choice == "auto":
+        if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
+            return False
+        batch, heads, seq_q = q_op.shape[:3]
+        scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
+        if scores < MIN_SCORES:
+            return False
+    seq_q, head_dim = q_op.shape[2], q_op.shape[3]
+    return (
+        qk_int8
+        and dv_int8
+        and ds_int8
+        and not dp_int8
+        and q_mean is None
+        and grad_out.dtype == torch.bfloat16
+        and head_dim in HEAD_DIMS
+        and block_m == BLOCK_M
+        and block_n == BLOCK_N
+        and seq_q % BLOCK_M == 0
+        and k_op.shape[2] % BLOCK_N == 0
+    )
+
+
+def _desc(x: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
+    """A 2-D TMA descriptor over ``x`` viewed ``[rows, cols]`` (contiguous), tiles of ``block``."""
+    dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, layout)
+
+
+def gluon_dkdv(
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    do_codes_t: torch.Tensor,
+    do_scale: torch.Tensor,
+    q_op: torch.Tensor,
+    q_op_t: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    stats: torch.Tensor | None,
+    *,
+    is_causal: bool,
+    scale: float,
+    stages: int | None = None,
+    warp_specialize: bool = True,
+    defer: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
+    ``stats``), for the calls :func:`gluon_dkdv_applies` accepts.
+
+    Args:
+        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
+        delta, do_codes_t, do_scale: from :func:`..quant.backward_preprocess` (``codes_t=True``).
+        q_op, q_op_t, q_scale, k_op, k_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]``, its ``[B, Hq, D, N]``
+            copy, scales per 128 rows; K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows.
+        v: V ``[B, Hkv, Nk, D]`` contiguous (dP's operand in bf16).
+        lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
+        stats: fp32 ``(2,)`` the dS statistics are added into, or ``None``.
+        is_causal, scale: as the forward.
+        stages: depth of the TMA ring; ``None``: 2 at D=128 (200.5 KiB; 3 would need 280), 3 at D=64 (148.5 KiB).
+        warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or
+            one partition of 8 warps that also issues the loads.
+        defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
+            their scaling overlaps the tensor cores (same values, same order of additions).
+
+    Returns:
+        ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
+
+    Example::
+
+        dk, dv = gluon_dkdv(grad_out, delta, codes_t, dscale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, None,
+                            is_causal=False, scale=0.125)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    stages = stages if stages is not None else (3 if head_dim == 64 else 2)
+    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    dv = torch.empty_like(dk)
+    bh, bkv = batch * heads, batch * kv_heads
+    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
+    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
+    _gluon_dkdv_kernel[(seq_k // BLOCK_N, bkv)](
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot,
+        q_scale, k_scale, do_scale, lse, delta, dk, dv, stats if stats is not None else delta,
+        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
+        WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,
+        num_warps=8,
+        **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
+    )  # fmt: skip
+    return dk, dv

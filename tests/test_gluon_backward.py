@@ -1,0 +1,157 @@
+"""The Gluon dK/dV kernel for Hopper (``kernels/hopper/gluon_backward.py``): the rule that picks it, and on a
+Hopper GPU its gradients against ``_dkdv_kernel``'s, bit for bit.
+
+The CPU interpreter cannot run Gluon, so the kernel's own tests run only on an sm_90 GPU (in
+``benchmarks/gpu_verify.py``'s kernel tests, whose record CI checks); the dispatch rule is tested everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from sage_lightning.kernels import backward as portable
+from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels.hopper import gluon_backward as gb
+from sage_lightning.kernels.ops import sage_attention_triton
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TRITON = ".".join(triton.__version__.split(".")[:2])
+
+
+def _applies(causal: bool = False, **overrides: object) -> bool:
+    """:func:`gb.gluon_dkdv_applies` on meta tensors of SageBwd's default backward (B=1, 8 heads, N=Nk=4096, D=128),
+    with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
+    formats."""
+    shape = {"batch": 1, "heads": 8, "seq_q": 4096, "seq_k": 4096, "head_dim": 128}
+    shape.update({name: overrides.pop(name) for name in list(overrides) if name in shape})
+    dtype = overrides.pop("dtype", torch.bfloat16)
+    q_mean = overrides.pop("q_mean", None)
+    b, h, n, nk, d = shape.values()
+    q_op = torch.zeros(b, h, n, d, dtype=torch.int8, device="meta")
+    k_op = torch.zeros(b, h, nk, d, dtype=torch.int8, device="meta")
+    grad_out = torch.zeros(b, h, n, d, dtype=dtype, device="meta")
+    args = dict(block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False, ds_int8=True)
+    return gb.gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
+
+
+@pytest.fixture
+def gluon_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine is a verified Hopper with the Gluon API the kernel is written for."""
+    monkeypatch.setattr(gb, "HAVE_GLUON", True)
+    monkeypatch.setattr(gb, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(dispatch, "verified_here", lambda device: True)
+    monkeypatch.delenv(gb.ENV, raising=False)
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+
+
+def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here):
+    assert _applies()  # 8 heads x 4096 x 4096 scores = 2^27
+    assert _applies(batch=4, heads=16)
+    assert not _applies(heads=1, seq_q=1024, seq_k=1024)  # 2^20 scores: the launch's fixed cost dominates
+    # Causal calls compute half the scores: the same shape falls below the threshold.
+    edge = gb.MIN_SCORES // (4096 * 4096)
+    assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
+
+
+def test_auto_defers_to_the_hopper_switch_and_to_the_device(gluon_here, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "off")
+    assert not _applies()
+    monkeypatch.setattr(dispatch, "verified_here", lambda device: False)
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert not _applies()  # not a verified Hopper
+    monkeypatch.setenv(gb.ENV, "force")
+    assert _applies(heads=1, seq_q=128, seq_k=64)  # force: whatever the device and the size
+
+
+def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch):
+    monkeypatch.setenv(gb.ENV, "off")
+    assert not _applies()
+    monkeypatch.setenv(gb.ENV, "force")
+    monkeypatch.setattr(gb, "GLUON_TRITON", ("0.0",))
+    assert not _applies()  # its Gluon API is Triton 3.6's
+    monkeypatch.setattr(gb, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(gb, "HAVE_GLUON", False)
+    assert not _applies()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dp_int8": True},
+        {"dv_int8": False},
+        {"ds_int8": False},
+        {"qk_int8": False},
+        {"q_mean": torch.zeros(1)},
+        {"dtype": torch.float16},
+        {"head_dim": 96},
+        {"block_m": 64},
+        {"block_n": 128},
+        {"seq_q": 4000},  # a TMA tile would cross into the next head
+        {"seq_k": 4032 + 16},
+    ],
+)
+def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(gluon_here, monkeypatch, overrides):
+    monkeypatch.setenv(gb.ENV, "force")
+    assert _applies()
+    assert not _applies(**overrides)
+
+
+def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
+    monkeypatch.setenv(gb.ENV, "fast")
+    with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DKDV must be one of auto, off, force; received 'fast'"):
+        _applies()
+
+
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon runs only on a Hopper GPU (not in the interpreter)")
+
+
+def _grads(monkeypatch, setting: str, batch, hq, hkv, n, nk, d, causal) -> tuple[torch.Tensor, ...]:
+    monkeypatch.setenv(gb.ENV, setting)
+    gen = torch.Generator(device="cuda").manual_seed(n + nk + d + hq)
+    q = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    do = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16()
+    stats = torch.zeros(2, device="cuda")
+    out, _ = sage_attention_triton(q, k, v, is_causal=causal, stats=stats)
+    return (*torch.autograd.grad(out, (q, k, v), do), stats)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, d, causal",
+    [
+        pytest.param(1, 2, 2, 256, 256, 64, False, id="mha-d64"),
+        pytest.param(2, 4, 2, 512, 512, 128, True, id="gqa-causal-d128"),
+        pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),  # key blocks past the last query
+        pytest.param(1, 2, 2, 1024, 320, 128, False, id="fewer-keys"),
+        pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+    ],
+)
+def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, batch, hq, hkv, n, nk, d, causal):
+    calls = []
+    original = portable.gluon_dkdv
+    monkeypatch.setattr(portable, "gluon_dkdv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    shape = (batch, hq, hkv, n, nk, d, causal)
+    got = _grads(monkeypatch, "force", *shape)
+    assert calls, "the backward did not take the Gluon kernel"
+    calls.clear()
+    want = _grads(monkeypatch, "off", *shape)
+    assert not calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)  # the dS statistics (summed atomically)
+
+
+@needs_hopper
+def test_auto_takes_gluon_on_this_gpu_at_the_threshold(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    calls = []
+    original = portable.gluon_dkdv
+    monkeypatch.setattr(portable, "gluon_dkdv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    seq = 4096
+    heads = max(1, gb.MIN_SCORES // (seq * seq))
+    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, False)
+    assert calls == [1]
