@@ -9,8 +9,8 @@
 # (speed.py prints only its final table), the tests ~250 s. Limits per step keep one slow step from eating the
 # others; rc 124 on a step means its limit, not a failure of the code.
 set -uo pipefail
-patch="${1:?the patch's file name in benchmarks/pending}"
-sha="${2:?main's commit, for the result files}"
+patch="${1:?the file name of the patch in benchmarks/pending}"
+sha="${2:?the commit of main, for the result files}"
 out="${OUT:-/tmp}"
 exec > >(tee -a "${out}/log.txt") 2>&1
 export PYTHONUNBUFFERED=1
