@@ -180,31 +180,53 @@ def check_dispatch() -> list[str]:
 
 
 #: (batch, heads, queries = keys, head dim) of the crossover sweep: scores from 2^22 to 2^30.
-CROSSOVER = [(1, 4, 1024, 128), (2, 8, 1024, 64), (2, 8, 1024, 128), (4, 8, 2048, 64), (4, 8, 2048, 128),
-             (2, 16, 4096, 64), (2, 16, 4096, 128), (4, 16, 4096, 128)]  # fmt: skip
+CROSSOVER = [(4, 16, 4096, 128), (4, 8, 2048, 128), (2, 8, 1024, 128), (4, 8, 2048, 64), (2, 16, 4096, 64),
+             (1, 4, 1024, 128)]  # fmt: skip
 
 
-def crossover() -> list[dict]:
-    """Milliseconds of the whole ``backward.backward`` with the Gluon kernel and without, over :data:`CROSSOVER`:
-    where ``auto`` should start taking it (:data:`gb.MIN_SCORES`)."""
+def host_ms(fn, calls: int = 20) -> float:
+    """Host milliseconds per call of ``fn`` (launches queued, not waited for): above the GPU's time, the call is
+    bound by the host and ``do_bench`` measures the host."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def crossover(dog: Watchdog) -> list[dict]:
+    """Over :data:`CROSSOVER`: milliseconds of the dK/dV kernel alone (portable and Gluon ``ws``) and of the whole
+    ``backward.backward`` with the Gluon kernel and without (``do_bench``), and the host's milliseconds per call of
+    each: where ``auto`` should start taking it (:data:`gb.MIN_SCORES`)."""
     rows = []
     for batch, heads, seq, head_dim in CROSSOVER:
         for causal in (False, True):
             shape = (batch, heads, heads, seq, seq, head_dim)
+            dog.set(f"crossover {shape} causal={causal}")
             x, raw = inputs(shape, causal)
-            times = {}
-            for setting in ("off", "force"):
-                os.environ[gb.ENV] = setting
-                times[setting] = triton.testing.do_bench(lambda x=x, raw=raw, c=causal: run_backward(x, raw, c))
+            tau = raw["tau"]
+            fns = {
+                "dkdv_tl": lambda x=x, c=causal, t=tau: tl_dkdv(x, c, t, None),
+                "dkdv_ws": lambda x=x, c=causal, t=tau: gluon(x, c, t, None, "ws"),
+                "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
+                "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
+            }
+            ms, host = {}, {}
+            for name, fn in fns.items():
+                os.environ[gb.ENV] = "off" if name == "bwd_off" else "force"
+                fn()
+                ms[name] = triton.testing.do_bench(fn)
+                host[name] = host_ms(fn)
             os.environ[gb.ENV] = "force"
             scores = batch * heads * seq * seq // (2 if causal else 1)
             row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
-                   "scores_log2": round(math.log2(scores), 2), "portable_ms": times["off"],
-                   "gluon_ms": times["force"], "speedup": times["off"] / times["force"]}  # fmt: skip
+                   "scores_log2": round(math.log2(scores), 2), "ms": ms, "host_ms": host}  # fmt: skip
             rows.append(row)
-            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal} scores 2^{row['scores_log2']}: "
-                  f"backward portable {times['off']:.3f} ms, gluon {times['force']:.3f} ms, {row['speedup']:.2f}x",
-                  flush=True)  # fmt: skip
+            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal:d} 2^{row['scores_log2']:<5} "
+                  + " ".join(f"{n} {ms[n]:.3f} (host {host[n]:.3f})" for n in fns)
+                  + f" bwd speedup {ms['bwd_off'] / ms['bwd_force']:.2f}x", flush=True)  # fmt: skip
             x = raw = None
             torch.cuda.empty_cache()
     return rows
@@ -322,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     cross = []
     if args.crossover:
         dog.set("crossover")
-        cross = crossover()
+        cross = crossover(dog)
     dog.set("")
     print("\nSummary:")
     for row in rows:

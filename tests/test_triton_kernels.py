@@ -309,6 +309,8 @@ def test_backward_frees_the_dkdv_kernels_temporaries_before_the_dq_kernels(monke
     assert [name for name, _ in made] == ["dO codes [D, N]", "Q'^ [D, N]", "K'^ [D, N]"]
     assert alive_at_second_copy == []
     (out, lse, grads, stats), (out2, lse2, grads2, stats2) = expected, got
-    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(stats, stats2)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    # The dS statistics are summed with atomics: on a GPU their order, and so the last bits, vary from run to run.
+    torch.testing.assert_close(stats, stats2, rtol=1e-5, atol=0)
     for name, a, b in zip(("dQ", "dK", "dV"), grads, grads2, strict=True):
         assert torch.equal(a, b), name

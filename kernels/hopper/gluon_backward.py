@@ -62,10 +62,13 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 ENV = "SAGE_LIGHTNING_GLUON_DKDV"
 CHOICES = ("auto", "off", "force")
 #: Fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto`` takes the Gluon
-#: kernel. Measured on an H100 (``benchmarks/gluon_dkdv_check.py``): 1.6x faster than ``_dkdv_kernel`` at 2^30
-#: (B=4, 16 heads, N=4096, D=128), 0.4x at 2^23 (B=2, 4 heads, N=1024, D=64), where the launch's fixed cost
-#: dominates; the crossover lies between.
+#: kernel, and the head dims it takes it for. Measured on an H100 (``benchmarks/gluon_dkdv_check.py --crossover``,
+#: the whole backward with and without it): at D=128 1.35x at 2^30 scores, 1.34x at 2^29 (causal), 1.14x at 2^27,
+#: 0.79x at 2^26 (causal) and about 1.0x or less below, where the backward is bound by the host (0.5-0.8 ms per
+#: call) and the Gluon launch costs the host 0.1-0.2 ms more than ``_dkdv_kernel``'s. At D=64 the kernel alone was
+#: slower at 2^27 (0.37 against 0.30 ms): ``auto`` keeps ``_dkdv_kernel`` there until larger calls are measured.
 MIN_SCORES = 2**27
+AUTO_HEAD_DIMS = (128,)
 #: Triton versions (major.minor) whose Gluon API the kernel is written against (``gl.warp_specialize`` taking a
 #: list of (function, args), ``warpgroup_mma`` returning an accumulator token); it compiled offline under 3.6.0.
 GLUON_TRITON = ("3.6",)
@@ -445,9 +448,9 @@ def gluon_dkdv_applies(
 
     It serves SageBwd's default formats (INT8 ``qk``, ``dv``, ``ds``, bf16 ``dp``, no Q-smoothing), bf16, head
     dim 64 or 128, 128 x 64 tiles, a query count that is a multiple of 128 and a key count that is a multiple
-    of 64 (every TMA tile lies inside one head: no masks for padding), and at least :data:`MIN_SCORES` scores
-    (below that the launch's fixed cost outweighs the faster loop). :data:`ENV` chooses: ``auto`` (default)
-    takes it on a compute capability 9.0 GPU under a Triton of :data:`GLUON_TRITON` unless
+    of 64 (every TMA tile lies inside one head: no masks for padding). :data:`ENV` chooses: ``auto`` (default)
+    takes it on a compute capability 9.0 GPU under a Triton of :data:`GLUON_TRITON`, for calls of at least
+    :data:`MIN_SCORES` scores and a head dim in :data:`AUTO_HEAD_DIMS` (where it was measured faster), unless
     ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it serves, whatever the device and the
     size (the device check and tests).
 
@@ -471,7 +474,7 @@ def gluon_dkdv_applies(
             return False
         batch, heads, seq_q = q_op.shape[:3]
         scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
-        if scores < MIN_SCORES:
+        if scores < MIN_SCORES or q_op.shape[3] not in AUTO_HEAD_DIMS:
             return False
     seq_q, head_dim = q_op.shape[2], q_op.shape[3]
     return (
