@@ -35,6 +35,7 @@ def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> d
     i8, f32, bf16 = torch.int8, torch.float32, torch.bfloat16
     return dict(
         grad_out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
+        out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
         delta=torch.zeros(batch, heads, seq, dtype=f32),
         do_codes_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
         do_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
@@ -85,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     try:
                         assert gb.gluon_dkdv_applies(
-                            x["grad_out"], x["q_op"], None, x["k_op"], block_m=128, block_n=64, qk_int8=True,
-                            dv_int8=True, dp_int8=False, ds_int8=True,
+                            x["grad_out"], x["q_op"], None, x["k_op"], is_causal=causal, block_m=128, block_n=64,
+                            qk_int8=True, dv_int8=True, dp_int8=False, ds_int8=True,
                         )  # fmt: skip
                         gb.gluon_dkdv(
                             x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
@@ -104,12 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_portable or with_stats:
                     continue
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
+                os.environ[gb.ENV] = "off"  # backward() itself, with the portable _dkdv_kernel
                 backward(
-                    x["grad_out"], x["delta"], None, x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
-                    x["q_scale"], None, x["k_op"], x["k_op_t"], x["k_scale"], x["v"], None, x["lse"], None,
-                    is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk_int8=True, dv_int8=True,
-                    dp_int8=False, ds_int8=True,
+                    x["grad_out"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], x["v"], x["lse"],
+                    None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk_int8=True,
+                    dv_int8=True, dp_int8=False, ds_int8=True,
                 )  # fmt: skip
+                os.environ[gb.ENV] = "force"
     failures += sum(1 for r in offline._RECORDS if r.kernel == "_gluon_dkdv_kernel" and not r.error and not r.fits)
 
     import triton

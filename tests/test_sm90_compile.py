@@ -78,3 +78,33 @@ def test_bad_tile_argument_is_refused() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(SCRIPT), "--tiles", "128"], env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "--tiles takes BLOCK_MxBLOCK_N such as 128x64; received '128'" in done.stderr
+
+
+GLUON_SCRIPT = REPO / "benchmarks" / "gluon_sm90_compile.py"
+
+
+@pytest.fixture(scope="module")
+def gluon_compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The Gluon dK/dV kernel (the warp-specialised variant the backward launches) compiled for sm_90 under the GPU
+    image's Triton, the only one whose Gluon API it is written for (``GLUON_TRITON``)."""
+    python = _python("verified")
+    out = tmp_path_factory.mktemp("gluon-sm90") / "gluon.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [python, str(GLUON_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws",
+               "--no-portable", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: dict) -> None:
+    """Every case (D 64 and 128, causal or not, with and without the dS statistics) compiles within sm_90's
+    shared memory, keeps its registers (no spills: the loop the device measured), and runs its INT8 products on
+    ``wgmma`` with s8 operands."""
+    rows = [row for row in gluon_compiled["rows"] if row["kernel"] == "_gluon_dkdv_kernel"]
+    assert len(rows) == 8, [row["case"] for row in rows]
+    for row in rows:
+        assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])
+        assert row["spill_stores"] == 0, (row["case"], row["spill_stores"])
+        assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["case"], row["wgmma"])
+        assert row["mma_sync"] == 0, row["case"]
