@@ -22,11 +22,9 @@ otherwise hold the device to the call's limit).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -35,6 +33,7 @@ os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from device_check import Watchdog, compare, finish, rel_l2  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -65,24 +64,6 @@ TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64)}
 #: Gluon variants, safest first: one 8-warp partition or warp-specialised (a TMA load warp); ``-defer`` finishes
 #: each tile's dV and dK products in the next iteration (spills a little at D=128: see gluon-dkdv.md).
 VARIANTS = ("plain", "ws", "ws-defer", "plain-defer")
-
-
-class Watchdog:
-    """Ends the process (exit 3) when a step runs past ``seconds``: a hung kernel cannot be interrupted."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.step, self.started = seconds, "", time.monotonic()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def set(self, step: str) -> None:
-        self.step, self.started = step, time.monotonic()
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
-            if self.step and time.monotonic() - self.started > self.seconds:
-                print(f"HANG: {self.step!r} ran past {self.seconds:.0f} s; exiting", flush=True)
-                os._exit(3)
 
 
 def tl_dkdv(x: dict, causal: bool, tau: float, stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,18 +112,6 @@ def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
              q_op_t=transpose_rows(q_op), q_scale=q_scale, k_op=k_op, k_scale=k_scale, v=v.contiguous(),
              lse=lse)  # fmt: skip
     return x, dict(q=q, k=k, v=v, do=do, tau=tau)
-
-
-def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-    a32, b32 = a.float(), b.float()
-    diff = (a32 - b32).norm().item()
-    return {
-        "max_abs": (a32 - b32).abs().max().item(),
-        "rel_l2": diff / max(b32.norm().item(), 1e-30),
-        "cosine": torch.nn.functional.cosine_similarity(a32.flatten(), b32.flatten(), dim=0).item(),
-        "bitwise_equal": (a.view(torch.int16) == b.view(torch.int16)).float().mean().item(),
-        "finite": bool(torch.isfinite(a32).all().item()),
-    }
 
 
 def run_backward(x: dict, raw: dict, causal: bool) -> tuple:
@@ -242,10 +211,6 @@ def time_case(x: dict, causal: bool, tau: float) -> dict:
             times[variant] = float("nan")
             print(f"ERROR timing {variant}: {error}", flush=True)
     return times
-
-
-def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,16 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if "ms" in row:
             print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
-    if args.out:
-        record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
-                  "rows": rows, "crossover": cross, "failures": failures, "errors": errors}  # fmt: skip
-        args.out.write_text(json.dumps(record, indent=1))
-    for failure in failures:
-        print("MISMATCH", failure)
-    if errors:
-        print(f"{errors} compile/launch errors")
-        return 2
-    return 1 if failures else 0
+    return finish(args.out, {"rows": rows, "crossover": cross}, failures, errors)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ deadlock would otherwise hold the device to the call's limit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from device_check import finish  # noqa: E402
 from gluon_dkdv_check import Watchdog, compare, inputs, rel_l2  # noqa: E402  (sets the dK/dV kernel to force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -237,16 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         if "ms" in row:
             print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
-    if args.out:
-        record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
-                  "rows": rows, "failures": failures, "errors": errors}  # fmt: skip
-        args.out.write_text(json.dumps(record, indent=1))
-    for failure in failures:
-        print("MISMATCH", failure)
-    if errors:
-        print(f"{errors} compile/launch errors")
-        return 2
-    return 1 if failures else 0
+    return finish(args.out, {"rows": rows}, failures, errors)
 
 
 if __name__ == "__main__":

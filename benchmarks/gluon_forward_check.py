@@ -26,11 +26,8 @@ limit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import threading
-import time
 import traceback
 from pathlib import Path
 
@@ -39,6 +36,7 @@ os.environ.setdefault("SAGE_LIGHTNING_HOPPER", "force")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from device_check import Watchdog, compare, finish, rel_l2  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_forward as gf  # noqa: E402
 from sage_lightning.kernels.hopper.forward import hopper_forward  # noqa: E402
@@ -63,24 +61,6 @@ TIMED = [(4, 16, 4096, 128), (2, 16, 8192, 128)]
 #: Gluon variants, the default first: ``pp`` the consumer warpgroups take turns on the tensor cores, ``free`` they
 #: do not; ``-smem`` P's codes go through shared memory (the wrapper's default), ``-regs`` they stay in registers.
 VARIANTS = ("pp-smem", "free-smem", "pp-regs", "free-regs")
-
-
-class Watchdog:
-    """Ends the process (exit 3) when a step runs past ``seconds``: a hung kernel cannot be interrupted."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds, self.step, self.started = seconds, "", time.monotonic()
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def set(self, step: str) -> None:
-        self.step, self.started = step, time.monotonic()
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(1.0)
-            if self.step and time.monotonic() - self.started > self.seconds:
-                print(f"HANG: {self.step!r} ran past {self.seconds:.0f} s; exiting", flush=True)
-                os._exit(3)
 
 
 def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
@@ -108,22 +88,6 @@ def run_gluon(x: dict, variant: str) -> tuple[torch.Tensor, torch.Tensor]:
     return gf.gluon_forward(
         *x["ops"], **x["tiles"], pingpong=variant.startswith("pp"), p_in_regs=variant.endswith("regs")
     )
-
-
-def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-    a32, b32 = a.float(), b.float()
-    view = torch.int16 if a.element_size() == 2 else torch.int32
-    return {
-        "max_abs": (a32 - b32).abs().max().item(),
-        "rel_l2": ((a32 - b32).norm() / b32.norm().clamp_min(1e-30)).item(),
-        "cosine": torch.nn.functional.cosine_similarity(a32.flatten(), b32.flatten(), dim=0).item(),
-        "bitwise_equal": (a.view(view) == b.view(view)).float().mean().item(),
-        "finite": bool(torch.isfinite(a32).all().item()),
-    }
-
-
-def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def check_dispatch() -> list[str]:
@@ -276,16 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nSummary:")
     for row in times:
         print(f"  {row['case']:<40} " + " ".join(f"{k} {v:.0f}" for k, v in row["tflops"].items()) + " TFLOPS")
-    if args.out:
-        record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
-                  "rows": rows, "timing": times, "failures": failures, "errors": errors}  # fmt: skip
-        args.out.write_text(json.dumps(record, indent=1))
-    for failure in failures:
-        print("MISMATCH", failure)
-    if errors:
-        print(f"{errors} compile/launch errors")
-        return 2
-    return 1 if failures else 0
+    return finish(args.out, {"rows": rows, "timing": times}, failures, errors)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,9 @@ to compile or does not fit.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -126,25 +124,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16 out, INT8 QK and PV")
-    print(f"{'case':<40} {'kernel':<22} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} "
-          f"{'CTA/SM':>6} {'loop':>14}  wgmma")  # fmt: skip
-    for row in offline._RECORDS:
-        if row.error:
-            print(f"{row.case:<40} {row.kernel[:22]:<22} FAILED {row.error.splitlines()[0][:160]}")
-            if args.verbose:
-                print(row.error)
-            continue
-        mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
-        print(
-            f"{row.case:<40} {row.kernel[:22]:<22} {row.num_warps:>2} {row.num_stages:>2} "
-            f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
-            f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
-            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {offline._loop_cell(row):>14}  {mma}"
-        )
-    if args.out:
-        args.out.write_text(json.dumps({"triton": triton.__version__, "rows": [asdict(r) for r in offline._RECORDS]},
-                                       indent=1))  # fmt: skip
+    offline.report_gluon_compile(
+        f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16 out, INT8 QK and PV",
+        args.out,
+        args.verbose,
+        case_width=40,
+        kernel_width=22,
+    )
     return 1 if failures else 0
 
 

@@ -390,6 +390,55 @@ def _loop_cell(row: Compiled) -> str:
     return f"{row.loop_instructions}/{row.loop_fast_path}/{row.loop_quarter_rate}"
 
 
+def report_gluon_compile(
+    title: str,
+    out: Path | None,
+    verbose: bool,
+    *,
+    case_width: int = 40,
+    kernel_width: int = 20,
+    skip: tuple[str, ...] = (),
+) -> None:
+    """The Gluon compile scripts' table (``benchmarks/gluon*_sm90_compile.py``): one line per compiled kernel of
+    :data:`_RECORDS` (its warps, stages, shared memory, registers, spills, local-memory operations, CTAs per SM,
+    hot-loop SASS and wgmma shapes), and the records as JSON in ``out``.
+
+    Args:
+        title: the first line (what was compiled).
+        out: where the JSON goes, or ``None``.
+        verbose: print each failure's traceback.
+        case_width, kernel_width: column widths.
+        skip: kernels left out of the table (still in the JSON).
+
+    Example::
+
+        report_gluon_compile("Triton 3.6.0, target sm_90 (offline)", Path("x.json"), False, skip=("_dq_kernel",))
+    """
+    import triton
+
+    cw, kw = case_width, kernel_width
+    print(title)
+    print(f"{'case':<{cw}} {'kernel':<{kw}} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} "
+          f"{'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14}  wgmma")  # fmt: skip
+    for row in _RECORDS:
+        if row.kernel in skip:
+            continue
+        if row.error:
+            print(f"{row.case:<{cw}} {row.kernel[:kw]:<{kw}} FAILED {row.error.splitlines()[0][:160]}")
+            if verbose:
+                print(row.error)
+            continue
+        mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
+        print(
+            f"{row.case:<{cw}} {row.kernel[:kw]:<{kw}} {row.num_warps:>2} {row.num_stages:>2} "
+            f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
+            f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
+            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {_loop_cell(row):>14}  {mma}"
+        )
+    if out:
+        out.write_text(json.dumps({"triton": triton.__version__, "rows": [asdict(r) for r in _RECORDS]}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Compile, print a table, write ``--out`` (JSON); 1 when an entry point fails, else 0."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
