@@ -17,12 +17,15 @@ each variant (and the whole backward with and without it) with ``triton.testing.
 Exits 1 on a mismatch (non-finite values, cosine < 0.9999 or rel_l2 > 5e-3 against the portable kernel, an error
 against the reference more than 5% above the portable kernel's, dK or dV changed by the dispatch, the forced
 dispatch not taking the kernel), 2 on a compile or launch error, 3 when a step hangs past ``--hang-s`` (a barrier
-deadlock would otherwise hold the device to the call's limit).
+deadlock would otherwise hold the device to the call's limit). A launch error that leaves the CUDA context unusable
+(an illegal address, a trap) ends the run at once with 2, so the first error is the last thing printed. ``--out``
+is rewritten after every shape, so a run cut short by the caller's ``timeout`` still leaves its rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -33,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from device_check import finish  # noqa: E402
 from gluon_dkdv_check import Watchdog, compare, inputs, rel_l2  # noqa: E402  (sets the dK/dV kernel to force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -152,6 +154,17 @@ def time_case(x: dict, raw: dict, causal: bool, tau: float) -> dict:
     return times
 
 
+def cuda_usable() -> bool:
+    """Whether the CUDA context still works after a caught error (an illegal address or trap is sticky: every later
+    call fails with it)."""
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:  # noqa: BLE001 - the answer is the point
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
@@ -164,8 +177,52 @@ def main(argv: list[str] | None = None) -> int:
     variants = [v for v in VARIANTS if v in args.variant]
     dog = Watchdog(args.hang_s)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    rows, failures, errors = [], [], 0
+    rows, failures, errors = [], [], 0  # errors: those outside the rows (a row with "error" counts too)
     shapes = [s for s in SHAPES if s[-1]] if args.quick else SHAPES
+
+    def save() -> None:
+        if args.out:
+            record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+                      "rows": rows, "failures": failures, "errors": errors + row_errors()}  # fmt: skip
+            args.out.write_text(json.dumps(record, indent=1))
+
+    def row_errors() -> int:
+        return sum(1 for row in rows if "error" in row)
+
+    try:
+        run_cases(args, variants, shapes, dog, rows, failures, save)
+    except Exception as error:  # noqa: BLE001 - a launch error outside a variant's own try, or a sticky one
+        errors += 1
+        print(f"ERROR (run stopped): {type(error).__name__}: {error}", flush=True)
+        traceback.print_exc()
+        save()
+        print(f"{errors + row_errors()} compile/launch errors")
+        return 2
+    dog.set("backward() dispatch")
+    try:
+        failures += check_dispatch()
+    except Exception as error:  # noqa: BLE001 - reported as a launch error
+        errors += 1
+        print(f"ERROR backward() dispatch: {type(error).__name__}: {error}", flush=True)
+        traceback.print_exc()
+    dog.set("")
+    print("\nSummary:")
+    for row in rows:
+        if "ms" in row:
+            print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
+    save()
+    for failure in failures:
+        print("MISMATCH", failure)
+    if errors + row_errors():
+        print(f"{errors + row_errors()} compile/launch errors")
+        return 2
+    return 1 if failures else 0
+
+
+def run_cases(args, variants: list[str], shapes: list, dog: Watchdog, rows: list, failures: list, save) -> None:
+    """Every shape, causal and not: the portable dQ, the reference (small shapes), each Gluon variant against them,
+    and the timings; rows and failures are appended to the caller's lists. Raises when a caught launch error left
+    the CUDA context unusable."""
     for *shape, with_ref in shapes:
         shape = tuple(shape)
         for causal in (False, True):
@@ -191,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
                     dq_g = gluon(x, causal, tau, variant)
                     torch.cuda.synchronize()
                 except Exception as error:  # noqa: BLE001 - reported; the other cases go on
-                    errors += 1
                     print(f"ERROR {case}: {type(error).__name__}: {error}", flush=True)
                     traceback.print_exc()
                     rows.append({"case": case, "error": f"{type(error).__name__}: {error}"[:2000]})
+                    if not cuda_usable():
+                        raise RuntimeError(f"the CUDA context is unusable after {case}") from error
                     continue
                 row = {"case": case, "dq": compare(dq_g, dq_tl)}
                 c = row["dq"]
@@ -225,19 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{times['bwd_off'] / times['bwd_force']:.2f}x)", flush=True)  # fmt: skip
             x = raw = None
             torch.cuda.empty_cache()
-    dog.set("backward() dispatch")
-    try:
-        failures += check_dispatch()
-    except Exception as error:  # noqa: BLE001 - reported as a launch error
-        errors += 1
-        print(f"ERROR backward() dispatch: {type(error).__name__}: {error}", flush=True)
-        traceback.print_exc()
-    dog.set("")
-    print("\nSummary:")
-    for row in rows:
-        if "ms" in row:
-            print(f"  {row['case']:<56} " + " ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items()))
-    return finish(args.out, {"rows": rows}, failures, errors)
+            save()
 
 
 if __name__ == "__main__":
