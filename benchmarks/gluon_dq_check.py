@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import traceback
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from gluon_dkdv_check import Watchdog, compare, inputs, rel_l2  # noqa: E402  (sets the dK/dV kernel to force)
+from gluon_dkdv_check import CROSSOVER, Watchdog, compare, host_ms, inputs, rel_l2  # noqa: E402  (dK/dV: force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dq as gq  # noqa: E402
@@ -154,6 +155,47 @@ def time_case(x: dict, raw: dict, causal: bool, tau: float) -> dict:
     return times
 
 
+#: The crossover's shapes: the dK/dV sweep's (scores 2^22 to 2^30) and the speed table's N=2048 at D=128.
+DQ_CROSSOVER = [*CROSSOVER, (2, 16, 2048, 128), (4, 16, 2048, 128), (8, 16, 2048, 128)]
+
+
+def crossover(dog: Watchdog) -> list[dict]:
+    """Over :data:`DQ_CROSSOVER`, causal and not: milliseconds of ``_dq_kernel`` and of the Gluon ``ws`` kernel
+    alone, and of the whole ``backward.backward`` with the Gluon dQ kernel and without (the dK/dV kernel at
+    ``auto``, as users get it), with the host's milliseconds per call: where ``auto`` should take it
+    (:data:`gq.MIN_SCORES`)."""
+    os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "auto"
+    rows = []
+    for batch, heads, seq, head_dim in DQ_CROSSOVER:
+        for causal in (False, True):
+            shape = (batch, heads, heads, seq, seq, head_dim)
+            dog.set(f"crossover {shape} causal={causal}")
+            x, raw = dq_inputs(shape, causal)
+            tau = raw["tau"]
+            fns = {
+                "dq_tl": lambda x=x, c=causal, t=tau: tl_dq(x, c, t),
+                "dq_ws": lambda x=x, c=causal, t=tau: gluon(x, c, t, "ws"),
+                "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "off"),
+                "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "force"),
+            }
+            ms, host = {}, {}
+            for name, fn in fns.items():
+                fn()
+                ms[name] = triton.testing.do_bench(fn)
+                host[name] = host_ms(fn)
+            scores = batch * heads * seq * seq // (2 if causal else 1)
+            row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
+                   "scores_log2": round(math.log2(scores), 2), "ms": ms, "host_ms": host}  # fmt: skip
+            rows.append(row)
+            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal:d} 2^{row['scores_log2']:<5} "
+                  + " ".join(f"{n} {ms[n]:.3f} (host {host[n]:.3f})" for n in fns)
+                  + f" bwd speedup {ms['bwd_off'] / ms['bwd_force']:.2f}x", flush=True)  # fmt: skip
+            x = raw = None
+            torch.cuda.empty_cache()
+    os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
+    return rows
+
+
 def cuda_usable() -> bool:
     """Whether the CUDA context still works after a caught error (an illegal address or trap is sticky: every later
     call fails with it)."""
@@ -173,12 +215,23 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
     )
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--crossover", action="store_true", help="only the crossover sweep (whole backward, Gluon dQ on and off)"
+    )
     args = parser.parse_args(argv)
     variants = [v for v in VARIANTS if v in args.variant]
     dog = Watchdog(args.hang_s)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows, failures, errors = [], [], 0  # errors: those outside the rows (a row with "error" counts too)
     shapes = [s for s in SHAPES if s[-1]] if args.quick else SHAPES
+    if args.crossover:
+        rows = crossover(dog)
+        dog.set("")
+        if args.out:
+            record = {"torch": torch.__version__, "triton": triton.__version__,
+                      "device": torch.cuda.get_device_name(), "crossover": rows}  # fmt: skip
+            args.out.write_text(json.dumps(record, indent=1))
+        return 0
 
     def save() -> None:
         if args.out:

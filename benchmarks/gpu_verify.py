@@ -6,8 +6,8 @@ and it passed a backward whose dV was wrong on every H100 and H200. This script 
 as subprocesses (compilation is CPU work and the GPU has room for all of them), together under 8 minutes on an
 H100 or H200 from a bare machine:
 
-1. ``kernel_tests``: ``tests/test_triton_kernels.py``, ``test_hopper_kernels.py``, ``test_gluon_backward.py`` and
-   ``tests/test_attn_qat.py`` on CUDA, every test (none
+1. ``kernel_tests``: ``tests/test_triton_kernels.py``, ``test_hopper_kernels.py``, ``test_gluon_backward.py``,
+   ``test_gluon_dq.py`` and ``tests/test_attn_qat.py`` on CUDA, every test (none
    stops the others; NaN propagation, saved tensors, routing and ``torch.compile`` among them), with pytest-xdist
    workers where it is installed. Passes when none fails or errs and none is skipped.
 2. ``agreement``: the Triton path against the PyTorch reference (same numerics) at full size, N in
@@ -137,6 +137,7 @@ def test_command(work: Path, workers: int) -> list[str]:
         "tests/test_triton_kernels.py",
         "tests/test_hopper_kernels.py",
         "tests/test_gluon_backward.py",
+        "tests/test_gluon_dq.py",
         "tests/test_attn_qat.py",
     ]
     argv = [sys.executable, "-m", "pytest", *tests]

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
+from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
 from .quant import (
     backward_preprocess,
     dot_precision,
@@ -445,12 +446,19 @@ def backward(
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
     del q_op_t, do_codes_t
     k_op_t = transpose_rows(k_op) if transposed else k_op
-    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
-    _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
-        q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,
-        grad_out, codes_arg, code_scale_arg, lse, delta, dq,
-        *grad_out.stride(),
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
-        **common,
-    )  # fmt: skip
+    if gluon_dq_applies(grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n,
+                        qk_int8=qk_int8, dp_int8=dp_int8, ds_int8=ds_int8):  # fmt: skip
+        # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py).
+        dq = gluon_dq(
+            grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v_dp, lse, is_causal=is_causal, scale=scale
+        )
+    else:
+        dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
+        _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+            q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,
+            grad_out, codes_arg, code_scale_arg, lse, delta, dq,
+            *grad_out.stride(),
+            heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
+            **common,
+        )  # fmt: skip
     return dq, dk, dv

@@ -108,3 +108,26 @@ def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: 
         assert row["spill_stores"] == 0, (row["case"], row["spill_stores"])
         assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["case"], row["wgmma"])
         assert row["mma_sync"] == 0, row["case"]
+
+
+GLUON_DQ_SCRIPT = REPO / "benchmarks" / "gluon_dq_sm90_compile.py"
+
+
+def test_the_gluon_dq_kernel_compiles_fits_and_does_not_spill(tmp_path: Path) -> None:
+    """The Gluon dQ kernel (the warp-specialised variant the backward launches, dS codes from registers) compiled
+    for sm_90 under the GPU image's Triton: every case (D 64 and 128, causal or not) fits sm_90's shared memory,
+    keeps its registers, runs its INT8 products on s8 ``wgmma`` and ptxas does not serialize them."""
+    python = _python("verified")
+    out = tmp_path / "gluon-dq.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [python, str(GLUON_DQ_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws",
+               "--no-portable", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = [row for row in json.loads(out.read_text())["rows"] if row["kernel"] == "_gluon_dq_kernel"]
+    assert len(rows) == 4, [row["case"] for row in rows]
+    for row in rows:
+        assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])
+        assert row["spill_stores"] == 0, (row["case"], row["spill_stores"])
+        assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["case"], row["wgmma"])
+        assert row["mma_sync"] == 0 and not row["wgmma_serialized"], row["case"]

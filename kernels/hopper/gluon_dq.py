@@ -1,0 +1,486 @@
+"""Gluon (``triton.experimental.gluon``) dQ kernel of SageBwd for Hopper (sm_90): TMA loads, async wgmma.
+
+``backward.backward`` calls it for the dQ work where :func:`gluon_dq_applies` says it serves the call (by default
+on a verified Hopper at D=128 from :data:`MIN_SCORES` scores, where it was measured faster); every other call keeps
+the portable ``_dq_kernel``. Its first GPU run (H100, Triton 3.6) found it bitwise equal to ``_dq_kernel`` in every
+case and 1.20x its time at N=4096, D=128 (``benchmarks/results/speed-h100-20261123-gluon-dq-crossover.md``).
+
+The numerics are ``_dq_kernel``'s (:mod:`..backward`) for SageBwd's default formats (INT8 ``QK`` and ``dS``; ``dP``
+in bf16; no Q-smoothing), tile for tile and in the same order of tile additions:
+
+* ``S = int32_scaled(Q'^ K'^T, s_Q s_K tau log2(e))`` from the int32 product, ``P = exp2(S - lse)`` (zero above the
+  diagonal on the causal diagonal tiles, top-left);
+* ``dP = dO V^T`` in bf16 with fp32 accumulation, ``dS = P (dP - delta)``;
+* ``dQ += int32_scaled(psi(dS) K'^, s_dS s_K)``, one dS scale per 128-query x 64-key tile; ``dQ`` times ``tau``
+  at the end.
+
+The orientation is ``_dq_kernel``'s: a program owns 128 queries of one query head and holds ``S`` and ``dP``
+``[128 queries, 64 keys]`` over two warpgroups (``warps_per_cta=[8, 1]``: each warpgroup its 64 queries against
+the tile's 64 keys, wgmma m64n64). The dS tile scale (a max over the whole tile) is a reduction across both
+warpgroups (through shared memory), so both see the same scale. The dS codes are the A operand of the dQ
+product, either from registers (``codes_in_registers``, the default: each warpgroup's own 64 rows, no shared-
+memory round trip) or from an 8 KiB shared tile; B is ``K'^`` read from its ``[D, Nk]`` copy (``k_op_t``), K-major
+over the keys as 8-bit wgmma requires (m64nDk32).
+
+Per program: Q'^ and dO ``[128, D]`` once, then every key tile (``BLOCK_N = 64``) of the kv head the query head
+reads (GQA: ``head // group``) up to the causal limit, through a ``STAGES``-deep ring of ``K'^ [64, D]``,
+``K'^T [D, 64]`` and ``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default:
+``gl.warp_specialize``, the two consumer warpgroups at 240 registers and one TMA load warp at 24) or one 8-warp
+partition that also issues the loads. Design, offline figures and the device check: ``benchmarks/pending/gluon-dq.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..forward import LOG2E
+from . import dispatch
+from .gluon_backward import GLUON_TRITON, HAVE_GLUON, LOAD_REGS, WS_MAXNREG, _desc
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_backward import _int8_codes, _int8_scale, _int32_scaled, _nan_max
+
+#: The environment variable that selects the Gluon dQ kernel, and the values it takes (:func:`gluon_dq_applies`).
+ENV = "SAGE_LIGHTNING_GLUON_DQ"
+CHOICES = ("auto", "off", "force")
+#: The default of :data:`ENV` (the GPU check, ``benchmarks/gluon_dq_check.py``, found it bitwise equal to
+#: ``_dq_kernel``).
+DEFAULT = "auto"
+#: Fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto`` takes it, and the
+#: head dims. Measured on an H100 (whole backward with it against without): 1.06-1.09x from 2^28 scores at D=128;
+#: 0.91-1.07x at 2^27 (host-bound there); slower below, and at D=64 everywhere (0.78-0.98x).
+MIN_SCORES = 2**28
+AUTO_HEAD_DIMS = (128,)
+#: Head dims it serves.
+HEAD_DIMS = (64, 128)
+#: The query tile (the Q and dO quantization block) and key tile it is written for.
+BLOCK_M = 128
+BLOCK_N = 64
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _issue_kv(
+        t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """TMA loads of key tile ``t`` (K'^, its transposed copy, V) into stage ``t % STAGES``; nothing when
+        ``t >= n_tiles``. ``kv_row0``: the kv head's first row in the ``[B*Hkv*Nk, D]`` views; ``kt_row0``: its
+        first row in the ``[B*Hkv*D, Nk]`` view."""
+        s = t % STAGES
+        live = t < n_tiles
+        start_n = t * BLOCK_N
+        bar = ready.index(s)
+        nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_kt.block_type.nbytes + desc_v.block_type.nbytes
+        mbarrier.expect(bar, nbytes, pred=live)
+        tma.async_copy_global_to_shared(desc_k, [kv_row0 + start_n, 0], bar, k_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_kt, [kt_row0, start_n], bar, kt_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_v, [kv_row0 + start_n, 0], bar, v_smem.index(s), pred=live)
+
+    @gluon.jit
+    def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row):
+        """TMA loads of the program's Q'^ and dO tiles (once)."""
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [q_row, 0], q_bar, q_smem)
+        tma.async_copy_global_to_shared(desc_do, [q_row, 0], q_bar, do_smem)
+
+    @gluon.jit
+    def _dq_loader(
+        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The load partition (one warp): Q'^ and dO once, then every key tile into the ring, each stage refilled
+        once the compute partition has released it (``empty``)."""
+        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
+        ready, empty, q_bar = bars
+        _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
+        for t in range(n_tiles):
+            # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_kv(
+                t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
+                STAGES,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dq_compute(
+        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
+    ):  # fmt: skip
+        """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
+        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` tiles ahead). With ``DEFER`` each
+        tile's dQ product is waited for in the next iteration, after the next tile's S and dP are issued."""
+        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
+        ready, empty, q_bar = bars
+        # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
+        )
+        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 32]
+        )
+        # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
+        if not WARP_SPECIALIZE:
+            _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
+            for i in gl.static_range(STAGES - 1):
+                _issue_kv(
+                    i, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
+                    STAGES,
+                )  # fmt: skip
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+        offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
+        q_scale = gl.load(Q_SCALE + bh * m_blocks + pid_m)
+        lse = gl.load(LSE + bh * SEQ_Q + offs_m)
+        delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
+        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, dp_layout)
+        acc_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, acc_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(q_bar, 0)
+        if DEFER:
+            # The tile before's dQ product and its scale, finished in the next iteration.
+            dq_tok = warpgroup_mma_init(acc_zero)
+            dq_c = q_scale * 0.0
+
+        for t in range(n_tiles):
+            stage = t % STAGES
+            if not WARP_SPECIALIZE and not DEFER:
+                # Stage (t - 1) % STAGES was last read by tile t - 1's products, which every warp waited for
+                # before the barrier that ended that iteration: refill it with tile t + STAGES - 1.
+                _issue_kv(
+                    t + STAGES - 1, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem,
+                    ready, BLOCK_N, STAGES,
+                )  # fmt: skip
+            start_n = t * BLOCK_N
+            k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
+            # [64, D] read as [D, 64] (K-major over D).
+            s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            if DEFER:
+                # The tile before's dQ product was committed before S and dP: two groups may stay in flight. Its
+                # scaling overlaps this tile's S and dP on the tensor cores; the additions into dQ keep their order.
+                dq_int = warpgroup_mma_wait(num_outstanding=2, deps=[dq_tok])
+                dq += _int32_scaled(dq_int, dq_c)
+                # Both warpgroups are done with the tile before's stage (and the codes).
+                gl.thread_barrier()
+                if WARP_SPECIALIZE:
+                    mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+                else:
+                    _issue_kv(
+                        t + STAGES - 1, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem,
+                        ready, BLOCK_N, STAGES,
+                    )  # fmt: skip
+            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[:, None])
+            if CAUSAL:
+                # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
+                if start_n >= full_hi:
+                    offs_n = start_n + offs_n_tile
+                    p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
+            dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+            ds = p * (dp - delta[:, None])
+            # One dS scale for the 128 x 64 tile (a reduction across both warpgroups).
+            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
+            codes = _int8_codes(ds, ds_scale)
+            # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its [D, 64]
+            # copy (K-major over the keys).
+            if CODES_IN_REGISTERS:
+                dq_tok = warpgroup_mma(
+                    gl.convert_layout(codes, a_layout), kt_smem.index(stage).permute((1, 0)), acc_zero,
+                    use_acc=False, is_async=True,
+                )  # fmt: skip
+            else:
+                ds_smem.store(codes)
+                fence_async_shared()
+                gl.thread_barrier()
+                dq_tok = warpgroup_mma(
+                    ds_smem, kt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+                )
+            if DEFER:
+                dq_c = ds_scale * k_scale
+            else:
+                dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+                dq += _int32_scaled(dq_int, ds_scale * k_scale)
+                # Both warpgroups are done with this stage (and the codes) before it is handed back or overwritten.
+                gl.thread_barrier()
+                if WARP_SPECIALIZE:
+                    mbarrier.arrive(empty.index(stage), count=1)
+        if DEFER:
+            dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+            dq += _int32_scaled(dq_int, dq_c)
+
+        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
+        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
+        out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
+        gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
+
+    @gluon.jit
+    def _gluon_dq_kernel(
+        desc_q,
+        desc_do,
+        desc_k,
+        desc_kt,
+        desc_v,
+        Q_SCALE,
+        K_SCALE,
+        LSE,
+        DELTA,
+        DQ,
+        HEADS,
+        GROUP,
+        SEQ_Q,
+        SEQ_K,
+        qk_scale,
+        tau,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr,
+        WARP_SPECIALIZE: gl.constexpr,
+        CODES_IN_REGISTERS: gl.constexpr,
+        DEFER: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
+    ):
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        pid_m = gl.program_id(0)
+        if CAUSAL:
+            # The longest query tiles (most key tiles) first, so the short ones fill the tail of the grid.
+            pid_m = m_blocks - 1 - pid_m
+        bh = gl.program_id(1)
+        b = bh // HEADS
+        head = bh % HEADS
+        kv_bh = b * (HEADS // GROUP) + head // GROUP
+        # key_range(): the key tiles below hi are visited, those from full_hi on masked (SEQ_K % BLOCK_N == 0).
+        hi = SEQ_K
+        full_hi = SEQ_K
+        if CAUSAL:
+            hi = gl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+            full_hi = gl.minimum(SEQ_K, pid_m * BLOCK_M)
+        n_tiles = hi // BLOCK_N
+        q_row = bh * SEQ_Q + pid_m * BLOCK_M
+        kv_row0 = kv_bh * SEQ_K
+        kt_row0 = kv_bh * HEAD_DIM
+
+        # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^, K'^T and V tiles, the dS codes.
+        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
+        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        kt_smem = gl.allocate_shared_memory(desc_kt.dtype, [STAGES] + desc_kt.block_type.shape, desc_kt.layout)
+        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        if CODES_IN_REGISTERS:
+            ds_smem = q_smem  # unused
+        else:
+            ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_N], codes_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
+        bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem)
+        bars = (ready, empty, q_bar)
+        if WARP_SPECIALIZE:
+            gl.warp_specialize(
+                [
+                    (
+                        _dq_compute,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
+                         DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
+                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
+                    ),
+                    (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES)),
+                ],
+                [1],
+                [LOAD_REGS],
+            )  # fmt: skip
+        else:
+            _dq_compute(
+                descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
+                DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
+                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
+            )  # fmt: skip
+
+
+def _choice() -> str:
+    value = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
+    if value not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
+    return value
+
+
+def gluon_dq_applies(
+    grad_out: torch.Tensor,
+    q_op: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    *,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    qk_int8: bool,
+    dp_int8: bool,
+    ds_int8: bool,
+) -> bool:
+    """Whether :func:`gluon_dq` computes this backward's dQ instead of ``_dq_kernel``.
+
+    It serves SageBwd's default formats for dQ (INT8 ``qk`` and ``ds``, bf16 ``dp``, no Q-smoothing; ``dv``'s
+    format does not enter dQ), bf16, head dim 64 or 128, 128 x 64 tiles, a query count that is a positive multiple
+    of 128 and a key count that is a positive multiple of 64 (every TMA tile inside one head: no padding masks).
+    :data:`ENV` chooses (default :data:`DEFAULT`): ``auto`` takes it on a compute capability 9.0 GPU under a Triton
+    of :data:`.gluon_backward.GLUON_TRITON`, for calls of at least :data:`MIN_SCORES` scores and a head dim in
+    :data:`AUTO_HEAD_DIMS`, unless ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it
+    serves, whatever the device and the size (the device check and tests).
+
+    Args:
+        grad_out: dO ``[B, Hq, N, D]``.
+        q_op, q_mean, k_op: the forward's Q'^, its smoothing mean (``None`` without), K'^.
+        is_causal, block_m, block_n: as the forward.
+        qk_int8, dp_int8, ds_int8: the products' formats.
+
+    Example::
+
+        if gluon_dq_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk_int8=True,
+                            dp_int8=False, ds_int8=True):
+            dq = gluon_dq(...)
+    """
+    choice = _choice()
+    if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
+        return False
+    if choice == "auto":
+        if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
+            return False
+        batch, heads, seq_q = q_op.shape[:3]
+        scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
+        if scores < MIN_SCORES or q_op.shape[3] not in AUTO_HEAD_DIMS:
+            return False
+    seq_q, head_dim, seq_k = q_op.shape[2], q_op.shape[3], k_op.shape[2]
+    return (
+        qk_int8
+        and ds_int8
+        and not dp_int8
+        and q_mean is None
+        and grad_out.dtype == torch.bfloat16
+        and head_dim in HEAD_DIMS
+        and block_m == BLOCK_M
+        and block_n == BLOCK_N
+        and seq_q > 0
+        and seq_k > 0
+        and seq_q % BLOCK_M == 0
+        and seq_k % BLOCK_N == 0
+    )
+
+
+def default_stages(head_dim: int) -> int:
+    """The TMA ring's depth: 4 key tiles (32 KiB each at D=128: 176 KiB with Q'^ and dO; 16 KiB at D=64)."""
+    return 4
+
+
+def gluon_dq(
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_op: torch.Tensor,
+    k_op_t: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    stages: int | None = None,
+    warp_specialize: bool = True,
+    codes_in_registers: bool = True,
+    defer: bool = False,
+) -> torch.Tensor:
+    """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls :func:`gluon_dq_applies` accepts.
+
+    Args:
+        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
+        delta: ``rowsum(dO * O)`` ``[B, Hq, N]`` fp32 (:func:`..quant.backward_preprocess`).
+        q_op, q_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]`` and its scales per 128 rows.
+        k_op, k_op_t, k_scale: K'^ ``[B, Hkv, Nk, D]``, its ``[B, Hkv, D, Nk]`` copy (:func:`..quant.transpose_rows`)
+            and its scales per 64 rows.
+        v: V ``[B, Hkv, Nk, D]`` bf16 contiguous (dP's operand).
+        lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
+        is_causal, scale: as the forward.
+        stages: depth of the TMA ring of key tiles; ``None``: :func:`default_stages`. At least 2 with ``defer``
+            (it hands a stage back one tile late: with one stage the loads would wait for it forever).
+        warp_specialize: a one-warp load partition beside the two consumer warpgroups, or one partition of 8 warps
+            that also issues the loads.
+        codes_in_registers: the dS codes as the dQ product's A operand from registers, or through shared memory.
+        defer: finish each tile's dQ product in the next iteration, after the next tile's S and dP are issued, so
+            its scaling overlaps the tensor cores (same values, same order of additions). Under Triton 3.6 ptxas
+            serializes this variant's wgmma (C7514: the dQ token crosses the loop's back edge), so it checks the
+            protocol rather than promising speed.
+
+    Returns:
+        dQ ``[B, Hq, N, D]`` bf16, contiguous.
+
+    Raises:
+        ValueError: a ring of fewer stages than the variant needs (``defer`` needs 2).
+
+    Example::
+
+        dq = gluon_dq(grad_out, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v, lse,
+                      is_causal=True, scale=0.125)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    stages = stages if stages is not None else default_stages(head_dim)
+    if stages < (2 if defer else 1):
+        raise ValueError(f"gluon_dq: stages={stages} would deadlock{' with defer' if defer else ''}")
+    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    bh, bkv = batch * heads, batch * kv_heads
+    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    desc_kt = _desc(k_op_t, bkv * head_dim, seq_k, [head_dim, BLOCK_N])
+    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    _gluon_dq_kernel[(seq_q // BLOCK_M, bh)](
+        desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
+        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
+        WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer, LOAD_REGS=LOAD_REGS,
+        num_warps=8,
+        **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
+    )  # fmt: skip
+    return dq

@@ -1,0 +1,195 @@
+"""The Gluon dQ kernel for Hopper (``kernels/hopper/gluon_dq.py``): the rule that picks it, and on a Hopper GPU its
+dQ against ``_dq_kernel``'s, bit for bit.
+
+The CPU interpreter cannot run Gluon, so the kernel's own tests run only on an sm_90 GPU; the dispatch rule is
+tested everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from sage_lightning.kernels import backward as portable
+from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels.hopper import gluon_dq as gq
+from sage_lightning.kernels.ops import sage_attention_triton
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TRITON = ".".join(triton.__version__.split(".")[:2])
+
+
+def _applies(causal: bool = False, **overrides: object) -> bool:
+    """:func:`gq.gluon_dq_applies` on meta tensors of SageBwd's default backward (B=1, 8 heads, N=Nk=4096, D=128),
+    with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
+    formats."""
+    shape = {"batch": 1, "heads": 8, "seq_q": 4096, "seq_k": 4096, "head_dim": 128}
+    shape.update({name: overrides.pop(name) for name in list(overrides) if name in shape})
+    dtype = overrides.pop("dtype", torch.bfloat16)
+    q_mean = overrides.pop("q_mean", None)
+    b, h, n, nk, d = shape.values()
+    q_op = torch.zeros(b, h, n, d, dtype=torch.int8, device="meta")
+    k_op = torch.zeros(b, h, nk, d, dtype=torch.int8, device="meta")
+    grad_out = torch.zeros(b, h, n, d, dtype=dtype, device="meta")
+    args = dict(block_m=128, block_n=64, qk_int8=True, dp_int8=False, ds_int8=True)
+    return gq.gluon_dq_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
+
+
+@pytest.fixture
+def gluon_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pretend this machine is a verified Hopper with the Gluon API the kernel is written for."""
+    monkeypatch.setattr(gq, "HAVE_GLUON", True)
+    monkeypatch.setattr(gq, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(dispatch, "verified_here", lambda device: True)
+    monkeypatch.delenv(gq.ENV, raising=False)
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+
+
+def test_auto_is_the_default_once_a_gpu_run_has_checked_it(gluon_here):
+    assert gq.DEFAULT == "auto"
+    assert _applies(batch=4, heads=16)  # 2^30 scores: measured 1.09x on the whole backward
+    assert not _applies()  # 2^27 scores: below the measured crossover
+
+
+def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here, monkeypatch):
+    monkeypatch.setenv(gq.ENV, "auto")
+    assert _applies(batch=2)  # 2 x 8 heads x 4096 x 4096 scores = 2^28
+    assert not _applies(heads=1, seq_q=1024, seq_k=1024)
+    edge = gq.MIN_SCORES // (4096 * 4096)
+    assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
+    assert not _applies(batch=4, heads=16, head_dim=64)
+    monkeypatch.setenv(dispatch.ENV, "off")
+    assert not _applies()
+    monkeypatch.setattr(dispatch, "verified_here", lambda device: False)
+    monkeypatch.setenv(dispatch.ENV, "auto")
+    assert not _applies()  # not a verified Hopper
+    monkeypatch.setenv(gq.ENV, "force")
+    assert _applies(heads=1, seq_q=128, seq_k=64)  # force: whatever the device and the size
+
+
+def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch):
+    monkeypatch.setenv(gq.ENV, "off")
+    assert not _applies()
+    monkeypatch.setenv(gq.ENV, "force")
+    monkeypatch.setattr(gq, "GLUON_TRITON", ("0.0",))
+    assert not _applies()
+    monkeypatch.setattr(gq, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(gq, "HAVE_GLUON", False)
+    assert not _applies()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"dp_int8": True},
+        {"ds_int8": False},
+        {"qk_int8": False},
+        {"q_mean": torch.zeros(1)},
+        {"dtype": torch.float16},
+        {"head_dim": 96},
+        {"block_m": 64},
+        {"block_n": 128},
+        {"seq_q": 4000},  # a TMA tile would cross into the next head
+        {"seq_k": 4032 + 16},
+    ],
+)
+def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(gluon_here, monkeypatch, overrides):
+    monkeypatch.setenv(gq.ENV, "force")
+    assert _applies()
+    assert not _applies(**overrides)
+
+
+def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
+    monkeypatch.setenv(gq.ENV, "fast")
+    with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DQ must be one of auto, off, force; received 'fast'"):
+        _applies()
+
+
+def test_defer_refuses_a_one_stage_ring():
+    """``defer`` hands a stage back one tile late: with one stage the loads would wait for it forever."""
+    q = torch.zeros(1, 1, 128, 64, dtype=torch.int8, device="meta")
+    f32 = torch.zeros(1, 1, 128, dtype=torch.float32, device="meta")
+    bf16 = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16, device="meta")
+    args = (bf16, f32, q, f32, q, q, f32, bf16, f32)
+    with pytest.raises(ValueError, match="stages=1 would deadlock with defer"):
+        gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, defer=True)
+
+
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon runs only on a Hopper GPU (not in the interpreter)")
+
+
+def _grads(monkeypatch, setting: str, batch, hq, hkv, n, nk, d, causal) -> tuple[torch.Tensor, ...]:
+    monkeypatch.setenv(gq.ENV, setting)
+    gen = torch.Generator(device="cuda").manual_seed(n + nk + d + hq)
+    q = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
+    do = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16()
+    out, _ = sage_attention_triton(q, k, v, is_causal=causal)
+    return torch.autograd.grad(out, (q, k, v), do)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, d, causal",
+    [
+        pytest.param(1, 2, 2, 256, 256, 64, False, id="mha-d64"),
+        pytest.param(2, 4, 2, 512, 512, 128, True, id="gqa-causal-d128"),
+        pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),
+        pytest.param(1, 2, 2, 1024, 320, 128, True, id="causal-fewer-keys"),  # query tiles past the last key
+        pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+    ],
+)
+def test_gluon_dq_equals_the_portable_kernel_bit_for_bit(monkeypatch, batch, hq, hkv, n, nk, d, causal):
+    calls = []
+    original = portable.gluon_dq
+    monkeypatch.setattr(portable, "gluon_dq", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    shape = (batch, hq, hkv, n, nk, d, causal)
+    got = _grads(monkeypatch, "force", *shape)
+    assert calls, "the backward did not take the Gluon dQ kernel"
+    calls.clear()
+    want = _grads(monkeypatch, "off", *shape)
+    assert not calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant", [dict(warp_specialize=False), dict(codes_in_registers=False), dict(defer=True)])
+def test_every_variant_gives_the_same_dq(variant):
+    """The variants change where the loads are issued and where the codes live, not a value."""
+    from sage_lightning.kernels.quant import backward_preprocess, transpose_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, 4, 512, 128, device="cuda", generator=gen).bfloat16() for _ in range(4))
+    out, lse, q_op, q_scale, _q_mean, k_op, k_scale = portable_forward(q, k, v)
+    delta, *_ = backward_preprocess(do, out, 128, codes=False, codes_t=False)
+    args = (do, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v.contiguous(), lse)
+    want = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5)
+    got = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5, **variant)
+    assert torch.equal(got, want)
+
+
+def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """SageBwd's forward at its default precision (causal), returning what the backward saves."""
+    from sage_lightning.kernels import AttentionPrecision
+    from sage_lightning.kernels.ops import sagebwd_forward
+
+    prec = AttentionPrecision()
+    return sagebwd_forward(q, k, v, None, True, 128**-0.5, True, True, True, False, True, prec.smooth_k, False, 128, 64)
+
+
+@needs_hopper
+def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    calls = []
+    original = portable.gluon_dq
+    monkeypatch.setattr(portable, "gluon_dq", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    seq = 4096
+    heads = max(1, gq.MIN_SCORES // (seq * seq))
+    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, False)
+    assert calls == [1]
+    calls.clear()
+    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, True)  # causal: half the scores, below it
+    assert calls == []
