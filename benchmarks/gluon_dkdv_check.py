@@ -168,7 +168,7 @@ def host_ms(fn, calls: int = 20) -> float:
 def crossover(dog: Watchdog) -> list[dict]:
     """Over :data:`CROSSOVER`: milliseconds of the dK/dV kernel alone (portable and Gluon ``ws``) and of the whole
     ``backward.backward`` with the Gluon kernel and without (``do_bench``), and the host's milliseconds per call of
-    each: where ``auto`` should start taking it (:data:`gb.MIN_SCORES`)."""
+    each: where ``auto`` should start taking it (:data:`gb.AUTO_MIN_SCORES`)."""
     rows = []
     for batch, heads, seq, head_dim in CROSSOVER:
         for causal in (False, True):

@@ -50,9 +50,12 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here)
     assert _applies(batch=4, heads=16)
     assert not _applies(heads=1, seq_q=1024, seq_k=1024)  # 2^20 scores: the launch's fixed cost dominates
     # Causal calls compute half the scores: the same shape falls below the threshold.
-    edge = gb.MIN_SCORES // (4096 * 4096)
+    edge = gb.AUTO_MIN_SCORES[128] // (4096 * 4096)
     assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
-    assert not _applies(batch=4, heads=16, head_dim=64)  # measured slower at D=64: auto keeps the portable kernel
+    # D=64: slower at 2^27 scores (auto keeps the portable kernel), faster from 2^29 (2^28 causal measured too).
+    assert not _applies(batch=1, heads=8, head_dim=64)
+    assert _applies(batch=4, heads=8, head_dim=64) and _applies(batch=4, heads=16, causal=True, head_dim=64)
+    assert not _applies(batch=4, heads=8, causal=True, head_dim=64)
 
 
 def test_auto_defers_to_the_hopper_switch_and_to_the_device(gluon_here, monkeypatch):
@@ -153,6 +156,8 @@ def test_auto_takes_gluon_on_this_gpu_at_the_threshold(monkeypatch):
     original = portable.gluon_dkdv
     monkeypatch.setattr(portable, "gluon_dkdv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     seq = 4096
-    heads = max(1, gb.MIN_SCORES // (seq * seq))
-    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, False)
-    assert calls == [1]
+    for head_dim, min_scores in gb.AUTO_MIN_SCORES.items():
+        calls.clear()
+        heads = max(1, min_scores // (seq * seq))
+        _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, False)
+        assert calls == [1], head_dim

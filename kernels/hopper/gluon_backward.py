@@ -32,6 +32,7 @@ device test: ``benchmarks/gluon-dkdv.md``.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -61,14 +62,14 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 #: The environment variable that selects the Gluon dK/dV kernel, and the values it takes (:func:`gluon_dkdv_applies`).
 ENV = "SAGE_LIGHTNING_GLUON_DKDV"
 CHOICES = ("auto", "off", "force")
-#: Fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto`` takes the Gluon
-#: kernel, and the head dims it takes it for. Measured on an H100 (``benchmarks/gluon_dkdv_check.py --crossover``,
-#: the whole backward with and without it): at D=128 1.35x at 2^30 scores, 1.34x at 2^29 (causal), 1.14x at 2^27,
-#: 0.79x at 2^26 (causal) and about 1.0x or less below, where the backward is bound by the host (0.5-0.8 ms per
-#: call) and the Gluon launch costs the host 0.1-0.2 ms more than ``_dkdv_kernel``'s. At D=64 the kernel alone was
-#: slower at 2^27 (0.37 against 0.30 ms): ``auto`` keeps ``_dkdv_kernel`` there until larger calls are measured.
-MIN_SCORES = 2**27
-AUTO_HEAD_DIMS = (128,)
+#: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
+#: takes the Gluon kernel; head dims not listed keep ``_dkdv_kernel``. Measured on an H100
+#: (``benchmarks/gluon_dkdv_check.py --crossover``, the whole backward with and without it): at D=128 1.35x at
+#: 2^30 scores, 1.34x at 2^29 (causal), 1.14x at 2^27, 0.79x at 2^26 (causal) and about 1.0x or less below, where
+#: the backward is bound by the host (0.5-0.8 ms per call) and the Gluon launch costs the host 0.1-0.2 ms more than
+#: ``_dkdv_kernel``'s. At D=64: 0.67x at 2^27, 1.01x at 2^29 and 1.03x at 2^30; causal 1.08x at 2^28 and 1.06x at
+#: 2^29 (``speed-h100-20261123-gluon-crossover.md``); from 2^29, where every measured call gained.
+AUTO_MIN_SCORES = {128: 2**27, 64: 2**29}
 #: Triton versions (major.minor) whose Gluon API the kernel is written against (``gl.warp_specialize`` taking a
 #: list of (function, args), ``warpgroup_mma`` returning an accumulator token); it compiled offline under 3.6.0.
 GLUON_TRITON = ("3.6",)
@@ -450,7 +451,7 @@ def gluon_dkdv_applies(
     dim 64 or 128, 128 x 64 tiles, a query count that is a multiple of 128 and a key count that is a multiple
     of 64 (every TMA tile lies inside one head: no masks for padding). :data:`ENV` chooses: ``auto`` (default)
     takes it on a compute capability 9.0 GPU under a Triton of :data:`GLUON_TRITON`, for calls of at least
-    :data:`MIN_SCORES` scores and a head dim in :data:`AUTO_HEAD_DIMS` (where it was measured faster), unless
+    :data:`AUTO_MIN_SCORES` scores at their head dim (where it was measured faster), unless
     ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it serves, whatever the device and the
     size (the device check and tests).
 
@@ -474,7 +475,7 @@ def gluon_dkdv_applies(
             return False
         batch, heads, seq_q = q_op.shape[:3]
         scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
-        if scores < MIN_SCORES or q_op.shape[3] not in AUTO_HEAD_DIMS:
+        if scores < AUTO_MIN_SCORES.get(q_op.shape[3], math.inf):
             return False
     seq_q, head_dim = q_op.shape[2], q_op.shape[3]
     return (
