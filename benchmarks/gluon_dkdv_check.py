@@ -165,12 +165,12 @@ def host_ms(fn, calls: int = 20) -> float:
     return host
 
 
-def crossover(dog: Watchdog) -> list[dict]:
+def crossover(dog: Watchdog, shapes: list[tuple[int, int, int, int]] | None = None) -> list[dict]:
     """Over :data:`CROSSOVER`: milliseconds of the dK/dV kernel alone (portable and Gluon ``ws``) and of the whole
     ``backward.backward`` with the Gluon kernel and without (``do_bench``), and the host's milliseconds per call of
     each: where ``auto`` should start taking it (:data:`gb.AUTO_MIN_SCORES`)."""
     rows = []
-    for batch, heads, seq, head_dim in CROSSOVER:
+    for batch, heads, seq, head_dim in shapes or CROSSOVER:
         for causal in (False, True):
             shape = (batch, heads, heads, seq, seq, head_dim)
             dog.set(f"crossover {shape} causal={causal}")
@@ -213,6 +213,17 @@ def time_case(x: dict, causal: bool, tau: float) -> dict:
     return times
 
 
+def _shape(text: str) -> tuple[int, int, int, int]:
+    """``B,H,N,D`` as four positive ints (``--crossover-shapes``)."""
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--crossover-shapes takes B,H,N,D such as 2,16,4096,64; received {text!r}")
+    return shape
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
@@ -222,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--crossover", action="store_true", help="then time the whole backward with and without")
     parser.add_argument("--dispatch-only", action="store_true", help="skip the kernel cases (the dispatch check)")
+    parser.add_argument(
+        "--crossover-shapes", nargs="+", type=_shape, metavar="B,H,N,D", help="the crossover's shapes (CROSSOVER)"
+    )
     args = parser.parse_args(argv)
     dog = Watchdog(args.hang_s)
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
@@ -309,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     cross = []
     if args.crossover:
         dog.set("crossover")
-        cross = crossover(dog)
+        cross = crossover(dog, args.crossover_shapes)
     dog.set("")
     print("\nSummary:")
     for row in rows:
