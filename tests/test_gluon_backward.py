@@ -52,10 +52,10 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here)
     # Causal calls compute half the scores: the same shape falls below the threshold.
     edge = gb.AUTO_MIN_SCORES[128] // (4096 * 4096)
     assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
-    # D=64: slower at 2^27 scores (auto keeps the portable kernel), faster from 2^28.
-    assert not _applies(batch=1, heads=8, head_dim=64) and not _applies(batch=2, heads=8, causal=True, head_dim=64)
-    assert _applies(batch=2, heads=8, head_dim=64) and _applies(batch=4, heads=8, causal=True, head_dim=64)
-    assert _applies(batch=8, heads=10, causal=True, head_dim=64)  # the example's small config at sequence 4096
+    # D=64: slower at 2^27 scores (auto keeps the portable kernel), faster from 2^29 (2^28 causal measured too).
+    assert not _applies(batch=1, heads=8, head_dim=64)
+    assert _applies(batch=4, heads=8, head_dim=64) and _applies(batch=4, heads=16, causal=True, head_dim=64)
+    assert not _applies(batch=4, heads=8, causal=True, head_dim=64)
 
 
 def test_auto_defers_to_the_hopper_switch_and_to_the_device(gluon_here, monkeypatch):

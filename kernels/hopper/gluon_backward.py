@@ -68,9 +68,8 @@ CHOICES = ("auto", "off", "force")
 #: 2^30 scores, 1.34x at 2^29 (causal), 1.14x at 2^27, 0.79x at 2^26 (causal) and about 1.0x or less below, where
 #: the backward is bound by the host (0.5-0.8 ms per call) and the Gluon launch costs the host 0.1-0.2 ms more than
 #: ``_dkdv_kernel``'s. At D=64: 0.67x at 2^27, 1.01x at 2^29 and 1.03x at 2^30; causal 1.08x at 2^28 and 1.06x at
-#: 2^29 (``speed-h100-20261123-gluon-crossover.md``); from 2^28 (non-causal 2^28 and the example's small config,
-#: B=8 x 10 heads x 4096 causal, measured in ``speed-h100-20261123-gluon-d64-crossover.md``).
-AUTO_MIN_SCORES = {128: 2**27, 64: 2**28}
+#: 2^29 (``speed-h100-20261123-gluon-crossover.md``); from 2^29, where every measured call gained.
+AUTO_MIN_SCORES = {128: 2**27, 64: 2**29}
 #: Triton versions (major.minor) whose Gluon API the kernel is written against (``gl.warp_specialize`` taking a
 #: list of (function, args), ``warpgroup_mma`` returning an accumulator token); it compiled offline under 3.6.0.
 GLUON_TRITON = ("3.6",)
