@@ -1,5 +1,5 @@
-"""What the GPU checks of the Gluon kernels share (``benchmarks/gluon_*_check.py``): a watchdog for hangs and the
-comparison of two outputs.
+"""What the GPU checks of the Gluon kernels share (``benchmarks/gluon_*_check.py``): a watchdog for hangs, the
+comparison of two outputs, the host's time per call and one row of a crossover sweep.
 
 Example::
 
@@ -11,9 +11,11 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,3 +77,55 @@ def finish(out: Path | None, record: dict, failures: list[str], errors: int) -> 
         print(f"{errors} compile/launch errors")
         return 2
     return 1 if failures else 0
+
+
+def host_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Host milliseconds per call of ``fn`` (launches queued, not waited for): above the GPU's time, the call is
+    bound by the host and ``do_bench`` measures the host.
+
+    Example::
+
+        host_ms(lambda: torch.mm(a, b))   # about 0.01 on an idle host
+    """
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def crossover_row(
+    shape: tuple[int, int, int, int],
+    causal: bool,
+    fns: dict[str, Callable[[], object]],
+    before: Callable[[str], None] | None = None,
+) -> dict:
+    """One row of a crossover sweep: ``do_bench``'s milliseconds and the host's milliseconds per call of each of
+    ``fns`` (``before(name)`` runs first, e.g. to set the environment variable that picks a kernel), printed on one
+    line with the whole backward's speedup (``fns`` has ``bwd_off`` and ``bwd_force``).
+
+    Args:
+        shape: batch, heads, queries = keys, head dim.
+        causal: whether the calls are causal (the scores are halved).
+        fns: name to call, timed in order.
+        before: called with each name before its call is timed.
+    """
+    import triton
+
+    batch, heads, seq, head_dim = shape
+    ms, host = {}, {}
+    for name, fn in fns.items():
+        if before is not None:
+            before(name)
+        fn()
+        ms[name] = triton.testing.do_bench(fn)
+        host[name] = host_ms(fn)
+    scores = batch * heads * seq * seq // (2 if causal else 1)
+    row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
+           "scores_log2": round(math.log2(scores), 2), "ms": ms, "host_ms": host}  # fmt: skip
+    print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal:d} 2^{row['scores_log2']:<5} "
+          + " ".join(f"{n} {ms[n]:.3f} (host {host[n]:.3f})" for n in fns)
+          + f" bwd speedup {ms['bwd_off'] / ms['bwd_force']:.2f}x", flush=True)  # fmt: skip
+    return row

@@ -22,10 +22,8 @@ otherwise hold the device to the call's limit).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -33,7 +31,7 @@ os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from device_check import Watchdog, compare, finish, rel_l2  # noqa: E402
+from device_check import Watchdog, compare, crossover_row, finish, rel_l2  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -153,16 +151,9 @@ CROSSOVER = [(4, 16, 4096, 128), (4, 8, 2048, 128), (2, 8, 1024, 128), (4, 8, 20
              (1, 4, 1024, 128)]  # fmt: skip
 
 
-def host_ms(fn, calls: int = 20) -> float:
-    """Host milliseconds per call of ``fn`` (launches queued, not waited for): above the GPU's time, the call is
-    bound by the host and ``do_bench`` measures the host."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) * 1e3 / calls
-    torch.cuda.synchronize()
-    return host
+def _set_dkdv(name: str) -> None:
+    """The crossover's rows: the whole backward without the Gluon dK/dV kernel for ``bwd_off``, with it else."""
+    os.environ[gb.ENV] = "off" if name == "bwd_off" else "force"
 
 
 def crossover(dog: Watchdog, shapes: list[tuple[int, int, int, int]] | None = None) -> list[dict]:
@@ -182,20 +173,8 @@ def crossover(dog: Watchdog, shapes: list[tuple[int, int, int, int]] | None = No
                 "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
                 "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
             }
-            ms, host = {}, {}
-            for name, fn in fns.items():
-                os.environ[gb.ENV] = "off" if name == "bwd_off" else "force"
-                fn()
-                ms[name] = triton.testing.do_bench(fn)
-                host[name] = host_ms(fn)
+            rows.append(crossover_row((batch, heads, seq, head_dim), causal, fns, _set_dkdv))
             os.environ[gb.ENV] = "force"
-            scores = batch * heads * seq * seq // (2 if causal else 1)
-            row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
-                   "scores_log2": round(math.log2(scores), 2), "ms": ms, "host_ms": host}  # fmt: skip
-            rows.append(row)
-            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal:d} 2^{row['scores_log2']:<5} "
-                  + " ".join(f"{n} {ms[n]:.3f} (host {host[n]:.3f})" for n in fns)
-                  + f" bwd speedup {ms['bwd_off'] / ms['bwd_force']:.2f}x", flush=True)  # fmt: skip
             x = raw = None
             torch.cuda.empty_cache()
     return rows

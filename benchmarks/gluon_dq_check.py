@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import traceback
@@ -37,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from gluon_dkdv_check import CROSSOVER, Watchdog, compare, host_ms, inputs, rel_l2  # noqa: E402  (dK/dV: force)
+from device_check import crossover_row  # noqa: E402
+from gluon_dkdv_check import CROSSOVER, Watchdog, compare, inputs, rel_l2  # noqa: E402  (dK/dV: force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dq as gq  # noqa: E402
@@ -178,18 +178,7 @@ def crossover(dog: Watchdog) -> list[dict]:
                 "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "off"),
                 "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "force"),
             }
-            ms, host = {}, {}
-            for name, fn in fns.items():
-                fn()
-                ms[name] = triton.testing.do_bench(fn)
-                host[name] = host_ms(fn)
-            scores = batch * heads * seq * seq // (2 if causal else 1)
-            row = {"batch": batch, "heads": heads, "seq": seq, "head_dim": head_dim, "causal": causal,
-                   "scores_log2": round(math.log2(scores), 2), "ms": ms, "host_ms": host}  # fmt: skip
-            rows.append(row)
-            print(f"CROSS B={batch} H={heads} N={seq} D={head_dim} causal={causal:d} 2^{row['scores_log2']:<5} "
-                  + " ".join(f"{n} {ms[n]:.3f} (host {host[n]:.3f})" for n in fns)
-                  + f" bwd speedup {ms['bwd_off'] / ms['bwd_force']:.2f}x", flush=True)  # fmt: skip
+            rows.append(crossover_row((batch, heads, seq, head_dim), causal, fns))
             x = raw = None
             torch.cuda.empty_cache()
     os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"

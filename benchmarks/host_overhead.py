@@ -5,7 +5,7 @@ forward (inputs that need gradients, as in training) and the backward of one ``s
 
 - ``bench_ms``: ``triton.testing.do_bench``'s median, what ``speed.py`` reports;
 - ``gpu_ms``: the sum of the kernels' device time per call (``torch.profiler``);
-- ``host_ms``: the host's milliseconds per call with launches queued and not waited for. Where it is above
+- ``host_ms``: the host's milliseconds per call with 20 launches queued and not waited for. Where it is above
   ``gpu_ms`` the call is bound by the host, and ``bench_ms`` measures Python, not the kernels.
 
 Then ``cProfile``'s top functions (cumulative time) of 50 forward and 50 backward calls at ``--profile-seq``, causal:
@@ -22,25 +22,14 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from device_check import host_ms  # noqa: E402
 from profiling import kernel_ms  # noqa: E402
 from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
-
-
-def host_ms(fn, calls: int = 30) -> float:
-    """Host milliseconds per call of ``fn`` (launches queued, not waited for)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) * 1e3 / calls
-    torch.cuda.synchronize()
-    return host
 
 
 def gpu_ms(fn, calls: int = 10) -> float:
