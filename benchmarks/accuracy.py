@@ -572,17 +572,25 @@ def _versions() -> dict[str, str]:
 
 
 def _commit() -> str:
-    """``git rev-parse HEAD`` of the repository (read-only), else ``$GIT_COMMIT``, else ``"unknown"``.
+    """``$GIT_COMMIT``, else ``git rev-parse HEAD`` of the repository (read-only) with ``+dirty`` when tracked files
+    differ from it, else ``"unknown"``.
 
-    The device machine gets a copy of the working tree without ``.git``; the caller passes the sha.
+    The device machine gets a copy of the working tree without this repository's ``.git``; the caller passes the
+    sha. A copy there once carried an older ``.git``, and every result written without ``GIT_COMMIT`` named that
+    older commit: the ``+dirty`` mark shows such a mismatch (and a run of uncommitted code here).
     """
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        if done.returncode != 0 or not done.stdout.strip():
+            return "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else "unknown"
+    dirty = status.returncode != 0 or bool(status.stdout.strip())
+    return done.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def to_json(result: dict) -> str:
