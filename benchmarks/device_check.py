@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -63,14 +64,36 @@ def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def check_parser(description: str) -> argparse.ArgumentParser:
+    """The options every GPU check takes: ``--out`` (JSON), ``--hang-s`` (the :class:`Watchdog`'s limit) and
+    ``--quick`` (the small shapes only); a check adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--hang-s", type=float, default=90.0, help="a step running longer is a hang (exit 3)")
+    parser.add_argument(
+        "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
+    )
+    return parser
+
+
+def header() -> dict:
+    """The versions and the device, which every check's JSON starts with (printed once at its start too)."""
+    import triton
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
+
+
+def banner() -> str:
+    """:func:`header` as the first line a check prints."""
+    h = header()
+    return f"torch {h['torch']}, triton {h['triton']}, {h['device']}"
+
+
 def finish(out: Path | None, record: dict, failures: list[str], errors: int) -> int:
     """Write ``record`` (with the versions, the device, the failures and the error count) to ``out`` as JSON,
     print each failure, and return the exit code: 2 on compile or launch errors, 1 on mismatches, else 0."""
-    import triton
-
     if out:
-        header = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name()}
-        out.write_text(json.dumps({**header, **record, "failures": failures, "errors": errors}, indent=1))
+        out.write_text(json.dumps({**header(), **record, "failures": failures, "errors": errors}, indent=1))
     for failure in failures:
         print("MISMATCH", failure)
     if errors:

@@ -25,13 +25,12 @@ import argparse
 import os
 import sys
 import traceback
-from pathlib import Path
 
 os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from device_check import Watchdog, compare, crossover_row, finish, rel_l2  # noqa: E402
+from device_check import Watchdog, banner, check_parser, compare, crossover_row, finish, rel_l2  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -204,12 +203,7 @@ def _shape(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--hang-s", type=float, default=90.0, help="a step running longer is a hang (exit 3)")
-    parser.add_argument(
-        "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
-    )
+    parser = check_parser(__doc__)
     parser.add_argument("--crossover", action="store_true", help="then time the whole backward with and without")
     parser.add_argument("--dispatch-only", action="store_true", help="skip the kernel cases (the dispatch check)")
     parser.add_argument(
@@ -217,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     dog = Watchdog(args.hang_s)
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    print(banner(), flush=True)
     rows, failures, errors = [], [], 0
     shapes = [] if args.dispatch_only else [s for s in SHAPES if s[-1]] if args.quick else SHAPES
     for *shape, with_ref in shapes:

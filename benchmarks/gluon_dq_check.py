@@ -24,7 +24,6 @@ is rewritten after every shape, so a run cut short by the caller's ``timeout`` s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from device_check import crossover_row  # noqa: E402
+from device_check import banner, check_parser, crossover_row, finish, header  # noqa: E402
 from gluon_dkdv_check import CROSSOVER, Watchdog, compare, inputs, rel_l2  # noqa: E402  (dK/dV: force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
@@ -197,12 +196,7 @@ def cuda_usable() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--hang-s", type=float, default=90.0, help="a step running longer is a hang (exit 3)")
-    parser.add_argument(
-        "--quick", action="store_true", help="the small shapes (run against the reference) only, no timing"
-    )
+    parser = check_parser(__doc__)
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument(
         "--crossover", action="store_true", help="only the crossover sweep (whole backward, Gluon dQ on and off)"
@@ -210,22 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     variants = [v for v in VARIANTS if v in args.variant]
     dog = Watchdog(args.hang_s)
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    print(banner(), flush=True)
     rows, failures, errors = [], [], 0  # errors: those outside the rows (a row with "error" counts too)
     shapes = [s for s in SHAPES if s[-1]] if args.quick else SHAPES
     if args.crossover:
         rows = crossover(dog)
         dog.set("")
-        if args.out:
-            record = {"torch": torch.__version__, "triton": triton.__version__,
-                      "device": torch.cuda.get_device_name(), "crossover": rows}  # fmt: skip
-            args.out.write_text(json.dumps(record, indent=1))
-        return 0
+        return finish(args.out, {"crossover": rows}, [], 0)
 
     def save() -> None:
         if args.out:
-            record = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
-                      "rows": rows, "failures": failures, "errors": errors + row_errors()}  # fmt: skip
+            record = {**header(), "rows": rows, "failures": failures, "errors": errors + row_errors()}
             args.out.write_text(json.dumps(record, indent=1))
 
     def row_errors() -> int:

@@ -15,12 +15,8 @@ Exits 1 when a Gluon case fails to compile or does not fit.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import tempfile
 import traceback
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,34 +26,6 @@ import torch  # noqa: E402
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-smem``: the dS codes through shared
 #: memory instead of registers; ``-defer``: each tile's dQ product finished in the next iteration.
 VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer")
-
-
-#: Per record (its index in ``offline._RECORDS``): whether ptxas serialized the kernel's wgmma (its note C7514,
-#: "wgmma.mma_async instructions are serialized ...": every wgmma waited for at once, no overlap). Filled by
-#: :func:`_ptxas_usage`.
-_SERIALIZED: dict[int, bool] = {}
-
-
-def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | None]:
-    """``sm90_compile._ptxas_usage`` (registers, spill stores, spill loads from ``ptxas -v``), also noting ptxas's
-    C7514 in :data:`_SERIALIZED` for the record being described."""
-    log = ""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        for ptxas in ("ptxas", "ptxas-blackwell"):
-            command = [offline._bin(ptxas), "-v", f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.cubin")]
-            done = subprocess.run(command, capture_output=True, text=True)
-            log = done.stdout + done.stderr
-            if done.returncode == 0:
-                break
-    _SERIALIZED[len(offline._RECORDS)] = "C7514" in log
-    regs, spill = offline._PTXAS_REGS.search(log), offline._PTXAS_SPILL.search(log)
-    return (
-        int(regs.group(1)) if regs else None,
-        int(spill.group(1)) if spill else None,
-        int(spill.group(2)) if spill else None,
-    )
 
 
 def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> dict:
@@ -112,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
     args = parser.parse_args(argv)
     offline._DUMP["dir"] = args.dump
-    offline._ptxas_usage = _ptxas_usage
     offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
     from sage_lightning.kernels.hopper import gluon_dq as gq
 
@@ -143,26 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton
 
-    print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
-    print(f"{'case':<40} {'kernel':<18} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} "
-          f"{'CTA/SM':>6} {'loop':>14} {'serial':>6}  wgmma")  # fmt: skip
-    for index, row in enumerate(offline._RECORDS):
-        if row.error:
-            print(f"{row.case:<40} {row.kernel:<18} FAILED {row.error.splitlines()[0][:160]}")
-            if args.verbose:
-                print(row.error)
-            continue
-        mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
-        print(
-            f"{row.case:<40} {row.kernel[:18]:<18} {row.num_warps:>2} {row.num_stages:>2} "
-            f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
-            f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
-            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {offline._loop_cell(row):>14} "
-            f"{'C7514' if _SERIALIZED.get(index) else '-':>6}  {mma}"
-        )
-    if args.out:
-        rows = [{**asdict(r), "wgmma_serialized": _SERIALIZED.get(i)} for i, r in enumerate(offline._RECORDS)]
-        args.out.write_text(json.dumps({"triton": triton.__version__, "rows": rows}, indent=1))
+    title = f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16"
+    offline.report_gluon_compile(title, args.out, args.verbose, case_width=40, kernel_width=18)
     return 1 if failures else 0
 
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from device_check import host_ms  # noqa: E402
 from profiling import kernel_ms  # noqa: E402
-from sage_lightning.kernels.ops import sage_attention_triton  # noqa: E402
+from speed import pass_calls  # noqa: E402
 
 
 def gpu_ms(fn, calls: int = 10) -> float:
@@ -45,27 +45,13 @@ def gpu_ms(fn, calls: int = 10) -> float:
 
 
 def calls(seq: int, head_dim: int, causal: bool, tokens: int) -> dict:
-    """The forward and the backward of one call at this shape, warmed (compiled, tuned)."""
-    batch, heads = tokens // seq, 2048 // head_dim
-    q, k, v = (
-        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
-    do = torch.randn_like(q)
-
-    def fwd() -> torch.Tensor:
-        return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False)[0]
-
-    out = fwd()
-
-    def bwd() -> None:
-        torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-
+    """The forward and the backward of one SageBwd call at ``speed.py``'s shape, warmed (compiled, tuned)."""
+    passes = pass_calls("sage", tokens // seq, 2048 // head_dim, seq, head_dim, causal)
     for _ in range(3):
-        fwd()
-        bwd()
+        passes["fwd"]()
+        passes["bwd"]()
     torch.cuda.synchronize()
-    return {"fwd": fwd, "bwd": bwd}
+    return {"fwd": passes["fwd"], "bwd": passes["bwd"]}
 
 
 def top_functions(fn, calls: int = 50, lines: int = 25) -> str:

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import lightning as L
@@ -56,27 +57,37 @@ class ProfilerWindow(Callback):
     Args:
         start_step: the first profiled optimizer step (the steps before it are warm-up: compilation, autotuning).
         steps: how many optimizer steps to profile.
+        device_only: on CUDA, record the kernels only: no CPU operators, which slow the host when traced and whose
+            ranges would count their kernels' device time a second time (``benchmarks/step_profile.py``). The
+            controller's hook ranges are CPU events, so their host time is not recorded then.
+
+    ``wall_s`` is the window's wall time, between its two synchronisations, once it has closed.
     """
 
-    def __init__(self, start_step: int, steps: int) -> None:
-        self.start_step, self.steps = start_step, steps
+    def __init__(self, start_step: int, steps: int, device_only: bool = False) -> None:
+        self.start_step, self.steps, self.device_only = start_step, steps, device_only
         self._profile: profile | None = None
         self._averages: Any = None
+        self._started: float | None = None
+        self.wall_s: float | None = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._profile is None and self._averages is None and trainer.global_step == self.start_step:
             _synchronize(pl_module)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else [])
+            cuda = [ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else []
+            activities = cuda if self.device_only and cuda else [ProfilerActivity.CPU, *cuda]
             self._profile = profile(activities=activities)
             self._profile.__enter__()
+            self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self._profile is not None and trainer.global_step >= self.start_step + self.steps:
             _synchronize(pl_module)
             self._profile.__exit__(None, None, None)
             self._averages, self._profile = self._profile.key_averages(), None
+            self.wall_s = time.perf_counter() - self._started
 
     def per_step(self, top: int = 25) -> dict[str, Any]:
         """Milliseconds per profiled step: the ``top`` kernels (or CPU operators) by self device time, and every

@@ -123,6 +123,7 @@ class Compiled:
     loop_fast_path: int | None = None
     loop_quarter_rate: int | None = None
     loop_opcodes: dict = field(default_factory=dict)
+    wgmma_serialized: bool | None = None
     error: str | None = None
 
 
@@ -180,8 +181,9 @@ def _bin(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | None]:
-    """Registers and spill bytes (stores, loads) of a PTX module, from ``ptxas -v``."""
+def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | None, bool]:
+    """Registers, spill bytes (stores, loads) of a PTX module from ``ptxas -v``, and whether ptxas serialized its
+    wgmma (its note C7514, "wgmma.mma_async instructions are serialized ...": every wgmma waited for at once)."""
     log = ""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
@@ -198,6 +200,7 @@ def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | Non
         int(regs.group(1)) if regs else None,
         int(spill.group(1)) if spill else None,
         int(spill.group(2)) if spill else None,
+        "C7514" in log,
     )
 
 
@@ -279,7 +282,8 @@ def _describe(kernel: object) -> Compiled:
             constants[name] = value if isinstance(value, (int, float, bool, str)) else str(value)
     ptx = kernel.asm.get("ptx", "")
     wgmma = collections.Counter(".".join(m) for m in _WGMMA.findall(ptx))
-    regs, stores, loads = _ptxas_usage(ptx, f"sm_{meta.target.arch}a" if meta.target.arch == 90 else "sm_90")
+    arch = f"sm_{meta.target.arch}a" if meta.target.arch == 90 else "sm_90"
+    regs, stores, loads, serialized = _ptxas_usage(ptx, arch)
     sass = _sass(kernel.asm["cubin"]) if "cubin" in kernel.asm else None
     if _DUMP["dir"] is not None:
         _dump(kernel, sass)
@@ -296,6 +300,7 @@ def _describe(kernel: object) -> Compiled:
         spill_stores=stores,
         spill_loads=loads,
         wgmma=dict(wgmma),
+        wgmma_serialized=serialized,
         mma_sync=len(_MMA_SYNC.findall(ptx)),
         local_memory_ops=len(re.findall(r"\b(?:LDL|STL)\b", sass)) if sass else None,
         loop_instructions=loop["instructions"] if loop else None,
@@ -401,7 +406,7 @@ def report_gluon_compile(
 ) -> None:
     """The Gluon compile scripts' table (``benchmarks/gluon*_sm90_compile.py``): one line per compiled kernel of
     :data:`_RECORDS` (its warps, stages, shared memory, registers, spills, local-memory operations, CTAs per SM,
-    hot-loop SASS and wgmma shapes), and the records as JSON in ``out``.
+    hot-loop SASS, ptxas's C7514 (wgmma serialized) and wgmma shapes), and the records as JSON in ``out``.
 
     Args:
         title: the first line (what was compiled).
@@ -419,7 +424,7 @@ def report_gluon_compile(
     cw, kw = case_width, kernel_width
     print(title)
     print(f"{'case':<{cw}} {'kernel':<{kw}} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} "
-          f"{'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14}  wgmma")  # fmt: skip
+          f"{'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14} {'serial':>6}  wgmma")  # fmt: skip
     for row in _RECORDS:
         if row.kernel in skip:
             continue
@@ -433,7 +438,8 @@ def report_gluon_compile(
             f"{row.case:<{cw}} {row.kernel[:kw]:<{kw}} {row.num_warps:>2} {row.num_stages:>2} "
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
             f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
-            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {_loop_cell(row):>14}  {mma}"
+            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {_loop_cell(row):>14} "
+            f"{'C7514' if row.wgmma_serialized else '-':>6}  {mma}"
         )
     if out:
         out.write_text(json.dumps({"triton": triton.__version__, "rows": [asdict(r) for r in _RECORDS]}, indent=1))

@@ -118,10 +118,15 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
     return sdpa
 
 
-def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[dict]:
-    """Rows for the three passes of one implementation and shape (``ms`` median, ``tflops``, ``peak_mem_mb``)."""
-    from triton.testing import do_bench
+def pass_calls(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> dict[str, Callable]:
+    """The three passes of one implementation on random bf16 CUDA inputs that need gradients, as callables:
+    ``fwd``, ``bwd`` (the backward of one forward, its graph retained) and ``fwd+bwd``.
 
+    Example::
+
+        passes = pass_calls("sage", 4, 16, 4096, 128, False)
+        passes["bwd"]()   # one backward
+    """
     attention = _attention(impl)
     shape = (batch, heads, seq, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -138,9 +143,18 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     def bwd() -> None:
         torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
+
+
+def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[dict]:
+    """Rows for the three passes of one implementation and shape (``ms`` median, ``tflops``, ``peak_mem_mb``)."""
+    from triton.testing import do_bench
+
+    passes = pass_calls(impl, batch, heads, seq, head_dim, causal)
+    fwd, bwd, fwd_bwd = passes["fwd"], passes["bwd"], passes["fwd+bwd"]
     times = {"fwd": do_bench(fwd, return_mode="median"), "bwd": do_bench(bwd, return_mode="median")}
     times["fwd+bwd"] = do_bench(fwd_bwd, return_mode="median")
-    out = None  # free the retained graph before measuring memory
+    passes = bwd = None  # free the retained graph before measuring memory
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()

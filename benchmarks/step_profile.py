@@ -40,37 +40,10 @@ from pretrain_compare import (  # noqa: E402
     parse_run,
     sdpa_backend,
 )
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 #: Substrings of the attention's kernel names: SageBwd's Triton and Gluon kernels, SDPA's cuDNN and flash kernels.
 ATTENTION_KERNELS = ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_quantize_rows_kernel",
                      "_backward_preprocess_kernel", "_transpose_kernel", "cudnn", "flash", "fmha", "sdpa")  # fmt: skip
-
-
-class TimedWindow(ProfilerWindow):
-    """:class:`ProfilerWindow` that records the device's activity only (tracing every CPU operator would slow the
-    host and make the step look bound by it) and takes the window's wall time between its two synchronisations.
-    Its ``device_ms`` then counts each kernel once (no operator ranges)."""
-
-    def __init__(self, start_step: int, steps: int) -> None:
-        super().__init__(start_step, steps)
-        self.wall_s: float | None = None
-        self._started: float | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._profile is None and self._averages is None and trainer.global_step == self.start_step:
-            on_cuda = pl_module.device.type == "cuda"
-            if on_cuda:
-                torch.cuda.synchronize(pl_module.device)
-            self._profile = profile(activities=[ProfilerActivity.CUDA if on_cuda else ProfilerActivity.CPU])
-            self._profile.__enter__()
-            self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        closing = self._profile is not None and trainer.global_step >= self.start_step + self.steps
-        super().on_train_batch_end(trainer, pl_module, *args)
-        if closing and self._started is not None:
-            self.wall_s = time.perf_counter() - self._started
 
 
 def profile_run(config: dict, text: str, data: TextDataModule, start: int, steps: int) -> dict[str, Any]:
@@ -78,7 +51,7 @@ def profile_run(config: dict, text: str, data: TextDataModule, start: int, steps
     spec = parse_run(text)
     L.seed_everything(int(config.get("seed_everything", 0) or 0), workers=True)
     model = build_model(config, spec, data)
-    window = TimedWindow(start, steps)
+    window = ProfilerWindow(start, steps, device_only=True)
     trainer_args = {k: v for k, v in (config.get("trainer") or {}).items() if k in ("precision", "accelerator")}
     trainer = L.Trainer(**trainer_args, max_steps=start + steps + 1, callbacks=[window], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
