@@ -28,22 +28,6 @@ import torch  # noqa: E402
 VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer")
 
 
-def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> dict:
-    """CPU tensors of the shapes and dtypes the backward's dQ launch takes (values never read)."""
-    i8, f32, bf16 = torch.int8, torch.float32, torch.bfloat16
-    return dict(
-        grad_out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
-        delta=torch.zeros(batch, heads, seq, dtype=f32),
-        q_op=torch.zeros(batch, heads, seq, head_dim, dtype=i8),
-        q_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
-        k_op=torch.zeros(batch, kv_heads, seq, head_dim, dtype=i8),
-        k_op_t=torch.zeros(batch, kv_heads, head_dim, seq, dtype=i8),
-        k_scale=torch.zeros(batch, kv_heads, seq // 64, dtype=f32),
-        v=torch.zeros(batch, kv_heads, seq, head_dim, dtype=bf16),
-        lse=torch.zeros(batch, heads, seq, dtype=f32),
-    )
-
-
 def _portable(x: dict, causal: bool) -> None:
     """``backward()``'s ``_dq_kernel`` launch (every autotuning candidate is compiled)."""
     from sage_lightning.kernels import backward as bwd
@@ -86,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     failures = 0
     for head_dim in args.head_dim:
         for causal in (bool(c) for c in args.causal):
-            x = _inputs(1, 4, 2, args.seq, head_dim)  # GQA: 2 query heads per kv head
+            x = offline.backward_inputs(1, 4, 2, args.seq, head_dim)  # GQA: 2 query heads per kv head
             for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
                 offline._CASE["name"] = f"gluon-dq-{variant} D={head_dim} causal={causal} st={stages}"
                 try:

@@ -21,32 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sm90_compile as offline  # noqa: E402  (sets a fresh Triton cache before triton is imported)
-import torch  # noqa: E402
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
 #: in the next iteration.
 VARIANTS = ("ws", "plain", "ws-defer", "plain-defer")
-
-
-def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> dict:
-    """CPU tensors of the shapes and dtypes the backward's dK/dV launch takes (values never read)."""
-    i8, f32, bf16 = torch.int8, torch.float32, torch.bfloat16
-    return dict(
-        grad_out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
-        out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
-        delta=torch.zeros(batch, heads, seq, dtype=f32),
-        do_codes_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
-        do_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
-        q_op=torch.zeros(batch, heads, seq, head_dim, dtype=i8),
-        q_op_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
-        q_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
-        k_op=torch.zeros(batch, kv_heads, seq, head_dim, dtype=i8),
-        k_op_t=torch.zeros(batch, kv_heads, head_dim, seq, dtype=i8),
-        k_scale=torch.zeros(batch, kv_heads, seq // 64, dtype=f32),
-        v=torch.zeros(batch, kv_heads, seq, head_dim, dtype=bf16),
-        lse=torch.zeros(batch, heads, seq, dtype=f32),
-        stats=torch.zeros(2, dtype=f32),
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     for head_dim in args.head_dim:
         for causal in (False, True):
             for with_stats in (False, True):
-                x = _inputs(1, 2, 2, args.seq, head_dim)
+                x = offline.backward_inputs(1, 2, 2, args.seq, head_dim)
                 stats = x["stats"] if with_stats else None
                 for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
                     offline._CASE["name"] = (

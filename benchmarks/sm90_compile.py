@@ -395,6 +395,28 @@ def _loop_cell(row: Compiled) -> str:
     return f"{row.loop_instructions}/{row.loop_fast_path}/{row.loop_quarter_rate}"
 
 
+def backward_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> dict:
+    """CPU tensors of the shapes and dtypes the backward's launches take (dK/dV and dQ; values never read), for
+    the Gluon compile scripts (``benchmarks/gluon*_sm90_compile.py``)."""
+    i8, f32, bf16 = torch.int8, torch.float32, torch.bfloat16
+    return dict(
+        grad_out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
+        out=torch.zeros(batch, heads, seq, head_dim, dtype=bf16),
+        delta=torch.zeros(batch, heads, seq, dtype=f32),
+        do_codes_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
+        do_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
+        q_op=torch.zeros(batch, heads, seq, head_dim, dtype=i8),
+        q_op_t=torch.zeros(batch, heads, head_dim, seq, dtype=i8),
+        q_scale=torch.zeros(batch, heads, seq // 128, dtype=f32),
+        k_op=torch.zeros(batch, kv_heads, seq, head_dim, dtype=i8),
+        k_op_t=torch.zeros(batch, kv_heads, head_dim, seq, dtype=i8),
+        k_scale=torch.zeros(batch, kv_heads, seq // 64, dtype=f32),
+        v=torch.zeros(batch, kv_heads, seq, head_dim, dtype=bf16),
+        lse=torch.zeros(batch, heads, seq, dtype=f32),
+        stats=torch.zeros(2, dtype=f32),
+    )
+
+
 def report_gluon_compile(
     title: str,
     out: Path | None,
