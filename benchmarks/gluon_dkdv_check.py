@@ -35,6 +35,7 @@ from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_backward as gb  # noqa: E402
+from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg  # noqa: E402
 from sage_lightning.kernels.ops import sagebwd_forward  # noqa: E402
 from sage_lightning.kernels.quant import (
     backward_preprocess,
@@ -56,11 +57,15 @@ SHAPES = [
     (1, 2, 2, 512, 256, 128, True),
     (2, 4, 4, 1024, 1024, 64, False),
     (4, 16, 16, 4096, 4096, 128, False),  # the profile's shape: 16K tokens
+    (4, 32, 32, 4096, 4096, 64, False),  # speed.py's D=64 shape
+    (8, 10, 10, 4096, 4096, 64, False),  # the example's small config at sequence 4096
 ]
-TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64)}
+TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64), (4, 32, 32, 4096, 4096, 64),
+         (8, 10, 10, 4096, 4096, 64)}  # fmt: skip
 #: Gluon variants, safest first: one 8-warp partition or warp-specialised (a TMA load warp); ``-defer`` finishes
-#: each tile's dV and dK products in the next iteration (spills a little at D=128: see gluon-dkdv.md).
-VARIANTS = ("plain", "ws", "ws-defer", "plain-defer")
+#: each tile's dV and dK products in the next iteration (spills a little at D=128: see gluon-dkdv.md); ``wg``: one
+#: warpgroup per 64-key half (``gluon_dkdv_wg.py``; D=64, key counts a multiple of 128, skipped elsewhere).
+VARIANTS = ("plain", "ws", "ws-defer", "plain-defer", "wg")
 
 
 def tl_dkdv(x: dict, causal: bool, tau: float, stats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +88,17 @@ def tl_dkdv(x: dict, causal: bool, tau: float, stats: torch.Tensor | None) -> tu
     return dk, dv
 
 
+def serves(x: dict, variant: str) -> bool:
+    """Whether ``variant`` takes this shape (``wg``: D=64, key counts a multiple of 128)."""
+    return variant != "wg" or wg.gluon_dkdv_wg_serves(x["q_op"].shape[3], x["k_op"].shape[2])
+
+
 def gluon(x: dict, causal: bool, tau: float, stats: torch.Tensor | None, variant: str) -> tuple:
+    if variant == "wg":
+        return wg.gluon_dkdv_wg(
+            x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
+            x["k_scale"], x["v"], x["lse"], stats, is_causal=causal, scale=tau,
+        )  # fmt: skip
     return gb.gluon_dkdv(
         x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
         x["k_scale"], x["v"], x["lse"], stats, is_causal=causal, scale=tau,
@@ -151,8 +166,10 @@ CROSSOVER = [(4, 16, 4096, 128), (4, 8, 2048, 128), (2, 8, 1024, 128), (4, 8, 20
 
 
 def _set_dkdv(name: str) -> None:
-    """The crossover's rows: the whole backward without the Gluon dK/dV kernel for ``bwd_off``, with it else."""
+    """The crossover's rows: the whole backward without the Gluon dK/dV kernel for ``bwd_off``, with the 64-key
+    kernel for ``bwd_ws`` (the ``wg`` variant off), with what ``backward()`` picks else."""
     os.environ[gb.ENV] = "off" if name == "bwd_off" else "force"
+    os.environ[wg.ENV] = "off" if name == "bwd_ws" else "auto"
 
 
 def crossover(dog: Watchdog, shapes: list[tuple[int, int, int, int]] | None = None) -> list[dict]:
@@ -172,17 +189,22 @@ def crossover(dog: Watchdog, shapes: list[tuple[int, int, int, int]] | None = No
                 "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
                 "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c),
             }
+            if serves(x, "wg"):
+                fns["dkdv_wg"] = lambda x=x, c=causal, t=tau: gluon(x, c, t, None, "wg")
+                fns["bwd_ws"] = lambda x=x, raw=raw, c=causal: run_backward(x, raw, c)
             rows.append(crossover_row((batch, heads, seq, head_dim), causal, fns, _set_dkdv))
             os.environ[gb.ENV] = "force"
+            os.environ[wg.ENV] = "auto"
             x = raw = None
             torch.cuda.empty_cache()
     return rows
 
 
-def time_case(x: dict, causal: bool, tau: float) -> dict:
-    """Milliseconds of the portable dK/dV launch and of each Gluon variant (``do_bench``'s median)."""
+def time_case(x: dict, causal: bool, tau: float, variants: tuple[str, ...] = VARIANTS) -> dict:
+    """Milliseconds of the portable dK/dV launch and of each Gluon variant that serves the shape (``do_bench``'s
+    median)."""
     times = {"tl": triton.testing.do_bench(lambda: tl_dkdv(x, causal, tau, None))}
-    for variant in VARIANTS:
+    for variant in [v for v in variants if serves(x, v)]:
         try:
             times[variant] = triton.testing.do_bench(lambda v=variant: gluon(x, causal, tau, None, v))
         except Exception as error:  # noqa: BLE001 - reported; the table goes on
@@ -209,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--crossover-shapes", nargs="+", type=_shape, metavar="B,H,N,D", help="the crossover's shapes (CROSSOVER)"
     )
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="Gluon variants")
     args = parser.parse_args(argv)
     dog = Watchdog(args.hang_s)
     print(banner(), flush=True)
@@ -234,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 out_ref.backward(raw["do"])
                 ref = (k.grad, v.grad)
                 ref_err = {"dk": rel_l2(dk_tl, ref[0]), "dv": rel_l2(dv_tl, ref[1])}
-            for variant in VARIANTS:
+            for variant in [v for v in args.variants if serves(x, v)]:
                 case = f"{name} {variant}"
                 dog.set(f"gluon {case}")
                 stats_g = torch.zeros(2, device="cuda") if with_ref else None
@@ -284,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
             if not args.quick and shape in TIMED:
                 dog.set(f"timing {name}")
-                times = time_case(x, causal, tau)
+                times = time_case(x, causal, tau, tuple(args.variants))
                 rows.append({"case": f"{name} timing", "ms": times})
                 line = " ".join(f"{k} {v:.3f} ms" for k, v in times.items())
-                speedups = " ".join(f"{v} {times['tl'] / times[v]:.2f}x" for v in VARIANTS)
+                speedups = " ".join(f"{v} {times['tl'] / times[v]:.2f}x" for v in times if v != "tl")
                 print(f"TIME {name:<44} {line}  (tl / gluon: {speedups})", flush=True)
             x = raw = None
             torch.cuda.empty_cache()

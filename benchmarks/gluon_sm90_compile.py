@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sm90_compile as offline  # noqa: E402  (sets a fresh Triton cache before triton is imported)
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
-#: in the next iteration.
-VARIANTS = ("ws", "plain", "ws-defer", "plain-defer")
+#: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv_wg.py``, D=64 only).
+VARIANTS = ("ws", "plain", "ws-defer", "plain-defer", "wg")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
     from sage_lightning.kernels.backward import backward
     from sage_lightning.kernels.hopper import gluon_backward as gb
+    from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
 
     failures = 0
     for head_dim in args.head_dim:
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                 x = offline.backward_inputs(1, 2, 2, args.seq, head_dim)
                 stats = x["stats"] if with_stats else None
                 for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
+                    if variant == "wg" and not wg.gluon_dkdv_wg_serves(head_dim, args.seq):
+                        continue
                     offline._CASE["name"] = (
                         f"gluon-{variant} D={head_dim} causal={causal} stats={with_stats} st={stages}"
                     )
@@ -65,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
                             x["grad_out"], x["q_op"], None, x["k_op"], is_causal=causal, block_m=128, block_n=64,
                             qk_int8=True, dv_int8=True, dp_int8=False, ds_int8=True,
                         )  # fmt: skip
-                        gb.gluon_dkdv(
+                        operands = (
                             x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
                             x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"], stats,
-                            is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
-                            warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
                         )  # fmt: skip
+                        if variant == "wg":
+                            wg.gluon_dkdv_wg(*operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or 3)
+                        else:
+                            gb.gluon_dkdv(
+                                *operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
+                                warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
+                            )  # fmt: skip
                     except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                         failures += 1
                         message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     dv_int8=True, dp_int8=False, ds_int8=True,
                 )  # fmt: skip
                 os.environ[gb.ENV] = "force"
-    failures += sum(1 for r in offline._RECORDS if r.kernel == "_gluon_dkdv_kernel" and not r.error and not r.fits)
+    failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)
 
     import triton
 

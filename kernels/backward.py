@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
+from .hopper.gluon_dkdv_wg import gluon_dkdv_wg, gluon_dkdv_wg_applies
 from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
 from .quant import (
     backward_preprocess,
@@ -427,8 +428,10 @@ def backward(
     formats = dict(qk_int8=qk_int8, dv_int8=dv_int8, dp_int8=dp_int8, ds_int8=ds_int8)
     if gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n,
                           **formats):  # fmt: skip
-        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py).
-        dk, dv = gluon_dkdv(
+        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
+        # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
+        kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(head_dim, seq_k) else gluon_dkdv
+        dk, dv = kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale,
         )  # fmt: skip
