@@ -69,7 +69,7 @@ CHOICES = ("auto", "off", "force")
 #: the backward is bound by the host (0.5-0.8 ms per call) and the Gluon launch costs the host 0.1-0.2 ms more than
 #: ``_dkdv_kernel``'s. At D=64: 0.67x at 2^27, 1.01x at 2^29 and 1.03x at 2^30; causal 1.08x at 2^28 and 1.06x at
 #: 2^29 (``speed-h100-20261123-gluon-crossover.md``); from 2^29, where every measured call gained.
-AUTO_MIN_SCORES = {128: 2**27, 64: 2**29}
+AUTO_MIN_SCORES = {128: 2**27, 64: 2**28}
 #: Triton versions (major.minor) whose Gluon API the kernel is written against (``gl.warp_specialize`` taking a
 #: list of (function, args), ``warpgroup_mma`` returning an accumulator token); it compiled offline under 3.6.0.
 GLUON_TRITON = ("3.6",)
