@@ -1,5 +1,5 @@
-"""The Gluon dK/dV kernel for Hopper (``kernels/hopper/gluon_backward.py``): the rule that picks it, and on a
-Hopper GPU its gradients against ``_dkdv_kernel``'s, bit for bit.
+"""The Gluon dK/dV kernels for Hopper (``kernels/hopper/gluon_backward.py``, and at D=64 ``gluon_dkdv_wg.py``): the
+rules that pick them, and on a Hopper GPU their gradients against ``_dkdv_kernel``'s, bit for bit.
 
 The CPU interpreter cannot run Gluon, so the kernel's own tests run only on an sm_90 GPU (in
 ``benchmarks/gpu_verify.py``'s kernel tests, whose record CI checks); the dispatch rule is tested everywhere.
@@ -13,6 +13,7 @@ import triton
 from sage_lightning.kernels import backward as portable
 from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.hopper import gluon_backward as gb
+from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
 from sage_lightning.kernels.ops import sage_attention_triton
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -52,10 +53,10 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here)
     # Causal calls compute half the scores: the same shape falls below the threshold.
     edge = gb.AUTO_MIN_SCORES[128] // (4096 * 4096)
     assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
-    # D=64: slower at 2^27 scores (auto keeps the portable kernel), faster from 2^29 (2^28 causal measured too).
+    # D=64: from 2^28 scores (the one-warpgroup-per-64-keys kernel: 1.19x the whole backward there, 2^28 causal).
     assert not _applies(batch=1, heads=8, head_dim=64)
-    assert _applies(batch=4, heads=8, head_dim=64) and _applies(batch=4, heads=16, causal=True, head_dim=64)
-    assert not _applies(batch=4, heads=8, causal=True, head_dim=64)
+    assert _applies(batch=2, heads=8, head_dim=64) and _applies(batch=4, heads=8, causal=True, head_dim=64)
+    assert not _applies(batch=2, heads=8, causal=True, head_dim=64)
 
 
 def test_auto_defers_to_the_hopper_switch_and_to_the_device(gluon_here, monkeypatch):
@@ -107,6 +108,38 @@ def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
         _applies()
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "seq_k", "takes"),
+    [(64, 4096, True), (64, 128, True), (64, 4032, False), (128, 4096, False), (96, 4096, False)],
+)
+def test_the_one_warpgroup_per_half_kernel_takes_d64_with_whole_128_key_programs(monkeypatch, head_dim, seq_k, takes):
+    monkeypatch.delenv(wg.ENV, raising=False)
+    assert wg.gluon_dkdv_wg_applies(head_dim, seq_k) is takes
+    monkeypatch.setenv(wg.ENV, "off")
+    assert not wg.gluon_dkdv_wg_applies(head_dim, seq_k)
+
+
+def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(monkeypatch):
+    monkeypatch.setenv(wg.ENV, "force")
+    with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DKDV_WG must be one of auto, off; received 'force'"):
+        wg.gluon_dkdv_wg_applies(64, 4096)
+    with pytest.raises(ValueError, match=r"gluon_dkdv_wg: serves head_dim in \(64,\) .* received head_dim=128"):
+        x = torch.zeros(1, 1, 4096, 128, dtype=torch.int8, device="meta")
+        wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1)
+
+
+def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Wrap both Gluon dK/dV kernels as ``backward()`` calls them; the returned list names each call's kernel."""
+    monkeypatch.delenv(wg.ENV, raising=False)
+    calls: list[str] = []
+    for name in ("gluon_dkdv", "gluon_dkdv_wg"):
+        original = getattr(portable, name)
+        monkeypatch.setattr(
+            portable, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )  # fmt: skip
+    return calls
+
+
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon runs only on a Hopper GPU (not in the interpreter)")
 
 
@@ -131,15 +164,19 @@ def _grads(monkeypatch, setting: str, batch, hq, hkv, n, nk, d, causal) -> tuple
         pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),  # key blocks past the last query
         pytest.param(1, 2, 2, 1024, 320, 128, False, id="fewer-keys"),
         pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+        # D=64, one warpgroup per 64 keys: GQA and causal with more queries than keys, and a key count that is not
+        # a multiple of 128 (the 64-key kernel serves it).
+        pytest.param(2, 4, 2, 512, 384, 64, True, id="wg-gqa-causal-fewer-keys"),
+        pytest.param(1, 2, 2, 1024, 1024, 64, True, id="wg-large-causal"),
+        pytest.param(1, 2, 2, 256, 320, 64, False, id="d64-keys-not-128"),
     ],
 )
 def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, batch, hq, hkv, n, nk, d, causal):
-    calls = []
-    original = portable.gluon_dkdv
-    monkeypatch.setattr(portable, "gluon_dkdv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape)
-    assert calls, "the backward did not take the Gluon kernel"
+    expected = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
+    assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape)
     assert not calls
@@ -152,12 +189,10 @@ def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, bat
 @needs_hopper
 def test_auto_takes_gluon_on_this_gpu_at_the_threshold(monkeypatch):
     monkeypatch.delenv(dispatch.ENV, raising=False)
-    calls = []
-    original = portable.gluon_dkdv
-    monkeypatch.setattr(portable, "gluon_dkdv", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    calls = _count_gluon_calls(monkeypatch)
     seq = 4096
     for head_dim, min_scores in gb.AUTO_MIN_SCORES.items():
         calls.clear()
         heads = max(1, min_scores // (seq * seq))
         _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, False)
-        assert calls == [1], head_dim
+        assert calls == ["gluon_dkdv_wg" if head_dim == 64 else "gluon_dkdv"], head_dim
