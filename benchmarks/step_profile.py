@@ -42,8 +42,18 @@ from pretrain_compare import (  # noqa: E402
 )
 
 #: Substrings of the attention's kernel names: SageBwd's Triton and Gluon kernels, SDPA's cuDNN and flash kernels.
-ATTENTION_KERNELS = ("_forward_kernel", "_dkdv_kernel", "_dq_kernel", "_quantize_rows_kernel",
+ATTENTION_KERNELS = ("_forward_kernel", "_dkdv", "_dq_kernel", "_quantize_rows_kernel",
                      "_backward_preprocess_kernel", "_transpose_kernel", "cudnn", "flash", "fmha", "sdpa")  # fmt: skip
+
+
+def is_attention(kernel: str) -> bool:
+    """Whether ``kernel`` (a profiler's kernel name) is one of the attention's: :data:`ATTENTION_KERNELS`.
+
+    Example::
+
+        is_attention("_gluon_dkdv_wg_kernel")   # True
+    """
+    return any(part in kernel for part in ATTENTION_KERNELS)
 
 
 def profile_run(config: dict, text: str, data: TextDataModule, start: int, steps: int) -> dict[str, Any]:
@@ -59,7 +69,7 @@ def profile_run(config: dict, text: str, data: TextDataModule, start: int, steps
         trainer.fit(model, datamodule=data)
     found = window.per_step(top=200)
     wall_ms = 1e3 * window.wall_s / steps
-    attention = sum(ms for name, ms in found["device_ms"].items() if any(k in name for k in ATTENTION_KERNELS))
+    attention = sum(ms for name, ms in found["device_ms"].items() if is_attention(name))
     top = dict(list(found["device_ms"].items())[:20])
     busy = found["device_ms_total"]
     return {"what": spec.name, "run": text, "steps": steps, "step_ms": wall_ms, "device_ms": busy,
