@@ -6,7 +6,7 @@ dK and dV are bit for bit the same. What changes is who computes what:
 
 * :mod:`.gluon_backward` gives a program 64 keys and splits each ``[64 keys, 128 queries]`` tile between its two
   consumer warpgroups by queries. P's per-key scale and dS's tile scale are then reductions across both
-  warpgroups, through shared memory and CTA-wide barriers (nine ``BAR.SYNC`` per tile at D=64): the warpgroups
+  warpgroups, through shared memory and CTA-wide barriers (eleven ``BAR.SYNC`` in its loop at D=64): the warpgroups
   run in lockstep and the tensor cores idle while both quantize.
 * Here a program holds 128 keys, and each consumer warpgroup owns one 64-key half against all 128 queries of
   every tile. P's scale is a reduction within a thread quad (shuffles), dS's scale one within the warpgroup; the
@@ -17,7 +17,8 @@ The cost is registers: a warpgroup holds the whole ``[64, 128]`` S^T and dP^T (6
 queries' lse and delta (32 each), so the variant serves D=64 only (its dK and dV are 32 registers each; at
 D=128 they would be 64 and the consumers would spill). Key counts must be multiples of 128.
 
-Design, predictions and the device results: ``benchmarks/NOTES.md`` (device run 7).
+Design, offline figures and the device results: ``benchmarks/NOTES.md`` (device run 7) and
+``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
 """
 
 from __future__ import annotations
