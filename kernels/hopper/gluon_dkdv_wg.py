@@ -15,7 +15,9 @@ dK and dV are bit for bit the same. What changes is who computes what:
 
 The cost is registers: a warpgroup holds the whole ``[64, 128]`` S^T and dP^T (64 each per thread) and the
 queries' lse and delta (32 each), so the variant serves D=64 only (its dK and dV are 32 registers each; at
-D=128 they would be 64 and the consumers would spill). Key counts must be multiples of 128.
+D=128 they would be 64 and the consumers would spill). Key counts must be multiples of 128. lse and delta come
+through the TMA ring with the tile (512 bytes each per stage) rather than as 64 global loads per thread: 1.08-1.14x
+on the device (``benchmarks/NOTES.md``, device run 7).
 
 Design, offline figures and the device results: ``benchmarks/NOTES.md`` (device run 7) and
 ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
@@ -40,6 +42,7 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_backward import _ROUNDER, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
@@ -68,8 +71,8 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """The load partition (one warp): both halves of K'^ and V once, then every iteration's Q'^, Q'^T, dO and
         dO^T tiles into the ring, each stage refilled once both consumer warpgroups have released it."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot = descs
-        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem = bufs
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         half: gl.constexpr = desc_k.block_type.shape[0]
         mbarrier.expect(kv_bar, 2 * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
@@ -78,7 +81,7 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(desc_v, [kv_row + h * half, 0], kv_bar, v_smem.index(h))
         nbytes: gl.constexpr = (
             desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
-            + desc_dot.block_type.nbytes
+            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
         )  # fmt: skip
         for t in range(total):
             s = t % STAGES
@@ -95,17 +98,19 @@ if HAVE_GLUON:
             tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s))
             tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s))
             tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s))
+            tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s))
+            tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s))
 
     @gluon.jit
     def _wg_compute(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv,
-        Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, qk_scale, tau,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 against every
         query tile; its dK and dV rows to global memory at the end."""
-        k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all = bufs
+        k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         k_smem = k_all.index(HALF)
         v_smem = v_all.index(HALF)
@@ -153,7 +158,6 @@ if HAVE_GLUON:
             offs_q = start_m + offs_q_tile
             q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
             do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
-            lse = gl.load(LSE + bh * SEQ_Q + offs_q)
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # S^T = K'^ Q'^T (int32). dP^T's product is issued after P's codes are stored: with both accumulators
@@ -161,6 +165,8 @@ if HAVE_GLUON:
             # warpgroup keeps the tensor cores busy meanwhile).
             s_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             s_int = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            # lse and delta of the tile's queries came with its tiles through the TMA ring.
+            lse = lse_smem.index(stage).load(query_l)
             p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[None, :])
             if CAUSAL:
                 # A tile whose first query comes before this half's last key holds masked scores (top-left).
@@ -170,7 +176,7 @@ if HAVE_GLUON:
             p_scale = _int8_scale(_nan_max(p, 1))
             p_smem.store(_int8_codes(p, p_scale[:, None]))
             dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-            delta = gl.load(DELTA + bh * SEQ_Q + offs_q)
+            delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
             ds = p * (dp - delta[None, :])
             # One dS scale for this half's 64 x 128 tile (within the warpgroup).
@@ -211,8 +217,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_dkdv_wg_kernel(
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot,
-        Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS,
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS,
         HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -242,6 +248,10 @@ if HAVE_GLUON:
         qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
+        lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+        delta_smem = gl.allocate_shared_memory(
+            desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout
+        )
         p_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_M], codes_layout)
         ds_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_M], codes_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -254,21 +264,21 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot)
-        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem)
+        descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
+        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
         bars = (ready, empty, kv_bar)
         gl.warp_specialize(
             [
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                     DO_SCALE, LSE, DELTA, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     DO_SCALE, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                      CAUSAL, WITH_STATS),
                 ),
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                     DO_SCALE, LSE, DELTA, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     DO_SCALE, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                      CAUSAL, WITH_STATS),
                 ),
                 (
@@ -358,9 +368,12 @@ def gluon_dkdv_wg(
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
+    rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    desc_lse = TensorDescriptor.from_tensor(lse.reshape(bh * seq_q), [BLOCK_M], rows_layout)
+    desc_delta = TensorDescriptor.from_tensor(delta.reshape(bh * seq_q), [BLOCK_M], rows_layout)
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM, bkv)](
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot,
-        q_scale, k_scale, do_scale, lse, delta, dk, dv, stats if stats is not None else delta,
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
+        q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
