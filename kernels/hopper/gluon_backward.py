@@ -23,7 +23,8 @@ warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma r
 are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
 
 Per program: one kv head's ``BLOCK_N = 64`` keys; it walks every query tile of every query head of the group
-(one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage). Variants: warp-
+(one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage; the tile's lse and
+delta come through the ring with it). Variants: warp-
 specialised (default: ``gl.warp_specialize`` with the two consumer warpgroups as the default partition at 240
 registers and one TMA load warp at 24) or one 8-warp partition that also issues the loads; ``defer`` waits for
 each tile's dV/dK products in the next iteration, after its S and dP are issued. Design, offline figures and the
@@ -116,8 +117,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_loads(
-        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-        q_smem, qt_smem, do_smem, dot_smem, ready,
+        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
         SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
@@ -132,13 +133,16 @@ if HAVE_GLUON:
         bar = ready.index(s)
         nbytes: gl.constexpr = (
             desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
-            + desc_dot.block_type.nbytes
+            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
         )  # fmt: skip
         mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
+        # The tile's lse and delta (512 bytes each) come with it.
+        tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s), pred=live)
 
     @gluon.jit
     def _dkdv_loader(
@@ -147,8 +151,8 @@ if HAVE_GLUON:
     ):  # fmt: skip
         """The load partition (one warp): K'^ and V once, then every iteration's four tiles into the ring, each
         stage refilled once the compute partition has released it (``empty``)."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot = descs
-        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem = bufs
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
@@ -158,22 +162,22 @@ if HAVE_GLUON:
             # ring does not wait.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
             _issue_loads(
-                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-                q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+                q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
             )  # fmt: skip
 
     @gluon.jit
     def _dkdv_compute(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
         Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead)."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot = descs
-        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem = bufs
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         # Accumulator layouts, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps and
         # the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups.
@@ -206,7 +210,8 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES - 1):
                 _issue_loads(
                     i, total, gl.maximum(n_m, 1), lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-                    q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                    desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
+                    HEAD_DIM, BLOCK_M, STAGES,
                 )  # fmt: skip
         k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
 
@@ -234,20 +239,21 @@ if HAVE_GLUON:
                 # for before the barrier that ended that iteration: refill it with iteration t + STAGES - 1's.
                 _issue_loads(
                     t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-                    q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                    desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
+                    HEAD_DIM, BLOCK_M, STAGES,
                 )  # fmt: skip
             g = t // n_m
             m_block = lo_tile + t % n_m
             start_m = m_block * BLOCK_M
             bh = bh0 + g
             offs_q = start_m + offs_q_tile
-            if not DEFER:
-                lse = gl.load(LSE + bh * SEQ_Q + offs_q)
-                delta = gl.load(DELTA + bh * SEQ_Q + offs_q)
             q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
             do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            if not DEFER:
+                lse = lse_smem.index(stage).load(query_l)
+                delta = delta_smem.index(stage).load(query_l)
             # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once.
             s_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
@@ -266,11 +272,12 @@ if HAVE_GLUON:
                 else:
                     _issue_loads(
                         t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-                        q_smem, qt_smem, do_smem, dot_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                        desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
+                        HEAD_DIM, BLOCK_M, STAGES,
                     )  # fmt: skip
                 # Loaded here, after the tile before's dV and dK are out of the registers.
-                lse = gl.load(LSE + bh * SEQ_Q + offs_q)
-                delta = gl.load(DELTA + bh * SEQ_Q + offs_q)
+                lse = lse_smem.index(stage).load(query_l)
+                delta = delta_smem.index(stage).load(query_l)
             s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[None, :])
             if CAUSAL:
@@ -336,11 +343,11 @@ if HAVE_GLUON:
         desc_v,
         desc_do,
         desc_dot,
+        desc_lse,
+        desc_delta,
         Q_SCALE,
         K_SCALE,
         DO_SCALE,
-        LSE,
-        DELTA,
         DK,
         DV,
         STATS,
@@ -384,6 +391,10 @@ if HAVE_GLUON:
         qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
+        lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+        delta_smem = gl.allocate_shared_memory(
+            desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout
+        )
         p_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
         ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -395,8 +406,8 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot)
-        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem)
+        descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
+        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
         bars = (ready, empty, kv_bar)
         if WARP_SPECIALIZE:
             gl.warp_specialize(
@@ -404,7 +415,7 @@ if HAVE_GLUON:
                     (
                         _dkdv_compute,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
+                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
                          CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
                     ),
                     (
@@ -419,7 +430,7 @@ if HAVE_GLUON:
         else:
             _dkdv_compute(
                 descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                Q_SCALE, K_SCALE, DO_SCALE, LSE, DELTA, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
+                Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
                 WITH_STATS, WARP_SPECIALIZE, DEFER,
             )  # fmt: skip
 
@@ -500,6 +511,13 @@ def _desc(x: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDesc
     return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, layout)
 
 
+def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 1-D TMA descriptor over the per-query fp32 ``x`` (lse or delta, ``[B, H, N]`` contiguous), tiles of
+    :data:`BLOCK_M` queries (512 bytes, no swizzle)."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor.from_tensor(x.reshape(rows), [BLOCK_M], layout)
+
+
 def gluon_dkdv(
     grad_out: torch.Tensor,
     delta: torch.Tensor,
@@ -532,7 +550,7 @@ def gluon_dkdv(
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         stats: fp32 ``(2,)`` the dS statistics are added into, or ``None``.
         is_causal, scale: as the forward.
-        stages: depth of the TMA ring; ``None``: 2 at D=128 (200.5 KiB; 3 would need 280), 3 at D=64 (148.5 KiB).
+        stages: depth of the TMA ring; ``None``: 2 at D=128 (202.5 KiB; 3 would need 282), 3 at D=64 (151.6 KiB).
         warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or
             one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
@@ -559,9 +577,10 @@ def gluon_dkdv(
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
+    desc_lse, desc_delta = (_rows_desc(x, bh * seq_q) for x in (lse, delta))
     _gluon_dkdv_kernel[(seq_k // BLOCK_N, bkv)](
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot,
-        q_scale, k_scale, do_scale, lse, delta, dk, dv, stats if stats is not None else delta,
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
+        q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,

@@ -30,7 +30,7 @@ import os
 import torch
 
 from ..forward import LOG2E
-from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc
+from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc, _rows_desc
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -42,7 +42,6 @@ if HAVE_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .gluon_backward import _ROUNDER, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
@@ -368,9 +367,7 @@ def gluon_dkdv_wg(
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
-    rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    desc_lse = TensorDescriptor.from_tensor(lse.reshape(bh * seq_q), [BLOCK_M], rows_layout)
-    desc_delta = TensorDescriptor.from_tensor(delta.reshape(bh * seq_q), [BLOCK_M], rows_layout)
+    desc_lse, desc_delta = (_rows_desc(x, bh * seq_q) for x in (lse, delta))
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM, bkv)](
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
         q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
