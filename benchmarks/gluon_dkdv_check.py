@@ -94,16 +94,13 @@ def serves(x: dict, variant: str) -> bool:
 
 
 def gluon(x: dict, causal: bool, tau: float, stats: torch.Tensor | None, variant: str) -> tuple:
+    """dK and dV of the Gluon ``variant`` (:data:`VARIANTS`) on :func:`inputs`' tensors."""
+    operands = (x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
+                x["k_scale"], x["v"], x["lse"], stats)  # fmt: skip
     if variant == "wg":
-        return wg.gluon_dkdv_wg(
-            x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
-            x["k_scale"], x["v"], x["lse"], stats, is_causal=causal, scale=tau,
-        )  # fmt: skip
-    return gb.gluon_dkdv(
-        x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"], x["k_op"],
-        x["k_scale"], x["v"], x["lse"], stats, is_causal=causal, scale=tau,
-        warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
-    )  # fmt: skip
+        return wg.gluon_dkdv_wg(*operands, is_causal=causal, scale=tau)
+    ws, defer = variant.startswith("ws"), variant.endswith("defer")
+    return gb.gluon_dkdv(*operands, is_causal=causal, scale=tau, warp_specialize=ws, defer=defer)
 
 
 def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:

@@ -9,28 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-import triton
+from gluon_support import TRITON, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
 from sage_lightning.kernels import backward as portable
 from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.hopper import gluon_dq as gq
-from sage_lightning.kernels.ops import sage_attention_triton
-
-ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-TRITON = ".".join(triton.__version__.split(".")[:2])
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
     """:func:`gq.gluon_dq_applies` on meta tensors of SageBwd's default backward (B=1, 8 heads, N=Nk=4096, D=128),
     with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
     formats."""
-    shape = {"batch": 1, "heads": 8, "seq_q": 4096, "seq_k": 4096, "head_dim": 128}
-    shape.update({name: overrides.pop(name) for name in list(overrides) if name in shape})
-    dtype = overrides.pop("dtype", torch.bfloat16)
-    q_mean = overrides.pop("q_mean", None)
-    b, h, n, nk, d = shape.values()
-    q_op = torch.zeros(b, h, n, d, dtype=torch.int8, device="meta")
-    k_op = torch.zeros(b, h, nk, d, dtype=torch.int8, device="meta")
-    grad_out = torch.zeros(b, h, n, d, dtype=dtype, device="meta")
+    grad_out, q_op, q_mean, k_op = meta_backward(overrides)
     args = dict(block_m=128, block_n=64, qk_int8=True, dp_int8=False, ds_int8=True)
     return gq.gluon_dq_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
 
@@ -38,11 +27,7 @@ def _applies(causal: bool = False, **overrides: object) -> bool:
 @pytest.fixture
 def gluon_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend this machine is a verified Hopper with the Gluon API the kernel is written for."""
-    monkeypatch.setattr(gq, "HAVE_GLUON", True)
-    monkeypatch.setattr(gq, "GLUON_TRITON", (TRITON,))
-    monkeypatch.setattr(dispatch, "verified_here", lambda device: True)
-    monkeypatch.delenv(gq.ENV, raising=False)
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+    pretend_verified_hopper(monkeypatch, gq)
 
 
 def test_auto_is_the_default_once_a_gpu_run_has_checked_it(gluon_here):
@@ -115,18 +100,8 @@ def test_defer_refuses_a_one_stage_ring():
         gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, defer=True)
 
 
-needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon runs only on a Hopper GPU (not in the interpreter)")
-
-
-def _grads(monkeypatch, setting: str, batch, hq, hkv, n, nk, d, causal) -> tuple[torch.Tensor, ...]:
-    monkeypatch.setenv(gq.ENV, setting)
-    gen = torch.Generator(device="cuda").manual_seed(n + nk + d + hq)
-    q = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16().requires_grad_()
-    k = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
-    v = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
-    do = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16()
-    out, _ = sage_attention_triton(q, k, v, is_causal=causal)
-    return torch.autograd.grad(out, (q, k, v), do)
+def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
+    return hopper_grads(monkeypatch, gq.ENV, setting, shape)
 
 
 @needs_hopper
