@@ -40,6 +40,7 @@ from gluon_dkdv_check import CROSSOVER, Watchdog, compare, inputs, rel_l2  # noq
 from sage_lightning.kernels import backward as bwd  # noqa: E402
 from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dq as gq  # noqa: E402
+from sage_lightning.kernels.hopper import gluon_dq_wg as gqw  # noqa: E402
 from sage_lightning.kernels.quant import dot_precision, padded_head_dim, seq_bucket, transpose_rows  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
 
@@ -54,12 +55,22 @@ SHAPES = [
     (1, 2, 2, 512, 256, 128, True),
     (2, 4, 4, 1024, 1024, 64, False),
     (4, 16, 16, 4096, 4096, 128, False),  # the profile's shape: 16K tokens
+    # D=64 for the one-warpgroup-per-block kernel (``wg``): an odd number of query blocks (the last program's upper
+    # warpgroup has none), GQA with more keys and an odd count, more queries than keys (causal: the upper block
+    # reads every key tile, the lower one fewer), and the example's training shape (8 x 10 heads at 4096).
+    (1, 2, 2, 384, 384, 64, True),
+    (1, 4, 2, 640, 768, 64, True),
+    (1, 2, 2, 1024, 320, 64, True),
+    (2, 16, 16, 4096, 4096, 64, False),
+    (8, 10, 10, 4096, 4096, 64, False),
 ]
-TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64)}
+TIMED = {(4, 16, 16, 4096, 4096, 128), (2, 4, 4, 1024, 1024, 64), (2, 16, 16, 4096, 4096, 64),
+         (8, 10, 10, 4096, 4096, 64)}  # fmt: skip
 #: Gluon variants, safest first: one 8-warp partition or warp-specialised (a TMA load warp); ``-smem``: the dS
 #: codes through shared memory (the A operand of the dQ product) instead of registers; ``-defer``: each tile's dQ
-#: product finished in the next iteration (spills 44 B at D=128 causal, none elsewhere: gluon-dq.md).
-VARIANTS = ("plain-smem", "plain", "ws-smem", "ws", "ws-defer")
+#: product finished in the next iteration (spills 44 B at D=128 causal, none elsewhere: gluon-dq.md); ``wg``: one
+#: warpgroup per 128-query block (``gluon_dq_wg.py``, D=64 only).
+VARIANTS = ("plain-smem", "plain", "ws-smem", "ws", "ws-defer", "wg")
 
 
 def tl_dq(x: dict, causal: bool, tau: float) -> torch.Tensor:
@@ -80,7 +91,17 @@ def tl_dq(x: dict, causal: bool, tau: float) -> torch.Tensor:
     return dq
 
 
+def serves(variant: str, head_dim: int) -> bool:
+    """Whether ``variant`` runs at ``head_dim`` (``wg``: D=64 only)."""
+    return variant != "wg" or gqw.gluon_dq_wg_serves(head_dim)
+
+
 def gluon(x: dict, causal: bool, tau: float, variant: str) -> torch.Tensor:
+    if variant == "wg":
+        return gqw.gluon_dq_wg(
+            x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"], x["v"], x["lse"],
+            is_causal=causal, scale=tau,
+        )  # fmt: skip
     return gq.gluon_dq(
         x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"], x["v"], x["lse"],
         is_causal=causal, scale=tau, warp_specialize=variant.startswith("ws"),
@@ -139,11 +160,11 @@ def check_dispatch() -> list[str]:
     return bad
 
 
-def time_case(x: dict, raw: dict, causal: bool, tau: float) -> dict:
+def time_case(x: dict, raw: dict, causal: bool, tau: float, variants: list[str]) -> dict:
     """Milliseconds of the portable dQ launch, of each Gluon variant, and of the whole backward with the Gluon dQ
     kernel and without (``do_bench``'s median; the dK/dV work is the Gluon dK/dV kernel in both)."""
     times = {"tl": triton.testing.do_bench(lambda: tl_dq(x, causal, tau))}
-    for variant in VARIANTS:
+    for variant in [v for v in variants if serves(v, x["q_op"].shape[3])]:
         try:
             times[variant] = triton.testing.do_bench(lambda v=variant: gluon(x, causal, tau, v))
         except Exception as error:  # noqa: BLE001 - reported; the table goes on
@@ -154,15 +175,17 @@ def time_case(x: dict, raw: dict, causal: bool, tau: float) -> dict:
     return times
 
 
-#: The crossover's shapes: the dK/dV sweep's (scores 2^22 to 2^30) and the speed table's N=2048 at D=128.
-DQ_CROSSOVER = [*CROSSOVER, (2, 16, 2048, 128), (4, 16, 2048, 128), (8, 16, 2048, 128)]
+#: The crossover's shapes: the dK/dV sweep's (scores 2^22 to 2^30), the speed table's N=2048 at D=128, and at D=64
+#: 2^26, 2^28 and the example's training shape.
+DQ_CROSSOVER = [*CROSSOVER, (2, 16, 2048, 128), (4, 16, 2048, 128), (8, 16, 2048, 128), (2, 8, 2048, 64),
+                (1, 16, 4096, 64), (8, 10, 4096, 64)]  # fmt: skip
 
 
 def crossover(dog: Watchdog) -> list[dict]:
     """Over :data:`DQ_CROSSOVER`, causal and not: milliseconds of ``_dq_kernel`` and of the Gluon ``ws`` kernel
-    alone, and of the whole ``backward.backward`` with the Gluon dQ kernel and without (the dK/dV kernel at
-    ``auto``, as users get it), with the host's milliseconds per call: where ``auto`` should take it
-    (:data:`gq.MIN_SCORES`)."""
+    alone (and ``wg`` at D=64), and of the whole ``backward.backward`` with the Gluon dQ kernel it picks and without
+    (the dK/dV kernel at ``auto``, as users get it), with the host's milliseconds per call: where ``auto`` should
+    take it (:data:`gq.AUTO_MIN_SCORES`)."""
     os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "auto"
     rows = []
     for batch, heads, seq, head_dim in DQ_CROSSOVER:
@@ -174,6 +197,7 @@ def crossover(dog: Watchdog) -> list[dict]:
             fns = {
                 "dq_tl": lambda x=x, c=causal, t=tau: tl_dq(x, c, t),
                 "dq_ws": lambda x=x, c=causal, t=tau: gluon(x, c, t, "ws"),
+                **({"dq_wg": lambda x=x, c=causal, t=tau: gluon(x, c, t, "wg")} if serves("wg", head_dim) else {}),
                 "bwd_off": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "off"),
                 "bwd_force": lambda x=x, raw=raw, c=causal: run_backward(x, raw, c, "force"),
             }
@@ -272,7 +296,7 @@ def run_cases(args, variants: list[str], shapes: list, dog: Watchdog, rows: list
                 out_ref.backward(raw["do"])
                 ref = q.grad
                 ref_err = rel_l2(dq_tl, ref)
-            for variant in variants:
+            for variant in [v for v in variants if serves(v, shape[5])]:
                 case = f"{name} {variant}"
                 dog.set(f"gluon {case}")
                 try:
@@ -306,10 +330,10 @@ def run_cases(args, variants: list[str], shapes: list, dog: Watchdog, rows: list
                 )
             if not args.quick and shape in TIMED:
                 dog.set(f"timing {name}")
-                times = time_case(x, raw, causal, tau)
+                times = time_case(x, raw, causal, tau, variants)
                 rows.append({"case": f"{name} timing", "ms": times})
                 line = " ".join(f"{k} {v:.3f} ms" for k, v in times.items())
-                speedups = " ".join(f"{v} {times['tl'] / times[v]:.2f}x" for v in variants)
+                speedups = " ".join(f"{v} {times['tl'] / times[v]:.2f}x" for v in variants if v in times)
                 print(f"TIME {name:<44} {line}  (tl / gluon: {speedups}; backward "
                       f"{times['bwd_off'] / times['bwd_force']:.2f}x)", flush=True)  # fmt: skip
             x = raw = None

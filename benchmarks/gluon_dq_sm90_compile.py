@@ -24,8 +24,9 @@ import sm90_compile as offline  # noqa: E402  (sets a fresh Triton cache before 
 import torch  # noqa: E402
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-smem``: the dS codes through shared
-#: memory instead of registers; ``-defer``: each tile's dQ product finished in the next iteration.
-VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer")
+#: memory instead of registers; ``-defer``: each tile's dQ product finished in the next iteration; ``wg``: one
+#: warpgroup per 128-query block (``gluon_dq_wg.py``, D=64 only).
+VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer", "wg")
 
 
 def _portable(x: dict, causal: bool) -> None:
@@ -66,14 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     offline._DUMP["dir"] = args.dump
     offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
     from sage_lightning.kernels.hopper import gluon_dq as gq
+    from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
     failures = 0
     for head_dim in args.head_dim:
         for causal in (bool(c) for c in args.causal):
             x = offline.backward_inputs(1, 4, 2, args.seq, head_dim)  # GQA: 2 query heads per kv head
             for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
+                if variant == "wg" and not gqw.gluon_dq_wg_serves(head_dim):
+                    continue
                 offline._CASE["name"] = f"gluon-dq-{variant} D={head_dim} causal={causal} st={stages}"
                 try:
+                    if variant == "wg":
+                        gqw.gluon_dq_wg(
+                            x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"],
+                            x["k_scale"], x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5,
+                            stages=stages or 4,
+                        )  # fmt: skip
+                        continue
                     gq.gluon_dq(
                         x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"],
                         x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
@@ -90,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_portable:
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
                 _portable(x, causal)
-    failures += sum(1 for r in offline._RECORDS if r.kernel == "_gluon_dq_kernel" and not r.error and not r.fits)
+    failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dq") and not r.error and not r.fits)
 
     import triton
 

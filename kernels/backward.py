@@ -24,6 +24,7 @@ from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile
 from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
 from .hopper.gluon_dkdv_wg import gluon_dkdv_wg, gluon_dkdv_wg_applies
 from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
+from .hopper.gluon_dq_wg import gluon_dq_wg, gluon_dq_wg_applies
 from .quant import (
     backward_preprocess,
     dot_precision,
@@ -451,8 +452,10 @@ def backward(
     k_op_t = transpose_rows(k_op) if transposed else k_op
     if gluon_dq_applies(grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n,
                         qk_int8=qk_int8, dp_int8=dp_int8, ds_int8=ds_int8):  # fmt: skip
-        # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py).
-        dq = gluon_dq(
+        # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py; at D=64 one
+        # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py).
+        dq_kernel = gluon_dq_wg if gluon_dq_wg_applies(head_dim) else gluon_dq
+        dq = dq_kernel(
             grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v_dp, lse, is_causal=is_causal, scale=scale
         )
     else:

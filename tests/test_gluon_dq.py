@@ -13,6 +13,7 @@ from gluon_support import TRITON, hopper_grads, meta_backward, needs_hopper, pre
 from sage_lightning.kernels import backward as portable
 from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.hopper import gluon_dq as gq
+from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
@@ -40,9 +41,11 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here,
     monkeypatch.setenv(gq.ENV, "auto")
     assert _applies(batch=2)  # 2 x 8 heads x 4096 x 4096 scores = 2^28
     assert not _applies(heads=1, seq_q=1024, seq_k=1024)
-    edge = gq.MIN_SCORES // (4096 * 4096)
+    edge = gq.AUTO_MIN_SCORES[128] // (4096 * 4096)
     assert _applies(heads=edge) and not _applies(causal=True, heads=edge)
-    assert not _applies(batch=4, heads=16, head_dim=64)
+    for head_dim in (64, 128):
+        edge = gq.AUTO_MIN_SCORES.get(head_dim)
+        assert _applies(batch=4, heads=16, head_dim=head_dim) is (edge is not None), head_dim
     monkeypatch.setenv(dispatch.ENV, "off")
     assert not _applies()
     monkeypatch.setattr(dispatch, "verified_here", lambda device: False)
@@ -100,8 +103,40 @@ def test_defer_refuses_a_one_stage_ring():
         gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, defer=True)
 
 
+@pytest.mark.parametrize(("head_dim", "takes"), [(64, True), (128, False), (96, False)])
+def test_the_one_warpgroup_per_block_kernel_takes_d64(monkeypatch, head_dim, takes):
+    monkeypatch.delenv(gqw.ENV, raising=False)
+    assert gqw.gluon_dq_wg_applies(head_dim) is takes
+    monkeypatch.setenv(gqw.ENV, "off")
+    assert not gqw.gluon_dq_wg_applies(head_dim)
+
+
+def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not_serve(monkeypatch):
+    monkeypatch.setenv(gqw.ENV, "force")
+    with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DQ_WG must be one of auto, off; received 'force'"):
+        gqw.gluon_dq_wg_applies(64)
+    q = torch.zeros(1, 1, 256, 128, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dq_wg: serves head_dim in \(64,\); received head_dim=128"):
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
+    q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dq_wg: stages must be at least 1; received stages=0"):
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=0)
+
+
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
     return hopper_grads(monkeypatch, gq.ENV, setting, shape)
+
+
+def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Wrap both Gluon dQ kernels as ``backward()`` calls them; the returned list names each call's kernel."""
+    monkeypatch.delenv(gqw.ENV, raising=False)
+    calls: list[str] = []
+    for name in ("gluon_dq", "gluon_dq_wg"):
+        original = getattr(portable, name)
+        monkeypatch.setattr(
+            portable, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )  # fmt: skip
+    return calls
 
 
 @needs_hopper
@@ -113,15 +148,21 @@ def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
         pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),
         pytest.param(1, 2, 2, 1024, 320, 128, True, id="causal-fewer-keys"),  # query tiles past the last key
         pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+        # D=64, one warpgroup per 128-query block: an odd number of blocks (the last program's upper warpgroup has
+        # none), GQA causal with more keys, more queries than keys, a large causal call.
+        pytest.param(1, 2, 2, 384, 384, 64, True, id="wg-odd-blocks-causal"),
+        pytest.param(2, 4, 2, 640, 768, 64, True, id="wg-gqa-causal-more-keys"),
+        pytest.param(1, 2, 2, 1024, 320, 64, True, id="wg-causal-fewer-keys"),
+        pytest.param(1, 2, 2, 384, 256, 64, False, id="wg-odd-blocks"),
+        pytest.param(1, 8, 8, 2048, 2048, 64, True, id="wg-large-causal"),
     ],
 )
 def test_gluon_dq_equals_the_portable_kernel_bit_for_bit(monkeypatch, batch, hq, hkv, n, nk, d, causal):
-    calls = []
-    original = portable.gluon_dq
-    monkeypatch.setattr(portable, "gluon_dq", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape)
-    assert calls, "the backward did not take the Gluon dQ kernel"
+    expected = "gluon_dq_wg" if gqw.gluon_dq_wg_serves(d) else "gluon_dq"
+    assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape)
     assert not calls
@@ -158,13 +199,13 @@ def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 @needs_hopper
 def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(monkeypatch):
     monkeypatch.delenv(dispatch.ENV, raising=False)
-    calls = []
-    original = portable.gluon_dq
-    monkeypatch.setattr(portable, "gluon_dq", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    calls = _count_gluon_calls(monkeypatch)
     seq = 4096
-    heads = max(1, gq.MIN_SCORES // (seq * seq))
-    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, False)
-    assert calls == [1]
-    calls.clear()
-    _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, 128, True)  # causal: half the scores, below it
-    assert calls == []
+    for head_dim, min_scores in gq.AUTO_MIN_SCORES.items():
+        calls.clear()
+        heads = max(1, min_scores // (seq * seq))
+        _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, False)
+        assert calls == ["gluon_dq_wg" if gqw.gluon_dq_wg_serves(head_dim) else "gluon_dq"], head_dim
+        calls.clear()
+        _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, True)  # causal: half the scores, below it
+        assert calls == [], head_dim

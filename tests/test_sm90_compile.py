@@ -111,10 +111,10 @@ def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: 
         assert row["mma_sync"] == 0, row["case"]
 
 
-#: Bytes the ``wg`` kernel spilled per case in the build the device measured (device run 7, NOTES.md): 36 and 128
-#: without and with the dS statistics, 32 and 104 causal. More means the consumers' registers grew past what was
-#: timed.
-WG_SPILL_BYTES = {(False, False): 36, (False, True): 128, (True, False): 32, (True, True): 104}
+#: Bytes the ``wg`` kernel spilled per case in the build the device measured (device run 8, NOTES.md: the grid
+#: order by head chunks added 4-8 bytes to device run 7's build): 40 and 132 without and with the dS statistics,
+#: 40 and 112 causal. More means the consumers' registers grew past what was timed.
+WG_SPILL_BYTES = {(False, False): 40, (False, True): 132, (True, False): 40, (True, True): 112}
 
 
 def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon_compiled: dict) -> None:
@@ -135,20 +135,24 @@ def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon
 GLUON_DQ_SCRIPT = REPO / "benchmarks" / "gluon_dq_sm90_compile.py"
 
 
-def test_the_gluon_dq_kernel_compiles_fits_and_does_not_spill(tmp_path: Path) -> None:
-    """The Gluon dQ kernel (the warp-specialised variant the backward launches, dS codes from registers) compiled
-    for sm_90 under the GPU image's Triton: every case (D 64 and 128, causal or not) fits sm_90's shared memory,
-    keeps its registers, runs its INT8 products on s8 ``wgmma`` and ptxas does not serialize them."""
+def test_the_gluon_dq_kernels_compile_fit_and_do_not_spill(tmp_path: Path) -> None:
+    """The Gluon dQ kernels the backward launches (the warp-specialised variant, dS codes from registers, and at
+    D=64 the one-warpgroup-per-block ``wg`` kernel) compiled for sm_90 under the GPU image's Triton: every case (D 64
+    and 128, causal or not) fits sm_90's shared memory, keeps its registers, runs its INT8 products on s8 ``wgmma``
+    and ptxas does not serialize them."""
     python = _python("verified")
     out = tmp_path / "gluon-dq.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [python, str(GLUON_DQ_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws",
+    command = [python, str(GLUON_DQ_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws", "wg",
                "--no-portable", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    rows = [row for row in json.loads(out.read_text())["rows"] if row["kernel"] == "_gluon_dq_kernel"]
-    assert len(rows) == 4, [row["case"] for row in rows]
-    for row in rows:
+    rows = json.loads(out.read_text())["rows"]
+    counts = {
+        name: sum(1 for row in rows if row["kernel"] == name) for name in ("_gluon_dq_kernel", "_gluon_dq_wg_kernel")
+    }
+    assert counts == {"_gluon_dq_kernel": 4, "_gluon_dq_wg_kernel": 2}, [(row["kernel"], row["case"]) for row in rows]
+    for row in (row for row in rows if row["kernel"] in counts):
         assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])
         assert row["spill_stores"] == 0, (row["case"], row["spill_stores"])
         assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["case"], row["wgmma"])

@@ -1,7 +1,7 @@
 """Gluon (``triton.experimental.gluon``) dQ kernel of SageBwd for Hopper (sm_90): TMA loads, async wgmma.
 
 ``backward.backward`` calls it for the dQ work where :func:`gluon_dq_applies` says it serves the call (by default
-on a verified Hopper at D=128 from :data:`MIN_SCORES` scores, where it was measured faster); every other call keeps
+on a verified Hopper from :data:`AUTO_MIN_SCORES` scores, where it was measured faster); every other call keeps
 the portable ``_dq_kernel``. Its first GPU run (H100, Triton 3.6) found it bitwise equal to ``_dq_kernel`` in every
 case and 1.20x its time at N=4096, D=128 (``benchmarks/results/speed-h100-20261123-gluon-dq-crossover.md``).
 
@@ -31,6 +31,7 @@ partition that also issues the loads. Design, offline figures and the device che
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -52,7 +53,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_backward import _int8_codes, _int8_scale, _int32_scaled, _nan_max
+    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
 #: The environment variable that selects the Gluon dQ kernel, and the values it takes (:func:`gluon_dq_applies`).
 ENV = "SAGE_LIGHTNING_GLUON_DQ"
@@ -60,16 +61,23 @@ CHOICES = ("auto", "off", "force")
 #: The default of :data:`ENV` (the GPU check, ``benchmarks/gluon_dq_check.py``, found it bitwise equal to
 #: ``_dq_kernel``).
 DEFAULT = "auto"
-#: Fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto`` takes it, and the
-#: head dims. Measured on an H100 (whole backward with it against without): 1.06-1.09x from 2^28 scores at D=128;
-#: 0.91-1.07x at 2^27 (host-bound there); slower below, and at D=64 everywhere (0.78-0.98x).
-MIN_SCORES = 2**28
-AUTO_HEAD_DIMS = (128,)
+#: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
+#: takes a Gluon dQ kernel; head dims not listed keep ``_dq_kernel``. Measured on an H100 (whole backward with it
+#: against without): at D=128 1.06-1.09x from 2^28 scores, 0.91-1.07x at 2^27 (host-bound there), slower below.
+#: At D=64 the calls go to :mod:`.gluon_dq_wg` (this module's kernel measured 0.78-0.98x there): 1.03-1.05x the
+#: whole backward from 2^29 scores (the kernel alone 1.10-1.26x from 2^28; below 2^29 the backward is bound by the
+#: host, whose Gluon launch costs more).
+AUTO_MIN_SCORES = {128: 2**28, 64: 2**29}
 #: Head dims it serves.
 HEAD_DIMS = (64, 128)
 #: The query tile (the Q and dO quantization block) and key tile it is written for.
 BLOCK_M = 128
 BLOCK_N = 64
+#: Per head dim, the query heads per chunk of the grid's order for causal calls
+#: (:func:`.gluon_backward._head_chunk_order`; the chunk's K'^, K'^T and V, 2 MiB per head at D=128 and N=4096, stay
+#: in L2). Measured on an H100 against one head at a time: 1.05-1.07x causal at D=128; non-causal calls keep one
+#: head at a time (0.99-1.01x with chunks).
+HEAD_CHUNK = {64: 16, 128: 8}
 
 
 if HAVE_GLUON:
@@ -257,6 +265,7 @@ if HAVE_GLUON:
         LSE,
         DELTA,
         DQ,
+        BH,
         HEADS,
         GROUP,
         SEQ_Q,
@@ -268,17 +277,17 @@ if HAVE_GLUON:
         BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
         CAUSAL: gl.constexpr,
+        HEAD_CHUNK: gl.constexpr,
         WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr,
         LOAD_REGS: gl.constexpr,
     ):
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
-        pid_m = gl.program_id(0)
+        pid_m, bh = _head_chunk_order(gl.program_id(0), m_blocks, BH, HEAD_CHUNK)
         if CAUSAL:
             # The longest query tiles (most key tiles) first, so the short ones fill the tail of the grid.
             pid_m = m_blocks - 1 - pid_m
-        bh = gl.program_id(1)
         b = bh // HEADS
         head = bh % HEADS
         kv_bh = b * (HEADS // GROUP) + head // GROUP
@@ -364,8 +373,8 @@ def gluon_dq_applies(
     format does not enter dQ), bf16, head dim 64 or 128, 128 x 64 tiles, a query count that is a positive multiple
     of 128 and a key count that is a positive multiple of 64 (every TMA tile inside one head: no padding masks).
     :data:`ENV` chooses (default :data:`DEFAULT`): ``auto`` takes it on a compute capability 9.0 GPU under a Triton
-    of :data:`.gluon_backward.GLUON_TRITON`, for calls of at least :data:`MIN_SCORES` scores and a head dim in
-    :data:`AUTO_HEAD_DIMS`, unless ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it
+    of :data:`.gluon_backward.GLUON_TRITON`, for calls of at least :data:`AUTO_MIN_SCORES` scores at their head
+    dim, unless ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it
     serves, whatever the device and the size (the device check and tests).
 
     Args:
@@ -388,7 +397,7 @@ def gluon_dq_applies(
             return False
         batch, heads, seq_q = q_op.shape[:3]
         scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
-        if scores < MIN_SCORES or q_op.shape[3] not in AUTO_HEAD_DIMS:
+        if scores < AUTO_MIN_SCORES.get(q_op.shape[3], math.inf):
             return False
     seq_q, head_dim, seq_k = q_op.shape[2], q_op.shape[3], k_op.shape[2]
     return (
@@ -475,10 +484,11 @@ def gluon_dq(
     desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_kt = _desc(k_op_t, bkv * head_dim, seq_k, [head_dim, BLOCK_N])
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    _gluon_dq_kernel[(seq_q // BLOCK_M, bh)](
+    _gluon_dq_kernel[(seq_q // BLOCK_M * bh,)](
         desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
-        heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
+        HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer, LOAD_REGS=LOAD_REGS,
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),

@@ -1,0 +1,336 @@
+"""Gluon dQ kernel of SageBwd for Hopper (sm_90) with one warpgroup per 128-query block: the warpgroups run apart.
+
+The numerics are :mod:`.gluon_dq`'s (and ``_dq_kernel``'s), tile for tile: one dS scale per 128-query x 64-key
+tile, the same int32 products, added into dQ in the same order of key tiles; dQ is bit for bit the same. What
+changes is who computes what, as :mod:`.gluon_dkdv_wg` did for dK and dV:
+
+* :mod:`.gluon_dq` gives a program 128 queries and splits each ``[128 queries, 64 keys]`` tile between its two
+  consumer warpgroups by queries. The dS tile scale is then a reduction across both warpgroups (shared memory and
+  CTA-wide barriers), so they run in lockstep and the tensor cores idle while both quantize.
+* Here a program holds two query blocks (256 queries of one head), and each consumer warpgroup owns one block's
+  128 queries against every key tile. The dS scale is a reduction within the warpgroup; the two warpgroups share
+  only the TMA ring of ``K'^``, ``K'^T``, ``V`` tiles (each releases a stage on its own, ``empty`` counts two
+  arrivals), so one quantizes while the other's products run, and each key tile read from L2 serves 256 queries.
+
+The cost is registers: a warpgroup holds the whole ``[128, 64]`` S and dP (64 each per thread) and its ``[128, D]``
+dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone would take 128). Causal: the lower
+block's warpgroup needs two key tiles fewer than the upper's; it waits for them and hands them back unread. With
+an odd number of query blocks the last program's upper warpgroup has no block: it hands every tile back and
+writes nothing.
+
+Design and the device results: ``benchmarks/NOTES.md`` (device run 8).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..forward import LOG2E
+from .gluon_backward import HAVE_GLUON, LOAD_REGS, _desc
+from .gluon_dkdv_wg import CONSUMER_REGS, WG_MAXNREG
+from .gluon_dq import BLOCK_M, BLOCK_N
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
+    from .gluon_dq import _issue_kv
+
+#: The environment variable that can turn this variant off (``auto``: it serves every call it can; ``off``: the
+#: calls go to :func:`.gluon_dq.gluon_dq`), to compare the two or to step around a fault.
+ENV = "SAGE_LIGHTNING_GLUON_DQ_WG"
+CHOICES = ("auto", "off")
+#: Queries per program: one 128-query block (the Q and dO quantization block) per warpgroup.
+QUERIES_PER_PROGRAM = 2 * BLOCK_M
+#: Head dims it serves (register budget: see the module's docstring).
+HEAD_DIMS = (64,)
+#: Query heads per chunk of the grid's order for causal calls (:func:`.gluon_backward._head_chunk_order`; 16 heads'
+#: K'^, K'^T and V at D=64 and N=4096 are 16 MiB, inside L2). Measured on an H100 against one head at a time:
+#: 1.07-1.25x causal; non-causal calls keep one head at a time (0.98-1.00x with chunks).
+HEAD_CHUNK = 16
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _dqwg_loader(
+        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+    ):  # fmt: skip
+        """The load partition (one warp): both blocks' Q'^ and dO once, then every key tile either warpgroup
+        reads into the ring, each stage refilled once both consumer warpgroups have released it."""
+        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        q_smem, do_smem, k_smem, kt_smem, v_smem = bufs
+        ready, empty, q_bar = bars
+        mbarrier.expect(q_bar, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
+        for h in gl.static_range(2):
+            tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
+            tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
+        for t in range(n_tiles):
+            # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_kv(
+                t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
+                STAGES,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dqwg_compute(
+        bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K, qk_scale, tau,
+        HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """One consumer warpgroup: query block ``2 * pid_pair + HALF`` against its key tiles (the first ``mine`` of
+        the ring's ``n_tiles``), then its dQ rows to global memory."""
+        q_all, do_all, k_smem, kt_smem, v_smem = bufs
+        ready, empty, q_bar = bars
+        q_smem = q_all.index(HALF)
+        do_smem = do_all.index(HALF)
+        # One warpgroup: its 4 warps split the 128 queries' rows (two m64 repetitions); a row's 64 keys lie in one
+        # thread quad.
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+        )
+        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 32]
+        )
+        # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
+        m_block = 2 * pid_pair + HALF
+        live = m_block < m_blocks
+        # key_range() of this block: the key tiles below hi are visited, those from full_hi on masked.
+        hi = SEQ_K
+        full_hi = SEQ_K
+        if CAUSAL:
+            hi = gl.minimum(SEQ_K, (m_block + 1) * BLOCK_M)
+            full_hi = gl.minimum(SEQ_K, m_block * BLOCK_M)
+        mine = hi // BLOCK_N
+        if not live:
+            mine = 0
+        m_safe = gl.minimum(m_block, m_blocks - 1)
+        offs_m = m_safe * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+        offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
+        q_scale = gl.load(Q_SCALE + bh * m_blocks + m_safe)
+        lse = gl.load(LSE + bh * SEQ_Q + offs_m)
+        delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
+        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, dp_layout)
+        acc_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, acc_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(q_bar, 0)
+
+        for t in range(mine):
+            stage = t % STAGES
+            start_n = t * BLOCK_N
+            k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
+            # [64, D] read as [D, 64] (K-major over D).
+            s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[:, None])
+            if CAUSAL:
+                # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
+                if start_n >= full_hi:
+                    offs_n = start_n + offs_n_tile
+                    p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
+            dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+            ds = p * (dp - delta[:, None])
+            # One dS scale for the 128 x 64 tile (within the warpgroup).
+            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
+            codes = _int8_codes(ds, ds_scale)
+            # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
+            # its [D, 64] copy (K-major over the keys).
+            dq_tok = warpgroup_mma(
+                gl.convert_layout(codes, a_layout), kt_smem.index(stage).permute((1, 0)), acc_zero,
+                use_acc=False, is_async=True,
+            )  # fmt: skip
+            dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+            dq += _int32_scaled(dq_int, ds_scale * k_scale)
+            # The warpgroup is done with this stage before it hands it back (the load warp refills a stage once
+            # both warpgroups have).
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(stage), count=1)
+        # The ring's tiles this block does not read (the upper block's last diagonal tiles, or all of them when
+        # this warpgroup has no block): wait for each, so the release counts towards its own phase, and hand it back.
+        for t in range(mine, n_tiles):
+            stage = t % STAGES
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        if live:
+            rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
+            cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
+            out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
+            gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
+
+    @gluon.jit
+    def _gluon_dq_wg_kernel(
+        desc_q, desc_do, desc_k, desc_kt, desc_v,
+        Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+        BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    ):  # fmt: skip
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        n_pairs = gl.cdiv(m_blocks, 2)
+        pid_pair, bh = _head_chunk_order(gl.program_id(0), n_pairs, BH, HEAD_CHUNK)
+        if CAUSAL:
+            # The longest query blocks (most key tiles) first, so the short ones fill the tail of the grid.
+            pid_pair = n_pairs - 1 - pid_pair
+        b = bh // HEADS
+        head = bh % HEADS
+        kv_bh = b * (HEADS // GROUP) + head // GROUP
+        # The ring carries the key tiles of the upper block (the lower one reads a prefix of them), or of the lower
+        # block when the upper one is past the last query.
+        upper = gl.minimum(2 * pid_pair + 1, m_blocks - 1)
+        hi = SEQ_K
+        if CAUSAL:
+            hi = gl.minimum(SEQ_K, (upper + 1) * BLOCK_M)
+        n_tiles = hi // BLOCK_N
+        q_row = bh * SEQ_Q + 2 * pid_pair * BLOCK_M
+        kv_row0 = kv_bh * SEQ_K
+        kt_row0 = kv_bh * HEAD_DIM
+
+        # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^, K'^T and V tiles.
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
+        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        kt_smem = gl.allocate_shared_memory(desc_kt.dtype, [STAGES] + desc_kt.block_type.shape, desc_kt.layout)
+        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            # Released by both consumer warpgroups.
+            mbarrier.init(empty.index(i), count=2)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+
+        descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
+        bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem)
+        bars = (ready, empty, q_bar)
+        gl.warp_specialize(
+            [
+                (
+                    _dqwg_compute,
+                    (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
+                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                ),
+                (
+                    _dqwg_compute,
+                    (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
+                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                ),
+                (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_M, BLOCK_N, STAGES)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOAD_REGS],
+        )  # fmt: skip
+
+
+def gluon_dq_wg_applies(head_dim: int) -> bool:
+    """Whether a call that :func:`.gluon_dq.gluon_dq_applies` sends to a Gluon dQ kernel takes this one:
+    :func:`gluon_dq_wg_serves`, unless :data:`ENV` is ``off``; an unknown value raises ``ValueError``.
+
+    Example::
+
+        kernel = gluon_dq_wg if gluon_dq_wg_applies(64) else gluon_dq
+    """
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
+    return value == "auto" and gluon_dq_wg_serves(head_dim)
+
+
+def gluon_dq_wg_serves(head_dim: int) -> bool:
+    """Whether :func:`gluon_dq_wg` serves a call :func:`.gluon_dq.gluon_dq_applies` accepted: head dim in
+    :data:`HEAD_DIMS`.
+
+    Example::
+
+        gluon_dq_wg_serves(64)   # True
+    """
+    return head_dim in HEAD_DIMS
+
+
+def gluon_dq_wg(
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_op: torch.Tensor,
+    k_op_t: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    stages: int = 4,
+) -> torch.Tensor:
+    """dQ as :func:`.gluon_dq.gluon_dq` returns it, bit for bit, for the calls :func:`gluon_dq_wg_serves` accepts
+    (arguments as there).
+
+    Args:
+        grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v, lse, is_causal, scale: as
+            :func:`.gluon_dq.gluon_dq`.
+        stages: depth of the TMA ring of key tiles (16 KiB each at D=64, beside 48 KiB of Q'^ and dO).
+
+    Returns:
+        dQ ``[B, Hq, N, D]`` bf16, contiguous.
+
+    Raises:
+        ValueError: a head dim it does not serve, or ``stages`` below 1.
+
+    Example::
+
+        dq = gluon_dq_wg(grad_out, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v, lse,
+                         is_causal=True, scale=0.125)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    if not gluon_dq_wg_serves(head_dim):
+        raise ValueError(f"gluon_dq_wg: serves head_dim in {HEAD_DIMS}; received head_dim={head_dim}")
+    if stages < 1:
+        raise ValueError(f"gluon_dq_wg: stages must be at least 1; received stages={stages}")
+    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    bh, bkv = batch * heads, batch * kv_heads
+    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
+    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    desc_kt = _desc(k_op_t, bkv * head_dim, seq_k, [head_dim, BLOCK_N])
+    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    n_pairs = (seq_q // BLOCK_M + 1) // 2
+    _gluon_dq_wg_kernel[(n_pairs * bh,)](
+        desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
+        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
+        HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
+        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        num_warps=4, maxnreg=WG_MAXNREG,
+    )  # fmt: skip
+    return dq
