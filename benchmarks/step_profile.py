@@ -42,7 +42,7 @@ from pretrain_compare import (  # noqa: E402
 )
 
 #: Substrings of the attention's kernel names: SageBwd's Triton and Gluon kernels, SDPA's cuDNN and flash kernels.
-ATTENTION_KERNELS = ("_forward_kernel", "_dkdv", "_dq_kernel", "_quantize_rows_kernel",
+ATTENTION_KERNELS = ("_forward_kernel", "_dkdv", "_dq_kernel", "_dq_wg_kernel", "_quantize_rows_kernel",
                      "_backward_preprocess_kernel", "_transpose_kernel", "cudnn", "flash", "fmha", "sdpa")  # fmt: skip
 
 
