@@ -270,6 +270,7 @@ def forward(
     block_n: int,
     qk_int8: bool,
     pv_int8: bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on quantized operands (see :func:`.quant.quantize_rows`).
 
@@ -284,6 +285,8 @@ def forward(
         scale: softmax scale ``tau``.
         block_m, block_n: tile sizes; they must be the quantization blocks of the operands.
         qk_int8, pv_int8: whether the products run in INT8.
+        out: where O is written (``[B, Hq, N, D]`` of ``out_dtype``, any strides with the last dim contiguous, e.g.
+            :func:`.quant.output_like` of q); a contiguous one is made when ``None``.
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]`` (fp32, base 2, smoothed scores).
@@ -295,7 +298,8 @@ def forward(
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
+    if out is None:
+        out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     d_pad = padded_head_dim(head_dim)

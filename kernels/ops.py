@@ -19,7 +19,7 @@ from .forward import LOG2E, forward
 from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
-from .quant import MAX_PRODUCT_TERMS, quantize_rows
+from .quant import MAX_PRODUCT_TERMS, output_like, quantize_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
@@ -60,7 +60,9 @@ def sagebwd_forward(
     else:
         v_op, v_scale = v.contiguous(), k_scale
     operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
-    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n}
+    # O in q's layout (the model's [B, N, H, D] memory stays a view on both sides of the call).
+    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
+             "out": output_like(q)}  # fmt: skip
     if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
                               block_n=block_n):  # fmt: skip
         out, lse = hopper_forward(*operands, **tiles)
@@ -79,7 +81,7 @@ def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk_int8, pv_int8, dv
     m_blocks, n_blocks = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
     f32 = torch.float32
     return (
-        q.new_empty(q.shape),
+        output_like(q),
         q.new_empty((batch, heads, seq_q), dtype=f32),
         q.new_empty(q.shape, dtype=op_dtype),
         q.new_empty((batch, heads, m_blocks), dtype=f32),
@@ -136,7 +138,9 @@ def sagebwd_backward(
 @sagebwd_backward.register_fake
 def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
                            qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n):  # fmt: skip
-    return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(k_op.shape)
+    # backward() writes dQ in O's layout (q's) and dK, dV in V's.
+    dtype = grad_out.dtype
+    return output_like(out, dtype), output_like(v, dtype), output_like(v, dtype)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:

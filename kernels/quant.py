@@ -420,6 +420,31 @@ def _transpose_kernel(X, OUT, SEQ, HEAD_DIM, BLOCK: tl.constexpr, D_PAD: tl.cons
     tl.store(OUT + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
 
 
+def output_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``x``'s shape (and device) in ``x``'s memory layout, as ``torch.empty_like``
+    keeps it, when a TMA descriptor can take that layout (last dim contiguous, the other strides multiples of 16
+    bytes); contiguous otherwise.
+
+    The attention's outputs (O, dQ, dK, dV) are written where the caller's tensors live: a model that hands q, k
+    and v over as ``[B, N, H, D]`` memory viewed ``[B, H, N, D]`` gets O and the gradients back in that layout, and
+    its reshapes around the attention stay views instead of copies. The registered fakes use the same rule, so
+    ``torch.compile`` sees the strides the kernels write.
+
+    Args:
+        x: the tensor whose shape and layout the output takes.
+        dtype: the output's dtype (``x``'s by default).
+
+    Example::
+
+        out = output_like(q.transpose(1, 2).contiguous().transpose(1, 2))   # [B, H, N, D] over [B, N, H, D] memory
+    """
+    out = torch.empty_like(x, dtype=dtype)
+    size = out.element_size()
+    if out.stride(-1) != 1 or any(stride * size % 16 for stride in out.stride()[:-1]):
+        out = torch.empty(x.shape, dtype=out.dtype, device=x.device)
+    return out
+
+
 def transpose_rows(x: torch.Tensor) -> torch.Tensor:
     """``[B, H, N, D]`` contiguous -> ``[B, H, D, N]`` contiguous, tile by tile. (PyTorch's generic strided
     copy of the int8 Q'^ and K'^ took 0.41 ms of a 10.4 ms forward+backward at N=4096, D=128 on an H200.)

@@ -79,6 +79,29 @@ def test_hopper_forward_matches_reference(hopper_calls, batch, hq, hkv, n, nk, d
 
 
 @needs_kernels
+def test_hopper_forward_writes_o_in_the_callers_layout(hopper_calls):
+    """q handed over as a model does (``[B, N, H, D]`` memory viewed ``[B, H, N, D]``): O comes back in that layout
+    (its TMA store takes O's strides), equal to the contiguous call's, and so do the gradients."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(2, 2, 80, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(4))
+
+    def model_layout(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+
+    results = []
+    for make in (lambda x: x.clone().requires_grad_(), model_layout):
+        qq, kk, vv = (make(x) for x in (q, k, v))
+        out, _ = sage_attention_triton(qq, kk, vv, is_causal=True)
+        results.append((out, torch.autograd.grad(out, (qq, kk, vv), do), qq))
+    assert len(hopper_calls) == 2
+    (out, grads, _), (out_s, grads_s, qs) = results
+    assert out_s.stride() == qs.stride() and not out_s.is_contiguous()
+    assert torch.equal(out_s, out)
+    for g_s, g in zip(grads_s, grads, strict=True):
+        assert g_s.stride() == qs.stride() and torch.equal(g_s, g)
+
+
+@needs_kernels
 def test_hopper_forward_propagates_nan(hopper_calls):
     q = torch.randn(1, 1, 64, 64, device=DEVICE, dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)

@@ -231,6 +231,50 @@ def test_torch_compile_has_no_graph_break():
         assert torch.equal(g, e)
 
 
+def _model_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, N, D]`` as a model hands it over: ``[B, N, H, D]`` memory viewed ``[B, H, N, D]``."""
+    return x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(x.requires_grad)
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    """``x``'s strides over the dims longer than one (a size-1 dim's stride does not place anything)."""
+    return tuple(st for st, n in zip(x.stride(), x.shape, strict=True) if n > 1)
+
+
+def test_outputs_and_gradients_come_back_in_the_callers_layout():
+    """O, dQ, dK and dV come back in the inputs' memory layout, so a model's reshapes around the attention stay
+    views; the values are those of contiguous inputs; the registered fakes (what ``torch.compile`` traces with)
+    give the same strides."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, do = _inputs((2, 4, 70, 32), (2, 2, 70, 32), torch.bfloat16, seed=8)
+    qs, ks, vs = (_model_layout(x) for x in (q, k, v))
+    assert not qs.is_contiguous()
+    out, _, grads, _ = _run(sage_attention_triton, q, k, v, do, is_causal=True)
+    out_s, _, grads_s, _ = _run(sage_attention_triton, qs, ks, vs, do, is_causal=True)
+    assert _strides(out_s) == _strides(qs)
+    for name, g, x in zip("qkv", grads_s, (qs, ks, vs), strict=True):
+        assert _strides(g) == _strides(x), name
+    assert torch.equal(out_s, out)
+    for g_s, g in zip(grads_s, grads, strict=True):
+        assert torch.equal(g_s, g)
+    # The fakes: the forward's O as q, the backward's dQ as O and dK, dV as V.
+    prec = AttentionPrecision()
+    args = (None, True, 32**-0.5, True, True, True, False, True, prec.smooth_k, False, 128, 64)
+    do_s = _model_layout(do)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fdo = (mode.from_tensor(x) for x in (qs, ks, vs, do_s))
+        fake = torch.ops.sage_lightning.sagebwd_forward(fq, fk, fv, *args)
+        out, lse, q_op, q_scale, q_mean, k_op, k_scale = fake
+        fgrads = torch.ops.sage_lightning.sagebwd_backward(
+            fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, True, True, False, True,
+            128, 64,
+        )  # fmt: skip
+    assert fake[0].stride() == out_s.stride()
+    for f, g in zip(fgrads, grads_s, strict=True):
+        assert f.stride() == g.stride()
+
+
 @triton.jit
 def _conversions_kernel(INTS, FLOATS, SCALES, AS_FLOAT, SCALED, CODES, N: tl.constexpr):
     offs = tl.arange(0, N)

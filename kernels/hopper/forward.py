@@ -41,7 +41,7 @@ def _set_blocks(nargs: dict) -> None:
     nargs["desc_q"].block_shape = [1, bm, d]
     nargs["desc_k"].block_shape = [1, bn, d]
     nargs["desc_vt"].block_shape = [1, d, bn]
-    nargs["desc_o"].block_shape = [1, bm, d]
+    nargs["desc_o"].block_shape = [1, 1, bm, d]
 
 
 def _configs() -> list[triton.Config]:
@@ -143,7 +143,8 @@ def _hopper_forward_kernel(
         m_i = m_new
     out = acc / l_i[:, None]
     out = to_dtype(out, desc_o.dtype, DOT_PRECISION)
-    desc_o.store([pid_bh, pid_m * BLOCK_M, 0], out.reshape(1, BLOCK_M, HEAD_DIM))
+    # O over its [B, H, N, D] strides (the caller's layout, e.g. [B, N, H, D] memory).
+    desc_o.store([b, pid_bh % HEADS, pid_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
     tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
 
 
@@ -161,6 +162,7 @@ def hopper_forward(
     scale: float,
     block_m: int,
     block_n: int,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on Hopper, for INT8 ``QK`` and ``PV`` (what :func:`..forward.forward` takes, in its layouts).
 
@@ -169,6 +171,8 @@ def hopper_forward(
         v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` int8 and its scales ``[B, Hkv, Nk / block_n]``.
         out_dtype, is_causal, scale, block_m, block_n: as :func:`..forward.forward`; ``block_m`` is the Q
             quantization block (programs take 128 or 64 of its rows), ``block_n`` the key tile.
+        out: where O is written, as :func:`..forward.forward` takes it (its strides must suit a TMA descriptor:
+            :func:`..quant.output_like` makes such a tensor).
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]``, as :func:`..forward.forward`.
@@ -180,13 +184,14 @@ def hopper_forward(
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
+    if out is None:
+        out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
     blocks = [1, 1, 1]  # set per autotuning candidate by _set_blocks
     desc_q = TensorDescriptor.from_tensor(q_op.view(batch * heads, seq_q, head_dim), blocks)
     desc_k = TensorDescriptor.from_tensor(k_op.view(batch * kv_heads, seq_k, head_dim), blocks)
     desc_vt = TensorDescriptor.from_tensor(v_op.view(batch * kv_heads, head_dim, seq_k), blocks)
-    desc_o = TensorDescriptor.from_tensor(out.view(batch * heads, seq_q, head_dim), blocks)
+    desc_o = TensorDescriptor.from_tensor(out, [1, 1, 1, 1])
 
     def grid(meta: dict) -> tuple[int, int]:
         tiles = triton.cdiv(seq_q, meta["BLOCK_M"])
