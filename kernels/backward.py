@@ -33,7 +33,6 @@ from .quant import (
     int8_scale,
     int32_scaled,
     nan_max,
-    output_like,
     padded_head_dim,
     quantize_rows,
     round_half_even,
@@ -120,9 +119,6 @@ def _dkdv_kernel(
     stride_doh,
     stride_don,
     stride_dod,
-    stride_gb,
-    stride_gh,
-    stride_gn,
     HEADS,
     GROUP,
     SEQ_Q,
@@ -245,8 +241,7 @@ def _dkdv_kernel(
             if SMOOTH_Q:
                 dk += tl.sum(ds, axis=0)[:, None] * q_mean[None, :]
     mask = (offs_n[:, None] < SEQ_K) & (cols[None, :] < HEAD_DIM)
-    # dK and dV over their strides (V's layout: the caller's, e.g. [B, N, H, D] memory).
-    out_offs = b * stride_gb + (pid_bkv % kv_heads) * stride_gh + offs_n[:, None] * stride_gn + cols[None, :]
+    out_offs = pid_bkv * SEQ_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + cols[None, :]
     tl.store(DK + out_offs, to_dtype(dk * tau, io_dtype, DOT_PRECISION), mask=mask)
     tl.store(DV + out_offs, to_dtype(dv, io_dtype, DOT_PRECISION), mask=mask)
     if WITH_STATS:
@@ -275,9 +270,6 @@ def _dq_kernel(
     stride_doh,
     stride_don,
     stride_dod,
-    stride_gb,
-    stride_gh,
-    stride_gn,
     HEADS,
     GROUP,
     SEQ_Q,
@@ -353,7 +345,7 @@ def _dq_kernel(
             ds_hp = to_dtype(ds, io_dtype, DOT_PRECISION)
             dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * k_scale
     tl.store(
-        DQ + b * stride_gb + head * stride_gh + offs_m[:, None] * stride_gn + cols[None, :],
+        DQ + bh * SEQ_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + cols[None, :],
         to_dtype(dq * tau, io_dtype, DOT_PRECISION),
         mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
     )
@@ -380,9 +372,8 @@ def backward(
     dp_int8: bool,
     ds_int8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)`` in
-    dO's dtype, dQ in O's memory layout and dK, dV in V's (:func:`.quant.output_like`: the caller's layout, so a
-    model's reshapes around the attention stay views).
+    """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)``
+    contiguous in dO's dtype.
 
     Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
     copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before K'^'s ``[D, N]`` copy and dQ
@@ -411,7 +402,8 @@ def backward(
     gluon_q = gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk_int8=qk_int8, dp_int8=dp_int8,
                                ds_int8=ds_int8)  # fmt: skip
     if gluon_kv or gluon_q:
-        # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both.
+        # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
+        # usually a [B, N, H, D] view).
         grad_out = grad_out.contiguous()
     delta, do_codes, do_codes_t, do_scale = backward_preprocess(grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8)
     if dp_int8:
@@ -443,43 +435,41 @@ def backward(
         DOT_PRECISION=dot_precision(io_dtype),
     )
     q_op_t = transpose_rows(q_op) if transposed else q_op
-    # The gradients in the caller's layouts: dQ as O (q's), dK and dV as V (the model's [B, N, H, D] memory stays
-    # a view through its reshapes).
-    dk, dv = output_like(v, io_dtype), output_like(v, io_dtype)
     if gluon_kv:
         # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
         # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
         kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(head_dim, seq_k) else gluon_dkdv
-        kernel(
+        dk, dv = kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
-            is_causal=is_causal, scale=scale, out=(dk, dv),
+            is_causal=is_causal, scale=scale,
         )  # fmt: skip
     else:
+        dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
+        dv = torch.empty_like(dk)
         _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
             q_op, q_op_t, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
             grad_out, codes_arg, do_codes_t if do_codes_t is not None else grad_out, code_scale_arg, lse, delta, dk, dv,
             stats if stats is not None else delta,
-            *grad_out.stride(), *dk.stride()[:3],
+            *grad_out.stride(),
             heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
             DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
         )  # fmt: skip
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
     del q_op_t, do_codes_t
     k_op_t = transpose_rows(k_op) if transposed else k_op
-    dq = output_like(out, io_dtype)
     if gluon_q:
         # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py; at D=64 one
         # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py).
         dq_kernel = gluon_dq_wg if gluon_dq_wg_applies(head_dim) else gluon_dq
-        dq_kernel(
-            grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v_dp, lse, is_causal=is_causal, scale=scale,
-            out=dq,
-        )  # fmt: skip
+        dq = dq_kernel(
+            grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v_dp, lse, is_causal=is_causal, scale=scale
+        )
     else:
+        dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
         _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
             q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,
             grad_out, codes_arg, code_scale_arg, lse, delta, dq,
-            *grad_out.stride(), *dq.stride()[:3],
+            *grad_out.stride(),
             heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
             **common,
         )  # fmt: skip

@@ -60,7 +60,7 @@ def sagebwd_forward(
     else:
         v_op, v_scale = v.contiguous(), k_scale
     operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
-    # O in q's layout (the model's [B, N, H, D] memory stays a view on both sides of the call).
+    # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q)}  # fmt: skip
     if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
@@ -138,9 +138,7 @@ def sagebwd_backward(
 @sagebwd_backward.register_fake
 def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
                            qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n):  # fmt: skip
-    # backward() writes dQ in O's layout (q's) and dK, dV in V's.
-    dtype = grad_out.dtype
-    return output_like(out, dtype), output_like(v, dtype), output_like(v, dtype)
+    return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(k_op.shape)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:

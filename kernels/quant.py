@@ -425,10 +425,9 @@ def output_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     keeps it, when a TMA descriptor can take that layout (last dim contiguous, the other strides multiples of 16
     bytes); contiguous otherwise.
 
-    The attention's outputs (O, dQ, dK, dV) are written where the caller's tensors live: a model that hands q, k
-    and v over as ``[B, N, H, D]`` memory viewed ``[B, H, N, D]`` gets O and the gradients back in that layout, and
-    its reshapes around the attention stay views instead of copies. The registered fakes use the same rule, so
-    ``torch.compile`` sees the strides the kernels write.
+    The forward writes O where the caller's q lives: a model that hands q over as ``[B, N, H, D]`` memory viewed
+    ``[B, H, N, D]`` gets O back in that layout, and its reshape after the call stays a view instead of a copy. The
+    forward's registered fake uses the same rule, so ``torch.compile`` sees the strides the kernels write.
 
     Args:
         x: the tensor whose shape and layout the output takes.

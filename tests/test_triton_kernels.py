@@ -241,10 +241,10 @@ def _strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(st for st, n in zip(x.stride(), x.shape, strict=True) if n > 1)
 
 
-def test_outputs_and_gradients_come_back_in_the_callers_layout():
-    """O, dQ, dK and dV come back in the inputs' memory layout, so a model's reshapes around the attention stay
-    views; the values are those of contiguous inputs; the registered fakes (what ``torch.compile`` traces with)
-    give the same strides."""
+def test_o_comes_back_in_the_callers_layout():
+    """O comes back in q's memory layout, so a model's reshape after the call stays a view; O and the gradients
+    have the values of contiguous inputs; the registered fakes (what ``torch.compile`` traces with) give the strides
+    the kernels write."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v, do = _inputs((2, 4, 70, 32), (2, 2, 70, 32), torch.bfloat16, seed=8)
@@ -252,13 +252,11 @@ def test_outputs_and_gradients_come_back_in_the_callers_layout():
     assert not qs.is_contiguous()
     out, _, grads, _ = _run(sage_attention_triton, q, k, v, do, is_causal=True)
     out_s, _, grads_s, _ = _run(sage_attention_triton, qs, ks, vs, do, is_causal=True)
-    assert _strides(out_s) == _strides(qs)
-    for name, g, x in zip("qkv", grads_s, (qs, ks, vs), strict=True):
-        assert _strides(g) == _strides(x), name
+    assert _strides(out_s) == _strides(qs) and not out_s.is_contiguous()
     assert torch.equal(out_s, out)
     for g_s, g in zip(grads_s, grads, strict=True):
         assert torch.equal(g_s, g)
-    # The fakes: the forward's O as q, the backward's dQ as O and dK, dV as V.
+    # The fakes: the forward's O as q; the backward's gradients contiguous, as the kernels write them.
     prec = AttentionPrecision()
     args = (None, True, 32**-0.5, True, True, True, False, True, prec.smooth_k, False, 128, 64)
     do_s = _model_layout(do)

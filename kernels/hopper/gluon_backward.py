@@ -190,7 +190,7 @@ if HAVE_GLUON:
     def _dkdv_compute(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, OUT_BASE, S_N,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr,
     ):  # fmt: skip
@@ -347,8 +347,7 @@ if HAVE_GLUON:
 
         rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=acc_row_l)
         cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        # dK and dV over their strides (OUT_BASE: the kv head's first row in V's layout, the caller's).
-        out = OUT_BASE + rows[:, None] * S_N + cols[None, :]
+        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
         io_dtype: gl.constexpr = DK.dtype.element_ty
         gl.store(DK + out, (dk * tau).to(io_dtype))
         gl.store(DV + out, dv.to(io_dtype))
@@ -379,9 +378,6 @@ if HAVE_GLUON:
         SEQ_K,
         qk_scale,
         tau,
-        S_B,
-        S_H,
-        S_N,
         HEAD_DIM: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -432,8 +428,6 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        # dK and dV rows of this kv head over their strides (V's layout, the caller's).
-        out_base = b * S_B + (pid_bkv % kv_heads) * S_H
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
         bars = (ready, empty, kv_bar)
@@ -443,8 +437,8 @@ if HAVE_GLUON:
                     (
                         _dkdv_compute,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, out_base, S_N,
-                         BLOCK_N, CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
+                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
+                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
                     ),
                     (
                         _dkdv_loader,
@@ -458,8 +452,8 @@ if HAVE_GLUON:
         else:
             _dkdv_compute(
                 descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, out_base, S_N, BLOCK_N,
-                CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER,
+                Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
+                WITH_STATS, WARP_SPECIALIZE, DEFER,
             )  # fmt: skip
 
 
@@ -565,7 +559,6 @@ def gluon_dkdv(
     stages: int | None = None,
     warp_specialize: bool = True,
     defer: bool = False,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
     ``stats``), for the calls :func:`gluon_dkdv_applies` accepts.
@@ -584,14 +577,9 @@ def gluon_dkdv(
             one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
             their scaling overlaps the tensor cores (same values, same order of additions).
-        out: ``(dK, dV)`` to write into (``[B, Hkv, Nk, D]`` of dO's dtype, one layout with the last dim
-            contiguous, e.g. V's from :func:`..quant.output_like`); new contiguous ones when ``None``.
 
     Returns:
-        ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, ``out``'s or contiguous.
-
-    Raises:
-        ValueError: ``out`` in two layouts, or with a last dim that is not contiguous.
+        ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
 
     Example::
 
@@ -602,10 +590,8 @@ def gluon_dkdv(
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dk, dv = out if out is not None else (torch.empty_like(k_op, dtype=grad_out.dtype) for _ in range(2))
-    if dk.stride() != dv.stride() or dk.stride(-1) != 1:
-        raise ValueError(f"out: dK and dV need one layout with the last dim contiguous; received strides "
-                         f"{dk.stride()} and {dv.stride()}")  # fmt: skip
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
@@ -617,7 +603,7 @@ def gluon_dkdv(
     _gluon_dkdv_kernel[(seq_k // BLOCK_N * bkv,)](
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
         q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
-        bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale, *dk.stride()[:3],
+        bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,

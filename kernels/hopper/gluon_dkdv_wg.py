@@ -107,7 +107,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _wg_compute(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv,
-        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, OUT_BASE, S_N,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr,
     ):  # fmt: skip
@@ -210,8 +210,7 @@ if HAVE_GLUON:
 
         rows = key0 + gl.arange(0, BLOCK_N, layout=acc_row_l)
         cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        # dK and dV over their strides (OUT_BASE: the kv head's first row in V's layout, the caller's).
-        out = OUT_BASE + rows[:, None] * S_N + cols[None, :]
+        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
         io_dtype: gl.constexpr = DK.dtype.element_ty
         gl.store(DK + out, (dk * tau).to(io_dtype))
         gl.store(DV + out, dv.to(io_dtype))
@@ -223,7 +222,7 @@ if HAVE_GLUON:
     def _gluon_dkdv_wg_kernel(
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS,
-        BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau, S_B, S_H, S_N,
+        BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
@@ -269,8 +268,6 @@ if HAVE_GLUON:
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
-        # dK and dV rows of this kv head over their strides (V's layout, the caller's).
-        out_base = b * S_B + (pid_bkv % kv_heads) * S_H
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
         bars = (ready, empty, kv_bar)
@@ -279,14 +276,14 @@ if HAVE_GLUON:
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                     DO_SCALE, DK, DV, STATS, qk_scale, tau, out_base, S_N, 0, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, STAGES, CAUSAL, WITH_STATS),
+                     DO_SCALE, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     CAUSAL, WITH_STATS),
                 ),
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                     DO_SCALE, DK, DV, STATS, qk_scale, tau, out_base, S_N, 1, HEAD_DIM, BLOCK_M,
-                     BLOCK_N, STAGES, CAUSAL, WITH_STATS),
+                     DO_SCALE, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                     CAUSAL, WITH_STATS),
                 ),
                 (
                     _wg_loader,
@@ -341,7 +338,6 @@ def gluon_dkdv_wg(
     is_causal: bool,
     scale: float,
     stages: int = 3,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as :func:`.gluon_backward.gluon_dkdv` returns them, bit for bit, for the calls
     :func:`gluon_dkdv_wg_serves` accepts (arguments as there).
@@ -350,10 +346,9 @@ def gluon_dkdv_wg(
         grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, is_causal,
             scale: as :func:`.gluon_backward.gluon_dkdv`.
         stages: depth of the TMA ring (3 at D=64: 40 KiB per stage beside 56 KiB of K, V and codes).
-        out: as :func:`.gluon_backward.gluon_dkdv`.
 
     Returns:
-        ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, ``out``'s or contiguous.
+        ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
 
     Example::
 
@@ -368,10 +363,8 @@ def gluon_dkdv_wg(
             f"received head_dim={head_dim}, seq_k={seq_k}"
         )
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dk, dv = out if out is not None else (torch.empty_like(k_op, dtype=grad_out.dtype) for _ in range(2))
-    if dk.stride() != dv.stride() or dk.stride(-1) != 1:
-        raise ValueError(f"out: dK and dV need one layout with the last dim contiguous; received strides "
-                         f"{dk.stride()} and {dv.stride()}")  # fmt: skip
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
@@ -383,7 +376,7 @@ def gluon_dkdv_wg(
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM * bkv,)](
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
         q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
-        bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale, *dk.stride()[:3],
+        bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, HEAD_CHUNK=HEAD_CHUNK, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=WG_MAXNREG,

@@ -128,7 +128,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_compute(
         descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, OUT_BASE, S_N,
+        Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
     ):  # fmt: skip
@@ -250,8 +250,7 @@ if HAVE_GLUON:
 
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
         cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        # dQ over its strides (OUT_BASE: the head's first row in O's layout, the caller's).
-        out = OUT_BASE + rows[:, None] * S_N + cols[None, :]
+        out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
         gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
 
     @gluon.jit
@@ -273,9 +272,6 @@ if HAVE_GLUON:
         SEQ_K,
         qk_scale,
         tau,
-        S_B,
-        S_H,
-        S_N,
         HEAD_DIM: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -326,8 +322,6 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        # dQ rows of this head over their strides (O's layout, the caller's).
-        out_base = b * S_B + head * S_H
         descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem)
         bars = (ready, empty, q_bar)
@@ -337,8 +331,8 @@ if HAVE_GLUON:
                     (
                         _dq_compute,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
-                         DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, out_base, S_N,
-                         HEAD_DIM, BLOCK_M, CAUSAL, WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
+                         DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
+                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
                     ),
                     (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES)),
                 ],
@@ -348,8 +342,8 @@ if HAVE_GLUON:
         else:
             _dq_compute(
                 descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
-                DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, out_base, S_N, HEAD_DIM, BLOCK_M,
-                CAUSAL, WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
+                DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
+                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
             )  # fmt: skip
 
 
@@ -444,7 +438,6 @@ def gluon_dq(
     warp_specialize: bool = True,
     codes_in_registers: bool = True,
     defer: bool = False,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls :func:`gluon_dq_applies` accepts.
 
@@ -466,15 +459,12 @@ def gluon_dq(
             its scaling overlaps the tensor cores (same values, same order of additions). Under Triton 3.6 ptxas
             serializes this variant's wgmma (C7514: the dQ token crosses the loop's back edge), so it checks the
             protocol rather than promising speed.
-        out: dQ to write into (``[B, Hq, N, D]`` of dO's dtype, any strides with the last dim contiguous, e.g.
-            O's from :func:`..quant.output_like`); a new contiguous one when ``None``.
 
     Returns:
-        dQ ``[B, Hq, N, D]`` bf16, ``out`` or contiguous.
+        dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a ring of fewer stages than the variant needs (``defer`` needs 2), or an ``out`` whose last
-            dim is not contiguous.
+        ValueError: a ring of fewer stages than the variant needs (``defer`` needs 2).
 
     Example::
 
@@ -487,9 +477,7 @@ def gluon_dq(
     if stages < (2 if defer else 1):
         raise ValueError(f"gluon_dq: stages={stages} would deadlock{' with defer' if defer else ''}")
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dq = out if out is not None else torch.empty_like(q_op, dtype=grad_out.dtype)
-    if dq.stride(-1) != 1:
-        raise ValueError(f"out: dQ needs its last dim contiguous; received strides {dq.stride()}")
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
@@ -498,7 +486,7 @@ def gluon_dq(
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     _gluon_dq_kernel[(seq_q // BLOCK_M * bh,)](
         desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
-        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale, *dq.stride()[:3],
+        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer, LOAD_REGS=LOAD_REGS,

@@ -87,7 +87,6 @@ if HAVE_GLUON:
     @gluon.jit
     def _dqwg_compute(
         bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K, qk_scale, tau,
-        OUT_BASE, S_N,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
@@ -183,15 +182,14 @@ if HAVE_GLUON:
         if live:
             rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
             cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-            # dQ over its strides (OUT_BASE: the head's first row in O's layout, the caller's).
-            out = OUT_BASE + rows[:, None] * S_N + cols[None, :]
+            out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
             gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
 
     @gluon.jit
     def _gluon_dq_wg_kernel(
         desc_q, desc_do, desc_k, desc_kt, desc_v,
         Q_SCALE, K_SCALE, LSE, DELTA, DQ,
-        BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau, S_B, S_H, S_N,
+        BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
@@ -231,8 +229,6 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        # dQ rows of this head over their strides (O's layout, the caller's).
-        out_base = b * S_B + head * S_H
         descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem)
         bars = (ready, empty, q_bar)
@@ -241,12 +237,12 @@ if HAVE_GLUON:
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, out_base, S_N, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, out_base, S_N, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
                 (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_M, BLOCK_N, STAGES)),
             ],
@@ -294,7 +290,6 @@ def gluon_dq_wg(
     is_causal: bool,
     scale: float,
     stages: int = 4,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ as :func:`.gluon_dq.gluon_dq` returns it, bit for bit, for the calls :func:`gluon_dq_wg_serves` accepts
     (arguments as there).
@@ -303,10 +298,9 @@ def gluon_dq_wg(
         grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v, lse, is_causal, scale: as
             :func:`.gluon_dq.gluon_dq`.
         stages: depth of the TMA ring of key tiles (16 KiB each at D=64, beside 48 KiB of Q'^ and dO).
-        out: as :func:`.gluon_dq.gluon_dq`.
 
     Returns:
-        dQ ``[B, Hq, N, D]`` bf16, ``out`` or contiguous.
+        dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
         ValueError: a head dim it does not serve, or ``stages`` below 1.
@@ -323,9 +317,7 @@ def gluon_dq_wg(
     if stages < 1:
         raise ValueError(f"gluon_dq_wg: stages must be at least 1; received stages={stages}")
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dq = out if out is not None else torch.empty_like(q_op, dtype=grad_out.dtype)
-    if dq.stride(-1) != 1:
-        raise ValueError(f"out: dQ needs its last dim contiguous; received strides {dq.stride()}")
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
@@ -335,7 +327,7 @@ def gluon_dq_wg(
     n_pairs = (seq_q // BLOCK_M + 1) // 2
     _gluon_dq_wg_kernel[(n_pairs * bh,)](
         desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
-        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale, *dq.stride()[:3],
+        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
         LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
