@@ -3,7 +3,8 @@
 * :func:`meta_backward`: the operands a dispatch rule (``gluon_*_applies``) reads, as meta tensors of SageBwd's
   default backward, with a test's overrides of the shapes, dtype and Q-mean;
 * :func:`pretend_verified_hopper`: this machine as a verified Hopper with the Gluon API a kernel module is written for;
-* :func:`hopper_grads`: dQ, dK and dV of SageBwd's Triton path on the GPU with one kernel switch set.
+* :func:`hopper_grads`: dQ, dK and dV of SageBwd's Triton path on the GPU with one kernel switch set;
+* :func:`count_calls`: which of the backward's Gluon kernels a call took, by name.
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ def pretend_verified_hopper(monkeypatch: pytest.MonkeyPatch, module: object) -> 
     monkeypatch.setattr(dispatch, "verified_here", lambda device: True)
     monkeypatch.delenv(module.ENV, raising=False)
     monkeypatch.delenv(dispatch.ENV, raising=False)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
+    """Wrap each kernel of ``names`` as ``kernels.backward`` calls it; the returned list names each call's kernel.
+
+    Example::
+
+        calls = count_calls(monkeypatch, ("gluon_dq", "gluon_dq_wg"))
+    """
+    from sage_lightning.kernels import backward
+
+    calls: list[str] = []
+    for name in names:
+        original = getattr(backward, name)
+        monkeypatch.setattr(
+            backward, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+        )  # fmt: skip
+    return calls
 
 
 def hopper_grads(

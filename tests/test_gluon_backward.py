@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_support import TRITON, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
-from sage_lightning.kernels import backward as portable
+from gluon_support import TRITON, count_calls, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
 from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.hopper import gluon_backward as gb
 from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
@@ -114,15 +113,9 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(monkeypatc
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Wrap both Gluon dK/dV kernels as ``backward()`` calls them; the returned list names each call's kernel."""
+    """Both Gluon dK/dV kernels as ``backward()`` calls them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
     monkeypatch.delenv(wg.ENV, raising=False)
-    calls: list[str] = []
-    for name in ("gluon_dkdv", "gluon_dkdv_wg"):
-        original = getattr(portable, name)
-        monkeypatch.setattr(
-            portable, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
-        )  # fmt: skip
-    return calls
+    return count_calls(monkeypatch, ("gluon_dkdv", "gluon_dkdv_wg"))
 
 
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:

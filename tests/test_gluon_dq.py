@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_support import TRITON, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
-from sage_lightning.kernels import backward as portable
+from gluon_support import TRITON, count_calls, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
 from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.hopper import gluon_dq as gq
 from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
@@ -128,15 +127,9 @@ def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Wrap both Gluon dQ kernels as ``backward()`` calls them; the returned list names each call's kernel."""
+    """Both Gluon dQ kernels as ``backward()`` calls them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
     monkeypatch.delenv(gqw.ENV, raising=False)
-    calls: list[str] = []
-    for name in ("gluon_dq", "gluon_dq_wg"):
-        original = getattr(portable, name)
-        monkeypatch.setattr(
-            portable, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
-        )  # fmt: skip
-    return calls
+    return count_calls(monkeypatch, ("gluon_dq", "gluon_dq_wg"))
 
 
 @needs_hopper
