@@ -420,8 +420,8 @@ def _transpose_kernel(X, OUT, SEQ, HEAD_DIM, BLOCK: tl.constexpr, D_PAD: tl.cons
     tl.store(OUT + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
 
 
-def output_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised tensor of ``x``'s shape (and device) in ``x``'s memory layout, as ``torch.empty_like``
+def output_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of ``x``'s shape, dtype and device in ``x``'s memory layout, as ``torch.empty_like``
     keeps it, when a TMA descriptor can take that layout (last dim contiguous, the other strides multiples of 16
     bytes); contiguous otherwise.
 
@@ -430,17 +430,16 @@ def output_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     forward's registered fake uses the same rule, so ``torch.compile`` sees the strides the kernels write.
 
     Args:
-        x: the tensor whose shape and layout the output takes.
-        dtype: the output's dtype (``x``'s by default).
+        x: the tensor whose shape, dtype and layout the output takes.
 
     Example::
 
         out = output_like(q.transpose(1, 2).contiguous().transpose(1, 2))   # [B, H, N, D] over [B, N, H, D] memory
     """
-    out = torch.empty_like(x, dtype=dtype)
+    out = torch.empty_like(x)
     size = out.element_size()
     if out.stride(-1) != 1 or any(stride * size % 16 for stride in out.stride()[:-1]):
-        out = torch.empty(x.shape, dtype=out.dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return out
 
 

@@ -23,12 +23,24 @@ ENV = "SAGE_LIGHTNING_HOPPER"
 CHOICES = ("auto", "off", "force")
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str = "auto") -> str:
+    """The value of the environment variable ``name`` (``default`` when unset or blank), lower-cased; a value not in
+    ``choices`` raises ``ValueError`` naming the variable, what works and what was received. Every kernel switch
+    (``SAGE_LIGHTNING_HOPPER`` and the Gluon kernels') reads itself through this.
+
+    Example::
+
+        env_choice("SAGE_LIGHTNING_GLUON_DQ_WG", ("auto", "off"))   # "auto" when unset
+    """
+    value = os.environ.get(name, default).strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; received {value!r}")
+    return value
+
+
 def choice() -> str:
     """The value of :data:`ENV` (``auto`` when unset); an unknown value raises ``ValueError`` naming it."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
-    return value
+    return env_choice(ENV, CHOICES)
 
 
 def verified_here(device: torch.device) -> bool:

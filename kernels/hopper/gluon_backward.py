@@ -34,7 +34,6 @@ device test: ``benchmarks/gluon-dkdv.md``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -457,13 +456,6 @@ if HAVE_GLUON:
             )  # fmt: skip
 
 
-def _choice() -> str:
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
-    return value
-
-
 def gluon_dkdv_applies(
     grad_out: torch.Tensor,
     q_op: torch.Tensor,
@@ -500,7 +492,7 @@ def gluon_dkdv_applies(
                               dv_int8=True, dp_int8=False, ds_int8=True):
             dk, dv = gluon_dkdv(...)
     """
-    choice = _choice()
+    choice = dispatch.env_choice(ENV, CHOICES)
     if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
         return False
     if choice == "auto":

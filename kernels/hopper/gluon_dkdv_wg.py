@@ -25,11 +25,10 @@ Design, offline figures and the device results: ``benchmarks/NOTES.md`` (device 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..forward import LOG2E
+from . import dispatch
 from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc, _rows_desc
 
 if HAVE_GLUON:
@@ -304,10 +303,7 @@ def gluon_dkdv_wg_applies(head_dim: int, seq_k: int) -> bool:
 
         kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(64, 4096) else gluon_dkdv
     """
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
-    return value == "auto" and gluon_dkdv_wg_serves(head_dim, seq_k)
+    return dispatch.env_choice(ENV, CHOICES) == "auto" and gluon_dkdv_wg_serves(head_dim, seq_k)
 
 
 def gluon_dkdv_wg_serves(head_dim: int, seq_k: int) -> bool:

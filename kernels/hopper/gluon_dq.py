@@ -32,7 +32,6 @@ partition that also issues the loads. Design, offline figures and the device che
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -347,13 +346,6 @@ if HAVE_GLUON:
             )  # fmt: skip
 
 
-def _choice() -> str:
-    value = os.environ.get(ENV, DEFAULT).strip().lower() or DEFAULT
-    if value not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
-    return value
-
-
 def gluon_dq_applies(
     grad_out: torch.Tensor,
     q_op: torch.Tensor,
@@ -389,7 +381,7 @@ def gluon_dq_applies(
                             dp_int8=False, ds_int8=True):
             dq = gluon_dq(...)
     """
-    choice = _choice()
+    choice = dispatch.env_choice(ENV, CHOICES, DEFAULT)
     if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
         return False
     if choice == "auto":

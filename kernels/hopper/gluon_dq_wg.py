@@ -23,11 +23,10 @@ Design and the device results: ``benchmarks/NOTES.md`` (device run 8).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..forward import LOG2E
+from . import dispatch
 from .gluon_backward import HAVE_GLUON, LOAD_REGS, _desc
 from .gluon_dkdv_wg import CONSUMER_REGS, WG_MAXNREG
 from .gluon_dq import BLOCK_M, BLOCK_N
@@ -259,10 +258,7 @@ def gluon_dq_wg_applies(head_dim: int) -> bool:
 
         kernel = gluon_dq_wg if gluon_dq_wg_applies(64) else gluon_dq
     """
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}; received {value!r}")
-    return value == "auto" and gluon_dq_wg_serves(head_dim)
+    return dispatch.env_choice(ENV, CHOICES) == "auto" and gluon_dq_wg_serves(head_dim)
 
 
 def gluon_dq_wg_serves(head_dim: int) -> bool:
