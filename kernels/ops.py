@@ -5,6 +5,9 @@ the forward's autograd formula, so a ``torch.compile``\\ d model traces through 
 The forward saves only what the backward needs: the INT8 Q'^ and K'^ with their scales (not q and k), V,
 O and the logsumexp.
 
+Eager calls run the same two functions through a ``torch.autograd.Function`` instead (:class:`_SageBwd`): the
+operators' Python dispatch costs the host more than the kernels' launches.
+
 Under ``torch.compile`` a change of :class:`AttentionPrecision` changes the operators' constant arguments,
 which costs one recompile per distinct setting (each layer's setting is a guard).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backward import backward
 from .forward import LOG2E, forward
@@ -27,6 +31,40 @@ from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_s
 MAX_TRITON_HEAD_DIM = 128
 
 _EMPTY = (0,)
+
+
+def _forward_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    qk_int8: bool,
+    pv_int8: bool,
+    smooth_k: bool,
+    smooth_q: bool,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, ...]:
+    """The forward's work (:func:`sagebwd_forward`'s body, also run by :class:`_SageBwd`)."""
+    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
+    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
+    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
+    if pv_int8:
+        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
+    else:
+        v_op, v_scale = v.contiguous(), k_scale
+    operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
+    # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
+    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
+             "out": output_like(q)}  # fmt: skip
+    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
+                              block_n=block_n):  # fmt: skip
+        out, lse = hopper_forward(*operands, **tiles)
+    else:
+        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
+    q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
+    return out, lse, q_op, q_scale, q_mean, k_op, k_scale
 
 
 @torch.library.custom_op("sage_lightning::sagebwd_forward", mutates_args=())
@@ -52,24 +90,7 @@ def sagebwd_forward(
     ``lse2`` is the internal logsumexp (base 2, of the smoothed scores); ``q_mean`` is empty without
     Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
     """
-    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
-    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
-    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
-    if pv_int8:
-        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
-    else:
-        v_op, v_scale = v.contiguous(), k_scale
-    operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
-    # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
-    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
-             "out": output_like(q)}  # fmt: skip
-    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
-                              block_n=block_n):  # fmt: skip
-        out, lse = hopper_forward(*operands, **tiles)
-    else:
-        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
-    q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
-    return out, lse, q_op, q_scale, q_mean, k_op, k_scale
+    return _forward_impl(q, k, v, is_causal, scale, qk_int8, pv_int8, smooth_k, smooth_q, block_m, block_n)
 
 
 @sagebwd_forward.register_fake
@@ -162,6 +183,37 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, 
 torch.library.register_autograd("sage_lightning::sagebwd_forward", _backward, setup_context=_setup_context)
 
 
+class _SageBwd(torch.autograd.Function):
+    """The same forward and backward as the two operators, for eager calls: ``torch.library``'s dispatch of a
+    Python operator costs the host about 0.2 ms per forward and 0.3 ms per backward (measured on an H100 host at
+    the example's shape, ``benchmarks/host_breakdown.py``), more than cuDNN's whole call. Traced calls
+    (``torch.compile``, fake tensors, dispatch modes) take the operators, which trace without a graph break."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, *inputs: object) -> tuple[torch.Tensor, ...]:
+        q, k, v, _stats, is_causal, scale, qk_int8, pv_int8, *_formats, smooth_k, smooth_q, block_m, block_n = inputs
+        output = _forward_impl(q, k, v, is_causal, scale, qk_int8, pv_int8, smooth_k, smooth_q, block_m, block_n)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
+        out, lse, q_op, q_scale, q_mean, k_op, k_scale, v = ctx.saved_tensors
+        is_causal, scale, qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n = ctx.config
+        dq, dk, dv = backward(
+            grad_out, out, q_op, q_scale, q_mean if q_mean.numel() else None, k_op, k_scale, v, lse, ctx.stats,
+            is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n, qk_int8=qk_int8, dv_int8=dv_int8,
+            dp_int8=dp_int8, ds_int8=ds_int8,
+        )  # fmt: skip
+        return (dq, dk, dv) + (None,) * 12
+
+
+def _traced(q: torch.Tensor) -> bool:
+    """Whether a call is being traced (``torch.compile``, fake or subclass tensors, a dispatch mode): such calls
+    take the registered operators, eager calls :class:`_SageBwd`."""
+    return torch.compiler.is_compiling() or type(q) is not torch.Tensor or _get_current_dispatch_mode() is not None
+
+
 def sage_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -203,7 +255,8 @@ def sage_attention_triton(
     precision = AttentionPrecision() if precision is None else precision
     tau = softmax_scale(q.shape[-1], scale)
     int8 = precision.int8_products
-    out, lse2, *_ = sagebwd_forward(
+    attention = sagebwd_forward if _traced(q) else _SageBwd.apply
+    out, lse2, *_ = attention(
         q, k, v, stats, is_causal, tau,
         "qk" in int8, "pv" in int8, "dv" in int8, "dp" in int8, "ds" in int8,
         precision.smooth_k, precision.smooth_q, block_m, block_n,

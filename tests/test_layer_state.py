@@ -226,3 +226,32 @@ def test_bad_values_are_refused_where_they_are_set() -> None:
         layer.load_state_dict({"precision": {"bogus": 1}})
     with pytest.raises(ValueError, match=r"ds must be one of"):
         layer.load_state_dict({"precision": {"ds": "fp8"}})
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finiteness_check_flags_exactly_a_nonfinite_output_from_finite_inputs(device: str, dtype: torch.dtype) -> None:
+    """A NaN, +inf or -inf anywhere in the output, with finite q, k and v, raises the flag; the same in an input
+    does not; empty tensors are finite; strided views (a model's [B, N, H, D] memory) are read whole."""
+    layer = AttentionLayerState("l")
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(2, 5, 3, 4, generator=gen).to(device, dtype).transpose(1, 2) for _ in range(4)]
+    for bad in (None, math.nan, math.inf, -math.inf):
+        for where in range(4):
+            for index in ((0, 0, 0, 0), (1, 2, 4, 3)):
+                tensors = [t.clone(memory_format=torch.preserve_format) for t in base]
+                if bad is not None:
+                    tensors[where][index] = bad
+                assert not tensors[where].is_contiguous()
+                layer._record_finiteness(*tensors)
+                assert layer.take_nonfinite() == (bad is not None and where == 3), (bad, where, index)
+    empty = base[0][:, :, :0]
+    layer._record_finiteness(empty, empty, empty, empty)
+    assert not layer.take_nonfinite()
+    out = base[3].clone()
+    out[0, 0, 0, 0] = math.nan
+    layer._record_finiteness(base[0], empty, empty, out)
+    assert layer.take_nonfinite()

@@ -231,6 +231,47 @@ def test_torch_compile_has_no_graph_break():
         assert torch.equal(g, e)
 
 
+def test_eager_calls_skip_the_operators_and_match_them(monkeypatch):
+    """Eager calls run the kernels through ``_SageBwd`` (no ``torch.library`` dispatch on the host); traced calls
+    (forced here) through the two operators: the same output, gradients and dS statistics, bit for bit."""
+    from sage_lightning.kernels import ops
+
+    q, k, v, do = _inputs((2, 4, 70, 16), (2, 2, 70, 16), torch.bfloat16, seed=9)
+    forced = []
+
+    def operator_forward(*args):
+        forced.append("forward")
+        return torch.ops.sage_lightning.sagebwd_forward(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "_traced", lambda q: True)
+        patch.setattr(ops, "sagebwd_forward", operator_forward)
+        out_op, _, grads_op, stats_op = _run(sage_attention_triton, q, k, v, do, is_causal=True)
+    assert forced == ["forward"]
+
+    def refuse(*args):
+        raise AssertionError("an eager call went through the operator")
+
+    monkeypatch.setattr(ops, "sagebwd_forward", refuse)
+    monkeypatch.setattr(ops, "sagebwd_backward", refuse)
+    out, _, grads, stats = _run(sage_attention_triton, q, k, v, do, is_causal=True)
+    assert torch.equal(out, out_op) and torch.equal(stats, stats_op) and stats[1] > 0
+    for g, g_op in zip(grads, grads_op, strict=True):
+        assert torch.equal(g, g_op)
+
+
+def test_traced_calls_take_the_operators():
+    """Fake tensors (what ``torch.compile`` and ``torch.export`` trace with) go through the registered fakes: the
+    call returns O's shape and layout without running a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v, _ = _inputs((1, 2, 64, 16), (1, 1, 64, 16), torch.bfloat16, seed=10)
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
+        out, _ = sage_attention_triton(fq, fk, fv, is_causal=True, with_lse=False)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride() == q.stride()
+
+
 def _model_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, H, N, D]`` as a model hands it over: ``[B, N, H, D]`` memory viewed ``[B, H, N, D]``."""
     return x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(x.requires_grad)

@@ -8,6 +8,7 @@ the default, ``auto``, takes it only on a compute capability 9.0 GPU under a ver
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,13 +44,22 @@ def choice() -> str:
     return env_choice(ENV, CHOICES)
 
 
+#: The installed Triton's major.minor version.
+TRITON_VERSION = ".".join(triton.__version__.split(".")[:2])
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    # Read once per GPU: the query costs the host tens of microseconds, and each attention call asks up to three times.
+    return torch.cuda.get_device_capability(index)
+
+
 def verified_here(device: torch.device) -> bool:
     """Whether ``device`` is a compute capability 9.0 GPU and the installed Triton is one of :data:`VERIFIED_TRITON`."""
-    return (
-        device.type == "cuda"
-        and torch.cuda.get_device_capability(device) == (9, 0)
-        and ".".join(triton.__version__.split(".")[:2]) in VERIFIED_TRITON
-    )
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0) and TRITON_VERSION in VERIFIED_TRITON
 
 
 def hopper_forward_applies(

@@ -33,10 +33,10 @@ device test: ``benchmarks/gluon-dkdv.md``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from ..forward import LOG2E
@@ -493,7 +493,7 @@ def gluon_dkdv_applies(
             dk, dv = gluon_dkdv(...)
     """
     choice = dispatch.env_choice(ENV, CHOICES)
-    if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
+    if not HAVE_GLUON or choice == "off" or dispatch.TRITON_VERSION not in GLUON_TRITON:
         return False
     if choice == "auto":
         if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
@@ -518,18 +518,27 @@ def gluon_dkdv_applies(
     )
 
 
+@functools.cache
+def _tile_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    # Built once per tile shape and dtype: the layout object is the same every call and costs the host to make.
+    gl_dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
 def _desc(x: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
     """A 2-D TMA descriptor over ``x`` viewed ``[rows, cols]`` (contiguous), tiles of ``block``."""
-    dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, layout)
+    return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, _tile_layout(tuple(block), x.dtype))
+
+
+@functools.cache
+def _rows_layout() -> object:
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 1-D TMA descriptor over the per-query fp32 ``x`` (lse or delta, ``[B, H, N]`` contiguous), tiles of
     :data:`BLOCK_M` queries (512 bytes, no swizzle)."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor.from_tensor(x.reshape(rows), [BLOCK_M], layout)
+    return TensorDescriptor.from_tensor(x.reshape(rows), [BLOCK_M], _rows_layout())
 
 
 def gluon_dkdv(

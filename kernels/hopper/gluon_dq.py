@@ -34,7 +34,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from ..forward import LOG2E
 from . import dispatch
@@ -382,7 +381,7 @@ def gluon_dq_applies(
             dq = gluon_dq(...)
     """
     choice = dispatch.env_choice(ENV, CHOICES, DEFAULT)
-    if not HAVE_GLUON or choice == "off" or ".".join(triton.__version__.split(".")[:2]) not in GLUON_TRITON:
+    if not HAVE_GLUON or choice == "off" or dispatch.TRITON_VERSION not in GLUON_TRITON:
         return False
     if choice == "auto":
         if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
