@@ -233,7 +233,7 @@ def test_torch_compile_has_no_graph_break():
 
 def test_eager_calls_skip_the_operators_and_match_them(monkeypatch):
     """Eager calls run the kernels through ``_SageBwd`` (no ``torch.library`` dispatch on the host); traced calls
-    (forced here) through the two operators: the same output, gradients and dS statistics, bit for bit."""
+    (forced here) through the two operators: the same output and gradients, bit for bit, and the same dS statistics."""
     from sage_lightning.kernels import ops
 
     q, k, v, do = _inputs((2, 4, 70, 16), (2, 2, 70, 16), torch.bfloat16, seed=9)
@@ -255,7 +255,9 @@ def test_eager_calls_skip_the_operators_and_match_them(monkeypatch):
     monkeypatch.setattr(ops, "sagebwd_forward", refuse)
     monkeypatch.setattr(ops, "sagebwd_backward", refuse)
     out, _, grads, stats = _run(sage_attention_triton, q, k, v, do, is_causal=True)
-    assert torch.equal(out, out_op) and torch.equal(stats, stats_op) and stats[1] > 0
+    assert torch.equal(out, out_op) and stats[1] > 0
+    # The statistics are sums of the programs' atomic adds: on a GPU their order, so the last bits, vary by run.
+    torch.testing.assert_close(stats, stats_op, rtol=1e-5, atol=0)
     for g, g_op in zip(grads, grads_op, strict=True):
         assert torch.equal(g, g_op)
 
