@@ -19,8 +19,9 @@ Writes ``--out`` (JSON) and prints two tables::
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
-import json
+import shlex
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from accuracy import _commit, _versions, to_json  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 #: (module, attribute) pairs timed in the instrumented run: each module's own name for a function it calls.
@@ -214,10 +216,37 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         timers.restore()
     if args.out:
-        record = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "shape": args.shape,
-                  "causal": causal, "rows": rows, "instrumented": shares}  # fmt: skip
-        args.out.write_text(json.dumps(record, indent=1))
+        args.out.write_text(to_json(record(rows, shares, args.shape, causal, argv)))
     return 0
+
+
+def record(rows: list[dict], shares: dict, shape: list[int], causal: bool, argv: list[str] | None) -> dict:
+    """The result file (``../shared/RESULTS.md``'s header, kind ``overhead``): one row per call and pass, ``what``
+    naming them, with the shape; the instrumented run's functions beside the rows."""
+    command = "python3 benchmarks/host_breakdown.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    batch, heads, kv_heads, seq, head_dim = shape
+    return {
+        "kind": "overhead",
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "command": command.strip(),
+        "versions": _versions(),
+        "rows": [
+            {
+                "what": f"{row['call']} {row['pass']}",
+                **row,
+                "batch": batch,
+                "heads": heads,
+                "kv_heads": kv_heads,
+                "seq": seq,
+                "head_dim": head_dim,
+                "causal": causal,
+            }
+            for row in rows
+        ],  # fmt: skip
+        "instrumented": shares,
+    }
 
 
 if __name__ == "__main__":
