@@ -5,7 +5,7 @@ On a CUDA GPU, at the example's shape (the small config: ``B=8, Hq=10, Hkv=5, N=
 
 - ``layer``: a Lightning layer's ``scaled_dot_product_attention`` (:class:`sage_lightning.layer.AttentionLayerState`),
   forward, then the backward of its output (``torch.autograd.backward``), as a training step calls them;
-- ``sage_attention``, ``sage_attention_triton``, the ``sagebwd_forward`` operator and its body (``_init_fn``),
+- ``sage_attention``, ``sage_attention_triton``, the ``sagebwd_forward`` operator and the function it wraps,
   the same for the backward;
 - SDPA's cuDNN and flash backends at the same shape, the same two passes.
 
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accuracy import _commit, _versions, to_json  # noqa: E402
+from device_check import host_ms  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 #: (module, attribute) pairs timed in the instrumented run: each module's own name for a function it calls.
@@ -72,19 +73,11 @@ TIMED = (
 
 
 def host_us(fn: Callable[[], object], calls: int = 20, repeats: int = 7) -> float:
-    """Host microseconds per call of ``fn``: the median over ``repeats`` rounds of ``calls`` calls queued, then one
-    wait (not counted). A shared host's time per call varies by a third from one round to the next."""
+    """Host microseconds per call of ``fn``: the median of ``repeats`` rounds of :func:`device_check.host_ms` (a
+    shared host's time per call varies by a third from one round to the next), after three warm-up calls."""
     for _ in range(3):
         fn()
-    rounds = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) * 1e6 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(rounds)
+    return 1e3 * statistics.median(host_ms(fn, calls) for _ in range(repeats))
 
 
 class Timers:
@@ -130,7 +123,13 @@ class Timers:
 
 def main(argv: list[str] | None = None) -> int:
     from sage_lightning.kernels import AttentionPrecision, sage_attention
-    from sage_lightning.kernels.ops import sage_attention_triton, sagebwd_backward, sagebwd_forward
+    from sage_lightning.kernels.ops import (
+        _sagebwd_backward,
+        _sagebwd_forward,
+        sage_attention_triton,
+        sagebwd_backward,
+        sagebwd_forward,
+    )
 
     from sage_lightning.layer import AttentionLayerState
 
@@ -169,13 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         "sage_attention": lambda: sage_attention(q, k, v, is_causal=causal, precision=precision),
         "sage_attention_triton": lambda: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False),
         "sagebwd_forward op": lambda: sagebwd_forward(*op_args),
-        "sagebwd_forward body": lambda: sagebwd_forward._init_fn(*op_args),
+        "sagebwd_forward body": lambda: _sagebwd_forward(*op_args),
     }
     bwd = {
         "layer": backward_of(fwd["layer"]),
         "sage_attention_triton": backward_of(lambda: fwd["sage_attention_triton"]()[0]),
         "sagebwd_backward op": lambda: sagebwd_backward(*bwd_args),
-        "sagebwd_backward body": lambda: sagebwd_backward._init_fn(*bwd_args),
+        "sagebwd_backward body": lambda: _sagebwd_backward(*bwd_args),
     }
     for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
 

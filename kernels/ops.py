@@ -5,14 +5,16 @@ the forward's autograd formula, so a ``torch.compile``\\ d model traces through 
 The forward saves only what the backward needs: the INT8 Q'^ and K'^ with their scales (not q and k), V,
 O and the logsumexp.
 
-Eager calls run the same two functions through a ``torch.autograd.Function`` instead (:class:`_SageBwd`): the
-operators' Python dispatch costs the host more than the kernels' launches.
+Eager calls run the operators' two functions through a ``torch.autograd.Function`` instead (:class:`_SageBwd`):
+the operators' Python dispatch costs the host more than the kernels' launches.
 
 Under ``torch.compile`` a change of :class:`AttentionPrecision` changes the operators' constant arguments,
 which costs one recompile per distinct setting (each layer's setting is a guard).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import triton
@@ -33,42 +35,7 @@ MAX_TRITON_HEAD_DIM = 128
 _EMPTY = (0,)
 
 
-def _forward_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    is_causal: bool,
-    scale: float,
-    qk_int8: bool,
-    pv_int8: bool,
-    smooth_k: bool,
-    smooth_q: bool,
-    block_m: int,
-    block_n: int,
-) -> tuple[torch.Tensor, ...]:
-    """The forward's work (:func:`sagebwd_forward`'s body, also run by :class:`_SageBwd`)."""
-    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
-    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
-    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
-    if pv_int8:
-        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
-    else:
-        v_op, v_scale = v.contiguous(), k_scale
-    operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
-    # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
-    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
-             "out": output_like(q)}  # fmt: skip
-    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
-                              block_n=block_n):  # fmt: skip
-        out, lse = hopper_forward(*operands, **tiles)
-    else:
-        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
-    q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
-    return out, lse, q_op, q_scale, q_mean, k_op, k_scale
-
-
-@torch.library.custom_op("sage_lightning::sagebwd_forward", mutates_args=())
-def sagebwd_forward(
+def _sagebwd_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,7 +57,28 @@ def sagebwd_forward(
     ``lse2`` is the internal logsumexp (base 2, of the smoothed scores); ``q_mean`` is empty without
     Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
     """
-    return _forward_impl(q, k, v, is_causal, scale, qk_int8, pv_int8, smooth_k, smooth_q, block_m, block_n)
+    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
+    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
+    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
+    if pv_int8:
+        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
+    else:
+        v_op, v_scale = v.contiguous(), k_scale
+    operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
+    # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
+    tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
+             "out": output_like(q)}  # fmt: skip
+    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
+                              block_n=block_n):  # fmt: skip
+        out, lse = hopper_forward(*operands, **tiles)
+    else:
+        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
+    q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
+    return out, lse, q_op, q_scale, q_mean, k_op, k_scale
+
+
+#: The forward as an operator (what traced calls take); eager calls run :func:`_sagebwd_forward` in :class:`_SageBwd`.
+sagebwd_forward = torch.library.custom_op("sage_lightning::sagebwd_forward", mutates_args=())(_sagebwd_forward)
 
 
 @sagebwd_forward.register_fake
@@ -112,8 +100,7 @@ def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk_int8, pv_int8, dv
     )
 
 
-@torch.library.custom_op("sage_lightning::sagebwd_backward", mutates_args=("stats",))
-def sagebwd_backward(
+def _sagebwd_backward(
     grad_out: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
@@ -156,6 +143,12 @@ def sagebwd_backward(
     )
 
 
+#: The backward as an operator (the forward operator's autograd formula calls it).
+sagebwd_backward = torch.library.custom_op("sage_lightning::sagebwd_backward", mutates_args=("stats",))(
+    _sagebwd_backward
+)
+
+
 @sagebwd_backward.register_fake
 def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
                            qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n):  # fmt: skip
@@ -174,10 +167,17 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
     ctx.mark_non_differentiable(lse, q_op, q_scale, q_mean, k_op, k_scale)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
+def _gradients(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, run_backward: Callable[..., tuple]
+) -> tuple:
+    # The forward's 15 inputs get (dQ, dK, dV) and 12 Nones from ``run_backward`` (the operator or its function).
     out, lse, q_op, q_scale, q_mean, k_op, k_scale, v = ctx.saved_tensors
-    dq, dk, dv = sagebwd_backward(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, ctx.stats, *ctx.config)
+    dq, dk, dv = run_backward(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, ctx.stats, *ctx.config)
     return (dq, dk, dv) + (None,) * 12
+
+
+def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
+    return _gradients(ctx, grad_out, sagebwd_backward)
 
 
 torch.library.register_autograd("sage_lightning::sagebwd_forward", _backward, setup_context=_setup_context)
@@ -191,21 +191,13 @@ class _SageBwd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, *inputs: object) -> tuple[torch.Tensor, ...]:
-        q, k, v, _stats, is_causal, scale, qk_int8, pv_int8, *_formats, smooth_k, smooth_q, block_m, block_n = inputs
-        output = _forward_impl(q, k, v, is_causal, scale, qk_int8, pv_int8, smooth_k, smooth_q, block_m, block_n)
+        output = _sagebwd_forward(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
-        out, lse, q_op, q_scale, q_mean, k_op, k_scale, v = ctx.saved_tensors
-        is_causal, scale, qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n = ctx.config
-        dq, dk, dv = backward(
-            grad_out, out, q_op, q_scale, q_mean if q_mean.numel() else None, k_op, k_scale, v, lse, ctx.stats,
-            is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n, qk_int8=qk_int8, dv_int8=dv_int8,
-            dp_int8=dp_int8, ds_int8=ds_int8,
-        )  # fmt: skip
-        return (dq, dk, dv) + (None,) * 12
+        return _gradients(ctx, grad_out, _sagebwd_backward)
 
 
 def _traced(q: torch.Tensor) -> bool:
