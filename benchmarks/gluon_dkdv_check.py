@@ -116,7 +116,7 @@ def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
     out, lse, q_op, q_scale, _q_mean, k_op, k_scale = sagebwd_forward(
         q, k, v, None, causal, tau, True, True, True, False, True, prec.smooth_k, False, 128, 64
     )
-    delta, _, do_codes_t, do_scale = backward_preprocess(do, out, 128, codes=False, codes_t=True)
+    delta, _, do_codes_t, do_scale, _ = backward_preprocess(do, out, 128, codes=False, codes_t=True)
     x = dict(do=do, out=out, delta=delta, do_codes_t=do_codes_t, do_scale=do_scale, q_op=q_op,
              q_op_t=transpose_rows(q_op), q_scale=q_scale, k_op=k_op, k_scale=k_scale, v=v.contiguous(),
              lse=lse)  # fmt: skip

@@ -99,11 +99,11 @@ def serves(variant: str, head_dim: int) -> bool:
 def gluon(x: dict, causal: bool, tau: float, variant: str) -> torch.Tensor:
     if variant == "wg":
         return gqw.gluon_dq_wg(
-            x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"], x["v"], x["lse"],
+            x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"],
             is_causal=causal, scale=tau,
         )  # fmt: skip
     return gq.gluon_dq(
-        x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"], x["v"], x["lse"],
+        x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"],
         is_causal=causal, scale=tau, warp_specialize=variant.startswith("ws"),
         codes_in_registers="smem" not in variant, defer=variant.endswith("defer"),
     )  # fmt: skip

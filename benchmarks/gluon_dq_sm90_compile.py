@@ -80,13 +80,13 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if variant == "wg":
                         gqw.gluon_dq_wg(
-                            x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"],
-                            x["k_scale"], x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5,
+                            x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"],
+                            x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5,
                             stages=stages or 4,
                         )  # fmt: skip
                         continue
                     gq.gluon_dq(
-                        x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_op_t"], x["k_scale"],
+                        x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"],
                         x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
                         warp_specialize=variant.startswith("ws"), codes_in_registers="smem" not in variant,
                         defer=variant.endswith("defer"),

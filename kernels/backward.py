@@ -376,8 +376,8 @@ def backward(
     contiguous in dO's dtype.
 
     Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
-    copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before K'^'s ``[D, N]`` copy and dQ
-    (the dQ kernel's) are allocated.
+    copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before dQ and the portable dQ kernel's
+    ``[D, N]`` copy of K'^ are allocated (the Gluon dQ kernels transpose K'^'s tiles in shared memory instead).
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
@@ -405,14 +405,17 @@ def backward(
         # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
         # usually a [B, N, H, D] view).
         grad_out = grad_out.contiguous()
-    delta, do_codes, do_codes_t, do_scale = backward_preprocess(grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8)
+    # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
+    # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
+    # the portable dQ kernel K'^'s (made just before it; the Gluon dQ kernels transpose K'^'s tiles themselves).
+    transposed = qk_int8 and ds_int8
+    delta, do_codes, do_codes_t, do_scale, q_op_t = backward_preprocess(
+        grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8, transpose=q_op if transposed else None
+    )
     if dp_int8:
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
     else:
         v_dp, v_dp_scale = v.contiguous(), None
-    # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
-    # cores want those contiguous, so each kernel reads a transposed copy, made just before it.
-    transposed = qk_int8 and ds_int8
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     io_dtype = grad_out.dtype
@@ -434,7 +437,7 @@ def backward(
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(io_dtype),
     )
-    q_op_t = transpose_rows(q_op) if transposed else q_op
+    q_op_t = q_op_t if q_op_t is not None else q_op
     if gluon_kv:
         # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
         # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
@@ -456,15 +459,14 @@ def backward(
         )  # fmt: skip
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
     del q_op_t, do_codes_t
-    k_op_t = transpose_rows(k_op) if transposed else k_op
     if gluon_q:
         # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py; at D=64 one
-        # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py).
+        # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py). They transpose K'^'s tiles in shared
+        # memory: no [D, N] copy.
         dq_kernel = gluon_dq_wg if gluon_dq_wg_applies(head_dim) else gluon_dq
-        dq = dq_kernel(
-            grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v_dp, lse, is_causal=is_causal, scale=scale
-        )
+        dq = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
     else:
+        k_op_t = transpose_rows(k_op) if transposed else k_op
         dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
         _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
             q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,

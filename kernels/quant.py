@@ -310,6 +310,8 @@ def _backward_preprocess_kernel(
     DO_CODES,
     DO_CODES_T,
     DO_SCALE,
+    X,
+    X_T,
     stride_dob,
     stride_doh,
     stride_don,
@@ -325,11 +327,14 @@ def _backward_preprocess_kernel(
     D_PAD: tl.constexpr,
     CODES: tl.constexpr,
     CODES_T: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
 ):
     """``delta = rowsum(dO * O)`` per row and dO's INT8 codes and scale per block, in one read of dO.
 
     ``CODES`` writes the codes ``[N, D]`` (an INT8 ``dP = dO V^T`` sums over D); ``CODES_T`` writes them ``[D, N]``
-    (the INT8 ``dV = P^T dO`` sums over queries, which 8-bit tensor-core products want contiguous).
+    (the INT8 ``dV = P^T dO`` sums over queries, which 8-bit tensor-core products want contiguous). ``TRANSPOSE``
+    also copies the same rows of ``X`` (contiguous ``[B, H, N, D]``, dO's shape) into ``X_T`` ``[B, H, D, N]``, as
+    :func:`transpose_rows` does, saving that launch.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -359,12 +364,23 @@ def _backward_preprocess_kernel(
         if CODES_T:
             tl.store(DO_CODES_T + base + cols[None, :] * SEQ + rows[:, None], codes, mask=valid)
         tl.store(DO_SCALE + pid_bh * tl.cdiv(SEQ, BLOCK_M) + pid_m, scale)
+    if TRANSPOSE:
+        base = pid_bh * SEQ * HEAD_DIM
+        x = tl.load(X + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0)
+        tl.store(X_T + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
 
 
 def backward_preprocess(
-    grad_out: torch.Tensor, out: torch.Tensor, block_m: int, *, codes: bool, codes_t: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``delta`` ``[B, H, N]`` fp32 and dO's INT8 codes (``[B, H, N, D]`` and/or ``[B, H, D, N]``) and scales.
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    block_m: int,
+    *,
+    codes: bool,
+    codes_t: bool,
+    transpose: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``delta`` ``[B, H, N]`` fp32 and dO's INT8 codes (``[B, H, N, D]`` and/or ``[B, H, D, N]``) and scales, and
+    optionally ``transpose_rows(transpose)``, in one launch.
 
     Args:
         grad_out: dO ``[B, H, N, D]``, any strides (autograd may hand an expanded tensor).
@@ -372,14 +388,25 @@ def backward_preprocess(
         block_m: rows per quantization block of dO.
         codes: write the codes ``[B, H, N, D]`` (needed when ``dp`` runs in INT8).
         codes_t: write the codes ``[B, H, D, N]`` (needed when ``dv`` runs in INT8).
+        transpose: a contiguous tensor of dO's shape (the backward's Q'^) whose ``[B, H, D, N]`` copy the same
+            programs write (:func:`transpose_rows`'s result, one launch fewer); ``None``: none.
 
     Returns:
-        ``(delta, codes, codes_t, scale)``, each of the last three ``None`` when not asked for.
+        ``(delta, codes, codes_t, scale, transposed)``, each of the last four ``None`` when not asked for.
+
+    Raises:
+        ValueError: ``transpose`` of another shape than ``grad_out`` or not contiguous.
 
     Example::
 
-        delta, _, codes_t, scale = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True)
+        delta, _, codes_t, scale, q_op_t = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True,
+                                                               transpose=q_op)
     """
+    if transpose is not None and (transpose.shape != grad_out.shape or not transpose.is_contiguous()):
+        raise ValueError(
+            f"backward_preprocess: transpose must be contiguous with grad_out's shape {tuple(grad_out.shape)}; "
+            f"received shape {tuple(transpose.shape)}, contiguous={transpose.is_contiguous()}"
+        )
     batch, heads, seq, head_dim = grad_out.shape
     blocks = triton.cdiv(seq, block_m)
     device = grad_out.device
@@ -387,6 +414,9 @@ def backward_preprocess(
     normal = torch.empty(grad_out.shape, dtype=torch.int8, device=device) if codes else None
     transposed = torch.empty(batch, heads, head_dim, seq, dtype=torch.int8, device=device) if codes_t else None
     scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=device) if codes or codes_t else None
+    x_t = None
+    if transpose is not None:
+        x_t = torch.empty(batch, heads, head_dim, seq, dtype=transpose.dtype, device=transpose.device)
     if blocks and batch * heads:
         _backward_preprocess_kernel[(blocks, batch * heads)](
             grad_out,
@@ -395,6 +425,8 @@ def backward_preprocess(
             normal if normal is not None else delta,
             transposed if transposed is not None else delta,
             scale if scale is not None else delta,
+            transpose if transpose is not None else delta,
+            x_t if x_t is not None else delta,
             *grad_out.stride(),
             *out.stride(),
             heads,
@@ -404,8 +436,9 @@ def backward_preprocess(
             D_PAD=padded_head_dim(head_dim),
             CODES=codes,
             CODES_T=codes_t,
+            TRANSPOSE=transpose is not None,
         )
-    return delta, normal, transposed, scale
+    return delta, normal, transposed, scale, x_t
 
 
 @triton.jit

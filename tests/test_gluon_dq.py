@@ -97,7 +97,7 @@ def test_defer_refuses_a_one_stage_ring():
     q = torch.zeros(1, 1, 128, 64, dtype=torch.int8, device="meta")
     f32 = torch.zeros(1, 1, 128, dtype=torch.float32, device="meta")
     bf16 = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16, device="meta")
-    args = (bf16, f32, q, f32, q, q, f32, bf16, f32)
+    args = (bf16, f32, q, f32, q, f32, bf16, f32)
     with pytest.raises(ValueError, match="stages=1 would deadlock with defer"):
         gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, defer=True)
 
@@ -116,10 +116,10 @@ def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not
         gqw.gluon_dq_wg_applies(64)
     q = torch.zeros(1, 1, 256, 128, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: serves head_dim in \(64,\); received head_dim=128"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
     q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: stages must be at least 1; received stages=0"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=0)
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=0)
 
 
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
@@ -168,13 +168,13 @@ def test_gluon_dq_equals_the_portable_kernel_bit_for_bit(monkeypatch, batch, hq,
 @pytest.mark.parametrize("variant", [dict(warp_specialize=False), dict(codes_in_registers=False), dict(defer=True)])
 def test_every_variant_gives_the_same_dq(variant):
     """The variants change where the loads are issued and where the codes live, not a value."""
-    from sage_lightning.kernels.quant import backward_preprocess, transpose_rows
+    from sage_lightning.kernels.quant import backward_preprocess
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(1, 4, 512, 128, device="cuda", generator=gen).bfloat16() for _ in range(4))
     out, lse, q_op, q_scale, _q_mean, k_op, k_scale = portable_forward(q, k, v)
     delta, *_ = backward_preprocess(do, out, 128, codes=False, codes_t=False)
-    args = (do, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v.contiguous(), lse)
+    args = (do, delta, q_op, q_scale, k_op, k_scale, v.contiguous(), lse)
     want = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5)
     got = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5, **variant)
     assert torch.equal(got, want)

@@ -153,7 +153,10 @@ def test_backward_preprocess_delta_and_codes():
     out = torch.randn(1, 2, 70, 32, generator=gen).to(DEVICE, torch.bfloat16)
     # Autograd can hand an expanded (stride 0) or transposed gradient: the kernel reads strides.
     do_t = do.transpose(1, 2).contiguous().transpose(1, 2)
-    delta, codes, codes_t, scale = backward_preprocess(do_t, out, 64, codes=True, codes_t=True)
+    x = torch.randint(-127, 128, (1, 2, 70, 32), generator=gen, dtype=torch.int8).to(DEVICE)
+    delta, codes, codes_t, scale, x_t = backward_preprocess(do_t, out, 64, codes=True, codes_t=True, transpose=x)
+    # The backward's Q'^ [D, N] copy comes from the same launch (70 rows: the second block is partial).
+    assert torch.equal(x_t, x.transpose(-1, -2))
     assert torch.allclose(delta, (do.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-5)
     padded = torch.nn.functional.pad(do.float(), (0, 0, 0, 58)).reshape(1, 2, 2, 64, 32)
     ref_codes, ref_scale = quantize_int8(padded, (-2, -1))
@@ -162,7 +165,17 @@ def test_backward_preprocess_delta_and_codes():
     assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
     only_delta = backward_preprocess(do, out, 64, codes=False, codes_t=False)
     # Another compiled variant (and dO's other strides): the fp32 row sums may round differently.
-    assert torch.allclose(only_delta[0], delta, rtol=1e-6, atol=1e-6) and only_delta[1:] == (None, None, None)
+    assert torch.allclose(only_delta[0], delta, rtol=1e-6, atol=1e-6) and only_delta[1:] == (None,) * 4
+
+
+def test_backward_preprocess_refuses_a_transpose_it_cannot_lay_over_grad_out():
+    do = torch.zeros(1, 2, 64, 32, device=DEVICE)
+    x = torch.zeros(1, 2, 32, 64, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match=r"transpose must be contiguous with grad_out's shape \(1, 2, 64, 32\); "
+                                         r"received shape \(1, 2, 32, 64\), contiguous=True"):  # fmt: skip
+        backward_preprocess(do, do, 64, codes=False, codes_t=False, transpose=x)
+    with pytest.raises(ValueError, match=r"received shape \(1, 2, 64, 32\), contiguous=False"):
+        backward_preprocess(do, do, 64, codes=False, codes_t=False, transpose=x.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("seq, head_dim", [(100, 32), (64, 20)])
@@ -363,8 +376,9 @@ def test_tiles_out_of_range_are_refused(tile):
 
 
 def test_backward_frees_the_dkdv_kernels_temporaries_before_the_dq_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Peak memory: Q'^'s [D, N] copy and dO's [D, N] codes (the dK/dV kernel's) are gone when K'^'s copy (the dQ
-    kernel's) is made, so the backward never holds the three at once; the gradients are unchanged."""
+    """Peak memory: Q'^'s [D, N] copy and dO's [D, N] codes (the dK/dV kernel's, both from the preprocess launch)
+    are gone when K'^'s copy (the portable dQ kernel's) is made, so the backward never holds the three at once; the
+    gradients are unchanged."""
     import weakref
 
     from sage_lightning.kernels import backward as backward_module
@@ -375,13 +389,13 @@ def test_backward_frees_the_dkdv_kernels_temporaries_before_the_dq_kernels(monke
     def preprocess(*args, **kwargs):
         result = backward_preprocess(*args, **kwargs)
         made.append(("dO codes [D, N]", weakref.ref(result[2])))
+        made.append(("Q'^ [D, N]", weakref.ref(result[4])))
         return result
 
     def transpose(x: torch.Tensor) -> torch.Tensor:
-        if any(name == "Q'^ [D, N]" for name, _ in made):
-            alive_at_second_copy.extend(name for name, ref in made if ref() is not None)
+        alive_at_second_copy.extend(name for name, ref in made if ref() is not None)
         out = transpose_rows(x)
-        made.append(("Q'^ [D, N]" if len(made) == 1 else "K'^ [D, N]", weakref.ref(out)))
+        made.append(("K'^ [D, N]", weakref.ref(out)))
         return out
 
     q, k, v, do = _inputs((1, 2, 80, 32), (1, 2, 80, 32), torch.bfloat16, seed=3)

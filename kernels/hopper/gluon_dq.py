@@ -19,12 +19,14 @@ The orientation is ``_dq_kernel``'s: a program owns 128 queries of one query hea
 the tile's 64 keys, wgmma m64n64). The dS tile scale (a max over the whole tile) is a reduction across both
 warpgroups (through shared memory), so both see the same scale. The dS codes are the A operand of the dQ
 product, either from registers (``codes_in_registers``, the default: each warpgroup's own 64 rows, no shared-
-memory round trip) or from an 8 KiB shared tile; B is ``K'^`` read from its ``[D, Nk]`` copy (``k_op_t``), K-major
-over the keys as 8-bit wgmma requires (m64nDk32).
+memory round trip) or from an 8 KiB shared tile; B is ``K'^`` K-major over the keys as 8-bit wgmma requires
+(m64nDk32): TMA does not transpose, so while a tile's S and dP run the warps copy its ``K'^ [64, D]`` tile into a
+``[D, 64]`` shared buffer through registers (``_transpose_k``). No ``[D, Nk]`` copy of K'^ is made in global
+memory (it was 32 MiB at 16K tokens, D=128, and a launch per backward).
 
 Per program: Q'^ and dO ``[128, D]`` once, then every key tile (``BLOCK_N = 64``) of the kv head the query head
-reads (GQA: ``head // group``) up to the causal limit, through a ``STAGES``-deep ring of ``K'^ [64, D]``,
-``K'^T [D, 64]`` and ``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default:
+reads (GQA: ``head // group``) up to the causal limit, through a ``STAGES``-deep ring of ``K'^ [64, D]`` and
+``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default:
 ``gl.warp_specialize``, the two consumer warpgroups at 240 registers and one TMA load warp at 24) or one 8-warp
 partition that also issues the loads. Design, offline figures and the device check: ``benchmarks/pending/gluon-dq.md``.
 """
@@ -82,21 +84,35 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _issue_kv(
-        t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
-        """TMA loads of key tile ``t`` (K'^, its transposed copy, V) into stage ``t % STAGES``; nothing when
-        ``t >= n_tiles``. ``kv_row0``: the kv head's first row in the ``[B*Hkv*Nk, D]`` views; ``kt_row0``: its
-        first row in the ``[B*Hkv*D, Nk]`` view."""
+        """TMA loads of key tile ``t`` (K'^ and V) into stage ``t % STAGES``; nothing when ``t >= n_tiles``.
+        ``kv_row0``: the kv head's first row in the ``[B*Hkv*Nk, D]`` views."""
         s = t % STAGES
         live = t < n_tiles
         start_n = t * BLOCK_N
         bar = ready.index(s)
-        nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_kt.block_type.nbytes + desc_v.block_type.nbytes
+        nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
         mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_k, [kv_row0 + start_n, 0], bar, k_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_kt, [kt_row0, start_n], bar, kt_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_v, [kv_row0 + start_n, 0], bar, v_smem.index(s), pred=live)
+
+    @gluon.jit
+    def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
+        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it, visible to
+        their next wgmma when it returns.
+
+        8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
+        ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
+        contiguous. Each thread moves 4 keys x 4 dims per repetition (32-bit loads along D, 32-bit stores along the
+        keys)."""
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[4, 4], threads_per_warp=[128 // HEAD_DIM, HEAD_DIM // 4], warps_per_cta=[WARPS, 1],
+            order=[1, 0],
+        )  # fmt: skip
+        kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row):
@@ -107,33 +123,32 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_loader(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """The load partition (one warp): Q'^ and dO once, then every key tile into the ring, each stage refilled
         once the compute partition has released it (``empty``)."""
-        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
         ready, empty, q_bar = bars
         _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
         for t in range(n_tiles):
             # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_kv(
-                t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
-                STAGES,
-            )  # fmt: skip
+            _issue_kv(t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dq_compute(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
         Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` tiles ahead). With ``DEFER`` each
-        tile's dQ product is waited for in the next iteration, after the next tile's S and dP are issued."""
-        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        tile's dQ product is waited for in the next iteration, after the next tile's S and dP are issued. While a
+        tile's S and dP run, the warps copy its K'^ transposed into ``kt_smem`` (one buffer; two with ``DEFER``,
+        whose dQ product of the tile before still reads the other)."""
+        desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
         ready, empty, q_bar = bars
         # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
@@ -158,10 +173,7 @@ if HAVE_GLUON:
         if not WARP_SPECIALIZE:
             _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
             for i in gl.static_range(STAGES - 1):
-                _issue_kv(
-                    i, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
-                    STAGES,
-                )  # fmt: skip
+                _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
         q_scale = gl.load(Q_SCALE + bh * m_blocks + pid_m)
@@ -182,10 +194,7 @@ if HAVE_GLUON:
             if not WARP_SPECIALIZE and not DEFER:
                 # Stage (t - 1) % STAGES was last read by tile t - 1's products, which every warp waited for
                 # before the barrier that ended that iteration: refill it with tile t + STAGES - 1.
-                _issue_kv(
-                    t + STAGES - 1, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem,
-                    ready, BLOCK_N, STAGES,
-                )  # fmt: skip
+                _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             start_n = t * BLOCK_N
             k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -193,6 +202,11 @@ if HAVE_GLUON:
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            if DEFER:
+                kt_tile = kt_smem.index(t % 2)
+            else:
+                kt_tile = kt_smem.index(0)
+            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
             if DEFER:
                 # The tile before's dQ product was committed before S and dP: two groups may stay in flight. Its
                 # scaling overlaps this tile's S and dP on the tensor cores; the additions into dQ keep their order.
@@ -203,10 +217,7 @@ if HAVE_GLUON:
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
                 else:
-                    _issue_kv(
-                        t + STAGES - 1, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem,
-                        ready, BLOCK_N, STAGES,
-                    )  # fmt: skip
+                    _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[:, None])
             if CAUSAL:
@@ -219,20 +230,18 @@ if HAVE_GLUON:
             # One dS scale for the 128 x 64 tile (a reduction across both warpgroups).
             ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
             codes = _int8_codes(ds, ds_scale)
-            # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its [D, 64]
-            # copy (K-major over the keys).
+            # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its transposed
+            # [D, 64] copy (K-major over the keys).
             if CODES_IN_REGISTERS:
                 dq_tok = warpgroup_mma(
-                    gl.convert_layout(codes, a_layout), kt_smem.index(stage).permute((1, 0)), acc_zero,
-                    use_acc=False, is_async=True,
+                    gl.convert_layout(codes, a_layout), kt_tile.permute((1, 0)), acc_zero, use_acc=False,
+                    is_async=True,
                 )  # fmt: skip
             else:
                 ds_smem.store(codes)
                 fence_async_shared()
                 gl.thread_barrier()
-                dq_tok = warpgroup_mma(
-                    ds_smem, kt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-                )
+                dq_tok = warpgroup_mma(ds_smem, kt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
             if DEFER:
                 dq_c = ds_scale * k_scale
             else:
@@ -256,7 +265,6 @@ if HAVE_GLUON:
         desc_q,
         desc_do,
         desc_k,
-        desc_kt,
         desc_v,
         Q_SCALE,
         K_SCALE,
@@ -298,14 +306,15 @@ if HAVE_GLUON:
         n_tiles = hi // BLOCK_N
         q_row = bh * SEQ_Q + pid_m * BLOCK_M
         kv_row0 = kv_bh * SEQ_K
-        kt_row0 = kv_bh * HEAD_DIM
 
-        # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^, K'^T and V tiles, the dS codes.
+        # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^ and V tiles, K'^ transposed (two
+        # buffers with DEFER), the dS codes.
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
+        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(desc_kt.dtype, [STAGES] + desc_kt.block_type.shape, desc_kt.layout)
+        kt_smem = gl.allocate_shared_memory(gl.int8, [2 if DEFER else 1, HEAD_DIM, BLOCK_N], kt_layout)
         v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
         if CODES_IN_REGISTERS:
             ds_smem = q_smem  # unused
@@ -320,7 +329,7 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
+        descs = (desc_q, desc_do, desc_k, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem)
         bars = (ready, empty, q_bar)
         if WARP_SPECIALIZE:
@@ -328,18 +337,18 @@ if HAVE_GLUON:
                 [
                     (
                         _dq_compute,
-                        (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
                          DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
                          WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
                     ),
-                    (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES)),
+                    (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES)),
                 ],
                 [1],
                 [LOAD_REGS],
             )  # fmt: skip
         else:
             _dq_compute(
-                descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
+                descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
                 DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
                 WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
             )  # fmt: skip
@@ -408,7 +417,8 @@ def gluon_dq_applies(
 
 
 def default_stages(head_dim: int) -> int:
-    """The TMA ring's depth: 4 key tiles (32 KiB each at D=128: 176 KiB with Q'^ and dO; 16 KiB at D=64)."""
+    """The TMA ring's depth: 4 key tiles (24 KiB each at D=128: 152 KiB with Q'^, dO and K'^'s transposed tile;
+    12 KiB at D=64)."""
     return 4
 
 
@@ -418,7 +428,6 @@ def gluon_dq(
     q_op: torch.Tensor,
     q_scale: torch.Tensor,
     k_op: torch.Tensor,
-    k_op_t: torch.Tensor,
     k_scale: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
@@ -436,8 +445,8 @@ def gluon_dq(
         grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
         delta: ``rowsum(dO * O)`` ``[B, Hq, N]`` fp32 (:func:`..quant.backward_preprocess`).
         q_op, q_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]`` and its scales per 128 rows.
-        k_op, k_op_t, k_scale: K'^ ``[B, Hkv, Nk, D]``, its ``[B, Hkv, D, Nk]`` copy (:func:`..quant.transpose_rows`)
-            and its scales per 64 rows.
+        k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows (the kernel transposes each key tile in
+            shared memory: no ``[D, Nk]`` copy).
         v: V ``[B, Hkv, Nk, D]`` bf16 contiguous (dP's operand).
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         is_causal, scale: as the forward.
@@ -459,8 +468,7 @@ def gluon_dq(
 
     Example::
 
-        dq = gluon_dq(grad_out, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v, lse,
-                      is_causal=True, scale=0.125)
+        dq = gluon_dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal=True, scale=0.125)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
@@ -473,10 +481,9 @@ def gluon_dq(
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_kt = _desc(k_op_t, bkv * head_dim, seq_k, [head_dim, BLOCK_N])
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     _gluon_dq_kernel[(seq_q // BLOCK_M * bh,)](
-        desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
+        desc_q, desc_do, desc_k, desc_v, q_scale, k_scale, lse, delta, dq,
         bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,

@@ -9,8 +9,10 @@ changes is who computes what, as :mod:`.gluon_dkdv_wg` did for dK and dV:
   CTA-wide barriers), so they run in lockstep and the tensor cores idle while both quantize.
 * Here a program holds two query blocks (256 queries of one head), and each consumer warpgroup owns one block's
   128 queries against every key tile. The dS scale is a reduction within the warpgroup; the two warpgroups share
-  only the TMA ring of ``K'^``, ``K'^T``, ``V`` tiles (each releases a stage on its own, ``empty`` counts two
-  arrivals), so one quantizes while the other's products run, and each key tile read from L2 serves 256 queries.
+  only the TMA ring of ``K'^`` and ``V`` tiles (each releases a stage on its own, ``empty`` counts two arrivals), so
+  one quantizes while the other's products run, and each key tile read from L2 serves 256 queries. Each warpgroup
+  copies the tile's K'^ transposed into a ``[D, 64]`` buffer of its own while its S and dP run
+  (:func:`.gluon_dq._transpose_k`: the dQ product's B operand, K-major over the keys).
 
 The cost is registers: a warpgroup holds the whole ``[128, 64]`` S and dP (64 each per thread) and its ``[128, D]``
 dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone would take 128). Causal: the lower
@@ -43,7 +45,7 @@ if HAVE_GLUON:
     )
 
     from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
-    from .gluon_dq import _issue_kv
+    from .gluon_dq import _issue_kv, _transpose_k
 
 #: The environment variable that can turn this variant off (``auto``: it serves every call it can; ``off``: the
 #: calls go to :func:`.gluon_dq.gluon_dq`), to compare the two or to step around a fault.
@@ -63,12 +65,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dqwg_loader(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr,
     ):  # fmt: skip
         """The load partition (one warp): both blocks' Q'^ and dO once, then every key tile either warpgroup
         reads into the ring, each stage refilled once both consumer warpgroups have released it."""
-        desc_q, desc_do, desc_k, desc_kt, desc_v = descs
+        desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem = bufs
         ready, empty, q_bar = bars
         mbarrier.expect(q_bar, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
@@ -78,10 +80,7 @@ if HAVE_GLUON:
         for t in range(n_tiles):
             # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_kv(
-                t, n_tiles, kv_row0, kt_row0, desc_k, desc_kt, desc_v, k_smem, kt_smem, v_smem, ready, BLOCK_N,
-                STAGES,
-            )  # fmt: skip
+            _issue_kv(t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dqwg_compute(
@@ -95,6 +94,7 @@ if HAVE_GLUON:
         ready, empty, q_bar = bars
         q_smem = q_all.index(HALF)
         do_smem = do_all.index(HALF)
+        kt_tile = kt_smem.index(HALF)
         # One warpgroup: its 4 warps split the 128 queries' rows (two m64 repetitions); a row's 64 keys lie in one
         # thread quad.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -128,7 +128,6 @@ if HAVE_GLUON:
             mine = 0
         m_safe = gl.minimum(m_block, m_blocks - 1)
         offs_m = m_safe * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
-        offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
         q_scale = gl.load(Q_SCALE + bh * m_blocks + m_safe)
         lse = gl.load(LSE + bh * SEQ_Q + offs_m)
         delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
@@ -143,6 +142,9 @@ if HAVE_GLUON:
             start_n = t * BLOCK_N
             k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            # K'^ transposed into the warpgroup's own buffer (its dQ product of the tile before was waited for),
+            # before S's and dP's accumulators take their registers.
+            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 4)
             # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -152,7 +154,7 @@ if HAVE_GLUON:
             if CAUSAL:
                 # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
                 if start_n >= full_hi:
-                    offs_n = start_n + offs_n_tile
+                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
                     p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
             ds = p * (dp - delta[:, None])
@@ -160,11 +162,10 @@ if HAVE_GLUON:
             ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
             codes = _int8_codes(ds, ds_scale)
             # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
-            # its [D, 64] copy (K-major over the keys).
+            # its transposed [D, 64] copy (K-major over the keys).
             dq_tok = warpgroup_mma(
-                gl.convert_layout(codes, a_layout), kt_smem.index(stage).permute((1, 0)), acc_zero,
-                use_acc=False, is_async=True,
-            )  # fmt: skip
+                gl.convert_layout(codes, a_layout), kt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
             dq += _int32_scaled(dq_int, ds_scale * k_scale)
             # The warpgroup is done with this stage before it hands it back (the load warp refills a stage once
@@ -186,7 +187,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_dq_wg_kernel(
-        desc_q, desc_do, desc_k, desc_kt, desc_v,
+        desc_q, desc_do, desc_k, desc_v,
         Q_SCALE, K_SCALE, LSE, DELTA, DQ,
         BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -210,13 +211,13 @@ if HAVE_GLUON:
         n_tiles = hi // BLOCK_N
         q_row = bh * SEQ_Q + 2 * pid_pair * BLOCK_M
         kv_row0 = kv_bh * SEQ_K
-        kt_row0 = kv_bh * HEAD_DIM
 
-        # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^, K'^T and V tiles.
+        # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^ and V tiles, each warpgroup's K'^T tile.
+        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(desc_kt.dtype, [STAGES] + desc_kt.block_type.shape, desc_kt.layout)
+        kt_smem = gl.allocate_shared_memory(gl.int8, [2, HEAD_DIM, BLOCK_N], kt_layout)
         v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -228,7 +229,7 @@ if HAVE_GLUON:
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
-        descs = (desc_q, desc_do, desc_k, desc_kt, desc_v)
+        descs = (desc_q, desc_do, desc_k, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem)
         bars = (ready, empty, q_bar)
         gl.warp_specialize(
@@ -243,7 +244,7 @@ if HAVE_GLUON:
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
                      qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
-                (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, kt_row0, BLOCK_M, BLOCK_N, STAGES)),
+                (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_M, BLOCK_N, STAGES)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOAD_REGS],
@@ -278,7 +279,6 @@ def gluon_dq_wg(
     q_op: torch.Tensor,
     q_scale: torch.Tensor,
     k_op: torch.Tensor,
-    k_op_t: torch.Tensor,
     k_scale: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
@@ -291,9 +291,10 @@ def gluon_dq_wg(
     (arguments as there).
 
     Args:
-        grad_out, delta, q_op, q_scale, k_op, k_op_t, k_scale, v, lse, is_causal, scale: as
+        grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal, scale: as
             :func:`.gluon_dq.gluon_dq`.
-        stages: depth of the TMA ring of key tiles (16 KiB each at D=64, beside 48 KiB of Q'^ and dO).
+        stages: depth of the TMA ring of key tiles (12 KiB each at D=64, beside 48 KiB of Q'^ and dO and 8 KiB of
+            transposed K'^ tiles).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
@@ -303,8 +304,7 @@ def gluon_dq_wg(
 
     Example::
 
-        dq = gluon_dq_wg(grad_out, delta, q_op, q_scale, k_op, transpose_rows(k_op), k_scale, v, lse,
-                         is_causal=True, scale=0.125)
+        dq = gluon_dq_wg(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal=True, scale=0.125)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
@@ -318,11 +318,10 @@ def gluon_dq_wg(
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
     desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_kt = _desc(k_op_t, bkv * head_dim, seq_k, [head_dim, BLOCK_N])
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     n_pairs = (seq_q // BLOCK_M + 1) // 2
     _gluon_dq_wg_kernel[(n_pairs * bh,)](
-        desc_q, desc_do, desc_k, desc_kt, desc_v, q_scale, k_scale, lse, delta, dq,
+        desc_q, desc_do, desc_k, desc_v, q_scale, k_scale, lse, delta, dq,
         bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
