@@ -133,13 +133,16 @@ def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon
 
 
 GLUON_DQ_SCRIPT = REPO / "benchmarks" / "gluon_dq_sm90_compile.py"
+#: Bytes the D=64 ``wg`` dQ kernel spills per case (causal or not) in the build the device measured (device run 10,
+#: NOTES.md): with K'^ transposed in shared memory the causal case spills one register, outside the hot loop.
+DQ_WG_SPILL_BYTES = {False: 0, True: 4}
 
 
 def test_the_gluon_dq_kernels_compile_fit_and_do_not_spill(tmp_path: Path) -> None:
     """The Gluon dQ kernels the backward launches (the warp-specialised variant, dS codes from registers, and at
     D=64 the one-warpgroup-per-block ``wg`` kernel) compiled for sm_90 under the GPU image's Triton: every case (D 64
-    and 128, causal or not) fits sm_90's shared memory, keeps its registers, runs its INT8 products on s8 ``wgmma``
-    and ptxas does not serialize them."""
+    and 128, causal or not) fits sm_90's shared memory, keeps its registers in the hot loop (and spills no more than
+    the build the device measured), runs its INT8 products on s8 ``wgmma`` and ptxas does not serialize them."""
     python = _python("verified")
     out = tmp_path / "gluon-dq.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -154,6 +157,8 @@ def test_the_gluon_dq_kernels_compile_fit_and_do_not_spill(tmp_path: Path) -> No
     assert counts == {"_gluon_dq_kernel": 4, "_gluon_dq_wg_kernel": 2}, [(row["kernel"], row["case"]) for row in rows]
     for row in (row for row in rows if row["kernel"] in counts):
         assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])
-        assert row["spill_stores"] == 0, (row["case"], row["spill_stores"])
+        allowed = DQ_WG_SPILL_BYTES[row["constants"]["CAUSAL"]] if row["kernel"] == "_gluon_dq_wg_kernel" else 0
+        assert row["spill_stores"] <= allowed, (row["case"], row["spill_stores"])
+        assert not {"LDL", "STL"} & set(row["loop_opcodes"]), (row["case"], "local memory in the hot loop")
         assert any(shape.endswith("s32.s8.s8") for shape in row["wgmma"]), (row["case"], row["wgmma"])
         assert row["mma_sync"] == 0 and not row["wgmma_serialized"], row["case"]
