@@ -11,8 +11,8 @@ changes is who computes what, as :mod:`.gluon_dkdv_wg` did for dK and dV:
   128 queries against every key tile. The dS scale is a reduction within the warpgroup; the two warpgroups share
   only the TMA ring of ``K'^`` and ``V`` tiles (each releases a stage on its own, ``empty`` counts two arrivals), so
   one quantizes while the other's products run, and each key tile read from L2 serves 256 queries. Each warpgroup
-  copies the tile's K'^ transposed into a ``[D, 64]`` buffer of its own while its S and dP run
-  (:func:`.gluon_dq._transpose_k`: the dQ product's B operand, K-major over the keys).
+  copies the tile's K'^ transposed into a ``[D, 64]`` buffer of its own before it issues S and dP (after, the causal
+  kernel spilled) (:func:`.gluon_dq._transpose_k`: the dQ product's B operand, K-major over the keys).
 
 The cost is registers: a warpgroup holds the whole ``[128, 64]`` S and dP (64 each per thread) and its ``[128, D]``
 dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone would take 128). Causal: the lower
