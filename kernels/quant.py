@@ -365,9 +365,7 @@ def _backward_preprocess_kernel(
             tl.store(DO_CODES_T + base + cols[None, :] * SEQ + rows[:, None], codes, mask=valid)
         tl.store(DO_SCALE + pid_bh * tl.cdiv(SEQ, BLOCK_M) + pid_m, scale)
     if TRANSPOSE:
-        base = pid_bh * SEQ * HEAD_DIM
-        x = tl.load(X + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0)
-        tl.store(X_T + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
+        _transpose_block(X, X_T, pid_m, pid_bh, SEQ, HEAD_DIM, BLOCK_M, D_PAD)
 
 
 def backward_preprocess(
@@ -443,8 +441,13 @@ def backward_preprocess(
 
 @triton.jit
 def _transpose_kernel(X, OUT, SEQ, HEAD_DIM, BLOCK: tl.constexpr, D_PAD: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    _transpose_block(X, OUT, tl.program_id(0), tl.program_id(1), SEQ, HEAD_DIM, BLOCK, D_PAD)
+
+
+@triton.jit
+def _transpose_block(X, OUT, pid_n, pid_bh, SEQ, HEAD_DIM, BLOCK: tl.constexpr, D_PAD: tl.constexpr):
+    """Rows ``pid_n * BLOCK ...`` of head ``pid_bh`` of the contiguous ``[B, H, N, D]`` ``X``, stored transposed
+    into ``OUT`` ``[B, H, D, N]`` (:func:`transpose_rows`'s programs, and the preprocess kernel's ``TRANSPOSE``)."""
     rows = pid_n * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D_PAD)
     valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)

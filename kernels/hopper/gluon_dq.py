@@ -33,7 +33,6 @@ partition that also issues the loads. Design, offline figures and the device che
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -99,14 +98,24 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc_v, [kv_row0 + start_n, 0], bar, v_smem.index(s), pred=live)
 
     @gluon.jit
-    def _transpose_k(k_tile, kt_tile, KT_LAYOUT: gl.constexpr):
-        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers (``KT_LAYOUT``: :func:`transpose_layout`), by
-        the warps that call it, visible to their next wgmma when it returns.
+    def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
+        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (at least
+        ``HEAD_DIM / 16``), visible to their next wgmma when it returns.
 
         8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
         ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
-        contiguous."""
-        kt_tile.store(gl.permute(k_tile.load(KT_LAYOUT), (1, 0)))
+        contiguous. Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys); a
+        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first. Under the copy engine's
+        swizzle of the source (128 bytes at D=128) and the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load
+        takes 4 shared-memory wavefronts and its store 2 (each thread's block being 4 dims wide keeps every store
+        within rows of one parity): 384 per D=128 tile, against 1,088 for 32 lanes along the dims (16-way conflicts
+        on the stores). Both layouts are modelled in ``benchmarks/NOTES.md`` (device run 10)."""
+        gl.static_assert(WARPS * 16 >= HEAD_DIM)
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[WARPS * 16 // HEAD_DIM, HEAD_DIM // 16],
+            order=[1, 0],
+        )  # fmt: skip
+        kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -137,7 +146,7 @@ if HAVE_GLUON:
         descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, KT_LAYOUT: gl.constexpr,
+        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
         Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` tiles ahead). With ``DEFER`` each
@@ -202,7 +211,7 @@ if HAVE_GLUON:
                 kt_tile = kt_smem.index(t % 2)
             else:
                 kt_tile = kt_smem.index(0)
-            _transpose_k(k_smem.index(stage), kt_tile, KT_LAYOUT)
+            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
             if DEFER:
                 # The tile before's dQ product was committed before S and dP: two groups may stay in flight. Its
                 # scaling overlaps this tile's S and dP on the tensor cores; the additions into dQ keep their order.
@@ -284,7 +293,6 @@ if HAVE_GLUON:
         CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr,
         LOAD_REGS: gl.constexpr,
-        KT_LAYOUT: gl.constexpr,
     ):
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         pid_m, bh = _head_chunk_order(gl.program_id(0), m_blocks, BH, HEAD_CHUNK)
@@ -336,7 +344,7 @@ if HAVE_GLUON:
                         _dq_compute,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
                          DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
-                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, KT_LAYOUT),
+                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
                     ),
                     (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES)),
                 ],
@@ -347,7 +355,7 @@ if HAVE_GLUON:
             _dq_compute(
                 descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
                 DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
-                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, KT_LAYOUT,
+                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
             )  # fmt: skip
 
 
@@ -410,32 +418,6 @@ def gluon_dq_applies(
         and seq_k > 0
         and seq_q % BLOCK_M == 0
         and seq_k % BLOCK_N == 0
-    )
-
-
-@functools.cache
-def transpose_layout(head_dim: int, warps: int) -> object:
-    """The register layout in which ``warps`` warps load a ``[64 keys, head_dim]`` int8 K'^ tile and store it
-    transposed (``_transpose_k``).
-
-    Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys after the
-    transpose); a warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first. Under the copy
-    engine's swizzle of the source (128 bytes at D=128) and the 64-byte swizzle of the ``[D, 64]`` tile, a warp's
-    load takes 4 shared-memory wavefronts and its store 2 (the rule that each thread's block is 4 dims wide keeps
-    every store within rows of one parity): 384 per D=128 tile, against 1,088 for 32 lanes along the dims (16-way
-    conflicts on the stores). Both layouts are modelled in ``benchmarks/NOTES.md`` (device run 10).
-
-    Args:
-        head_dim: 64 or 128.
-        warps: the warps that share the tile (4 or 8).
-
-    Example::
-
-        layout = transpose_layout(128, 8)   # BlockedLayout([4, 4], [8, 4], [1, 8], [1, 0])
-    """
-    along_dims = min(warps, head_dim // 16)
-    return gl.BlockedLayout(
-        size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[warps // along_dims, along_dims], order=[1, 0]
     )
 
 
@@ -511,7 +493,6 @@ def gluon_dq(
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer, LOAD_REGS=LOAD_REGS,
-        KT_LAYOUT=transpose_layout(head_dim, 8),
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
     )  # fmt: skip

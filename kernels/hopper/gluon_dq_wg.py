@@ -31,7 +31,7 @@ from ..forward import LOG2E
 from . import dispatch
 from .gluon_backward import HAVE_GLUON, LOAD_REGS, _desc
 from .gluon_dkdv_wg import CONSUMER_REGS, WG_MAXNREG
-from .gluon_dq import BLOCK_M, BLOCK_N, transpose_layout
+from .gluon_dq import BLOCK_M, BLOCK_N
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -86,7 +86,7 @@ if HAVE_GLUON:
     def _dqwg_compute(
         bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, KT_LAYOUT: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: query block ``2 * pid_pair + HALF`` against its key tiles (the first ``mine`` of
         the ring's ``n_tiles``), then its dQ rows to global memory."""
@@ -144,7 +144,7 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # K'^ transposed into the warpgroup's own buffer (its dQ product of the tile before was waited for),
             # before S's and dP's accumulators take their registers.
-            _transpose_k(k_smem.index(stage), kt_tile, KT_LAYOUT)
+            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 4)
             # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -192,7 +192,6 @@ if HAVE_GLUON:
         BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-        KT_LAYOUT: gl.constexpr,
     ):  # fmt: skip
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         n_pairs = gl.cdiv(m_blocks, 2)
@@ -238,12 +237,12 @@ if HAVE_GLUON:
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KT_LAYOUT),
+                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, KT_LAYOUT),
+                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
                 (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_M, BLOCK_N, STAGES)),
             ],
@@ -326,7 +325,7 @@ def gluon_dq_wg(
         bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
-        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, KT_LAYOUT=transpose_layout(head_dim, 4),
+        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dq
