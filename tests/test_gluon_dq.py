@@ -92,14 +92,18 @@ def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
         _applies()
 
 
-def test_defer_refuses_a_one_stage_ring():
-    """``defer`` hands a stage back one tile late: with one stage the loads would wait for it forever."""
+@pytest.mark.parametrize(
+    ("variant", "needs"), [({"defer": True}, "defer"), ({}, r"the producer warpgroup \(warp_specialize=True\)")]
+)
+def test_defer_and_the_producer_refuse_a_one_stage_ring(variant, needs):
+    """``defer`` hands a stage back one tile late, and the producer warpgroup refills a tile's stage after it has
+    transposed the next tile: with one stage the loads would wait for it forever. One 8-warp partition serves it."""
     q = torch.zeros(1, 1, 128, 64, dtype=torch.int8, device="meta")
     f32 = torch.zeros(1, 1, 128, dtype=torch.float32, device="meta")
     bf16 = torch.zeros(1, 1, 128, 64, dtype=torch.bfloat16, device="meta")
     args = (bf16, f32, q, f32, q, f32, bf16, f32)
-    with pytest.raises(ValueError, match="stages=1 would deadlock with defer"):
-        gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, defer=True)
+    with pytest.raises(ValueError, match=f"stages=1 would deadlock with {needs}; use stages >= 2"):
+        gq.gluon_dq(*args, is_causal=False, scale=0.125, stages=1, **variant)
 
 
 @pytest.mark.parametrize(("head_dim", "takes"), [(64, True), (128, False), (96, False)])
@@ -118,8 +122,8 @@ def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not
     with pytest.raises(ValueError, match=r"gluon_dq_wg: serves head_dim in \(64,\); received head_dim=128"):
         gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
     q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
-    with pytest.raises(ValueError, match=r"gluon_dq_wg: stages must be at least 1; received stages=0"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=0)
+    with pytest.raises(ValueError, match=r"gluon_dq_wg: stages must be at least 2 .*; received stages=1"):
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=1)
 
 
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:

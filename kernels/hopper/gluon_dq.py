@@ -20,15 +20,19 @@ the tile's 64 keys, wgmma m64n64). The dS tile scale (a max over the whole tile)
 warpgroups (through shared memory), so both see the same scale. The dS codes are the A operand of the dQ
 product, either from registers (``codes_in_registers``, the default: each warpgroup's own 64 rows, no shared-
 memory round trip) or from an 8 KiB shared tile; B is ``K'^`` K-major over the keys as 8-bit wgmma requires
-(m64nDk32): TMA does not transpose, so while a tile's S and dP run the warps copy its ``K'^ [64, D]`` tile into a
-``[D, 64]`` shared buffer through registers (``_transpose_k``). No ``[D, Nk]`` copy of K'^ is made in global
-memory (it was 32 MiB at 16K tokens, D=128, and a launch per backward).
+(m64nDk32). TMA does not transpose, so each ``K'^ [64, D]`` tile is copied into a ``[D, 64]`` shared buffer through
+registers (``_transpose_k``): by a producer warpgroup in the warp-specialised kernel, off the consumers' path (two
+buffers in turn, ``kt_ready``/``kt_empty`` mbarriers), or by the consumers themselves while S and dP run in the
+one-partition kernel. No ``[D, Nk]`` copy of K'^ is made in global memory (it was 32 MiB at 16K tokens, D=128, and
+a launch per backward).
 
 Per program: Q'^ and dO ``[128, D]`` once, then every key tile (``BLOCK_N = 64``) of the kv head the query head
 reads (GQA: ``head // group``) up to the causal limit, through a ``STAGES``-deep ring of ``K'^ [64, D]`` and
-``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default:
-``gl.warp_specialize``, the two consumer warpgroups at 240 registers and one TMA load warp at 24) or one 8-warp
-partition that also issues the loads. Design, offline figures and the device check: ``benchmarks/pending/gluon-dq.md``.
+``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default: ``gl.warp_specialize``,
+the two consumer warpgroups at 232 registers and the producer warpgroup, TMA loads and transpositions, at 40) or
+one 8-warp partition that also issues the loads. On an H100 the producer's transposition made the kernel 1.10-1.18x
+faster than the consumers' own at D=128 (``benchmarks/results/speed-h100-20261126-dq-producer-ab.md``). Design,
+offline figures and the device check: ``benchmarks/pending/gluon-dq.md`` and ``benchmarks/NOTES.md``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 
 from ..forward import LOG2E
 from . import dispatch
-from .gluon_backward import GLUON_TRITON, HAVE_GLUON, LOAD_REGS, WS_MAXNREG, _desc
+from .gluon_backward import GLUON_TRITON, HAVE_GLUON, WS_MAXNREG, _desc
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -78,6 +82,10 @@ BLOCK_N = 64
 #: in L2). Measured on an H100 against one head at a time: 1.05-1.07x causal at D=128; non-causal calls keep one
 #: head at a time (0.99-1.01x with chunks).
 HEAD_CHUNK = {64: 16, 128: 8}
+#: Registers per thread of the producer warpgroup (TMA loads and the K'^ transposition: a 64 x D int8 tile is 16
+#: registers per thread at D=128). With the launch's cap of :data:`.gluon_backward.WS_MAXNREG` over 12 warps the
+#: two consumer warpgroups hold (168 * 12 - 40 * 4) / 8 = 232 each.
+PRODUCER_REGS = 40
 
 
 if HAVE_GLUON:
@@ -99,22 +107,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
-        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (at least
-        ``HEAD_DIM / 16``), visible to their next wgmma when it returns.
+        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (4 or 8),
+        visible to the CTA's next wgmma when it returns (the callers' own, or another partition's after an
+        mbarrier arrival).
 
         8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
         ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
         contiguous. Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys); a
-        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first. Under the copy engine's
-        swizzle of the source (128 bytes at D=128) and the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load
-        takes 4 shared-memory wavefronts and its store 2 (each thread's block being 4 dims wide keeps every store
-        within rows of one parity): 384 per D=128 tile, against 1,088 for 32 lanes along the dims (16-way conflicts
-        on the stores). Both layouts are modelled in ``benchmarks/NOTES.md`` (device run 10)."""
-        gl.static_assert(WARPS * 16 >= HEAD_DIM)
+        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first (the tile repeats over
+        the warps where they cover less). Under the copy engine's swizzle of the source (128 bytes at D=128) and
+        the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load takes 4 shared-memory wavefronts and its store 2
+        (each thread's block being 4 dims wide keeps every store within rows of one parity): 384 per D=128 tile,
+        against 1,088 for 32 lanes along the dims (16-way conflicts on the stores). Both layouts are modelled in
+        ``benchmarks/NOTES.md`` (device run 10)."""
+        warps_k: gl.constexpr = (WARPS * 16 + HEAD_DIM - 1) // HEAD_DIM
         layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[WARPS * 16 // HEAD_DIM, HEAD_DIM // 16],
-            order=[1, 0],
-        )  # fmt: skip
+            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[warps_k, WARPS // warps_k], order=[1, 0]
+        )
         kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
@@ -127,19 +136,44 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc_do, [q_row, 0], q_bar, do_smem)
 
     @gluon.jit
-    def _dq_loader(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _dq_producer(
+        descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr,
     ):  # fmt: skip
-        """The load partition (one warp): Q'^ and dO once, then every key tile into the ring, each stage refilled
-        once the compute partition has released it (``empty``)."""
+        """The producer partition (one warpgroup): the program's ``Q_BLOCKS`` blocks of Q'^ and dO once (``q_smem``
+        and ``do_smem`` hold one block, or ``Q_BLOCKS`` indexed), every key tile into the ring, and each tile's
+        K'^ transposed into a ``[D, 64]`` buffer (two, used in turn) for the consumers' dQ products, off their path.
+
+        Tile ``t``: once it has landed (``ready``) and the consumers are done with the buffer's tile before
+        (``kt_empty``), its transposition, then ``kt_ready``; its stage is released on this side (``empty`` counts
+        the consumers' arrival and this one), and the stage of tile ``t - 1`` is refilled with tile
+        ``t - 1 + STAGES`` once the consumers have released it too. The producer thus runs at most two tiles ahead
+        of the consumers' dQ products."""
         desc_q, desc_do, desc_k, desc_v = descs
-        q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
-        ready, empty, q_bar = bars
-        _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
+        q_smem, do_smem, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
+        ready, empty, q_bar, kt_ready, kt_empty = bars
+        if Q_BLOCKS == 1:
+            _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
+        else:
+            mbarrier.expect(q_bar, Q_BLOCKS * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
+            for h in gl.static_range(Q_BLOCKS):
+                tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
+                tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
+        for i in gl.static_range(STAGES):
+            _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         for t in range(n_tiles):
+            stage = t % STAGES
+            kb = t % 2
+            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_kv(t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
+            mbarrier.wait(kt_empty.index(kb), ((t // 2) & 1) ^ 1)
+            _transpose_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, 4)
+            mbarrier.arrive(kt_ready.index(kb), count=1)
+            mbarrier.arrive(empty.index(stage), count=1)
+            if t > 0:
+                prev = (t - 1) % STAGES
+                mbarrier.wait(empty.index(prev), ((t - 1) // STAGES) & 1)
+                _issue_kv(t - 1 + STAGES, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dq_compute(
@@ -149,13 +183,14 @@ if HAVE_GLUON:
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
-        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` tiles ahead). With ``DEFER`` each
-        tile's dQ product is waited for in the next iteration, after the next tile's S and dP are issued. While a
-        tile's S and dP run, the warps copy its K'^ transposed into ``kt_smem`` (one buffer; two with ``DEFER``,
-        whose dQ product of the tile before still reads the other)."""
+        With ``WARP_SPECIALIZE`` the producer warpgroup transposes each tile's K'^ (``kt_ready``, two buffers in
+        turn); without, these warps issue the loads (``STAGES - 1`` tiles ahead) and, while a tile's S and dP run,
+        copy its K'^ transposed into ``kt_smem`` themselves (one buffer; two with ``DEFER``, whose dQ product of the
+        tile before still reads the other). With ``DEFER`` each tile's dQ product is waited for in the next
+        iteration, after the next tile's S and dP are issued."""
         desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
-        ready, empty, q_bar = bars
+        ready, empty, q_bar, kt_ready, kt_empty = bars
         # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
@@ -207,11 +242,12 @@ if HAVE_GLUON:
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-            if DEFER:
+            if DEFER or WARP_SPECIALIZE:
                 kt_tile = kt_smem.index(t % 2)
             else:
                 kt_tile = kt_smem.index(0)
-            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
+            if not WARP_SPECIALIZE:
+                _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
             if DEFER:
                 # The tile before's dQ product was committed before S and dP: two groups may stay in flight. Its
                 # scaling overlaps this tile's S and dP on the tensor cores; the additions into dQ keep their order.
@@ -221,6 +257,7 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
+                    mbarrier.arrive(kt_empty.index((t + 1) % 2), count=1, pred=t > 0)
                 else:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
@@ -235,6 +272,8 @@ if HAVE_GLUON:
             # One dS scale for the 128 x 64 tile (a reduction across both warpgroups).
             ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
             codes = _int8_codes(ds, ds_scale)
+            if WARP_SPECIALIZE:
+                mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its transposed
             # [D, 64] copy (K-major over the keys).
             if CODES_IN_REGISTERS:
@@ -256,6 +295,7 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index(stage), count=1)
+                    mbarrier.arrive(kt_empty.index(t % 2), count=1)
         if DEFER:
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
             dq += _int32_scaled(dq_int, dq_c)
@@ -292,7 +332,7 @@ if HAVE_GLUON:
         WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr,
-        LOAD_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
     ):
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         pid_m, bh = _head_chunk_order(gl.program_id(0), m_blocks, BH, HEAD_CHUNK)
@@ -313,13 +353,15 @@ if HAVE_GLUON:
         kv_row0 = kv_bh * SEQ_K
 
         # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^ and V tiles, K'^ transposed (two
-        # buffers with DEFER), the dS codes.
+        # buffers with the producer warpgroup or DEFER), the dS codes.
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
         kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(gl.int8, [2 if DEFER else 1, HEAD_DIM, BLOCK_N], kt_layout)
+        kt_smem = gl.allocate_shared_memory(
+            gl.int8, [2 if DEFER or WARP_SPECIALIZE else 1, HEAD_DIM, BLOCK_N], kt_layout
+        )
         v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
         if CODES_IN_REGISTERS:
             ds_smem = q_smem  # unused
@@ -328,15 +370,21 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
+            # With the producer warpgroup a stage is released by it (its K'^ transposed) and by the consumers.
+            mbarrier.init(empty.index(i), count=2 if WARP_SPECIALIZE else 1)
+        for i in gl.static_range(2):
+            mbarrier.init(kt_ready.index(i), count=1)
+            mbarrier.init(kt_empty.index(i), count=1)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
         descs = (desc_q, desc_do, desc_k, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem)
-        bars = (ready, empty, q_bar)
+        bars = (ready, empty, q_bar, kt_ready, kt_empty)
         if WARP_SPECIALIZE:
             gl.warp_specialize(
                 [
@@ -346,10 +394,13 @@ if HAVE_GLUON:
                          DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
                          WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
                     ),
-                    (_dq_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES)),
+                    (
+                        _dq_producer,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1),
+                    ),
                 ],
-                [1],
-                [LOAD_REGS],
+                [4],
+                [PRODUCER_REGS],
             )  # fmt: skip
         else:
             _dq_compute(
@@ -455,10 +506,11 @@ def gluon_dq(
         v: V ``[B, Hkv, Nk, D]`` bf16 contiguous (dP's operand).
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         is_causal, scale: as the forward.
-        stages: depth of the TMA ring of key tiles; ``None``: :func:`default_stages`. At least 2 with ``defer``
-            (it hands a stage back one tile late: with one stage the loads would wait for it forever).
-        warp_specialize: a one-warp load partition beside the two consumer warpgroups, or one partition of 8 warps
-            that also issues the loads.
+        stages: depth of the TMA ring of key tiles; ``None``: :func:`default_stages`. At least 2 with ``defer`` (it
+            hands a stage back one tile late) or ``warp_specialize`` (the producer refills tile ``t``'s stage after
+            transposing tile ``t + 1``): with one stage the loads would wait for it forever.
+        warp_specialize: a producer warpgroup (TMA loads and K'^'s transposition) beside the two consumer
+            warpgroups, or one partition of 8 warps that also issues the loads and transposes.
         codes_in_registers: the dS codes as the dQ product's A operand from registers, or through shared memory.
         defer: finish each tile's dQ product in the next iteration, after the next tile's S and dP are issued, so
             its scaling overlaps the tensor cores (same values, same order of additions). Under Triton 3.6 ptxas
@@ -469,7 +521,7 @@ def gluon_dq(
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a ring of fewer stages than the variant needs (``defer`` needs 2).
+        ValueError: a ring of fewer stages than the variant needs (2 with ``defer`` or ``warp_specialize``).
 
     Example::
 
@@ -478,8 +530,9 @@ def gluon_dq(
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     stages = stages if stages is not None else default_stages(head_dim)
-    if stages < (2 if defer else 1):
-        raise ValueError(f"gluon_dq: stages={stages} would deadlock{' with defer' if defer else ''}")
+    if stages < (2 if defer or warp_specialize else 1):
+        needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
+        raise ValueError(f"gluon_dq: stages={stages} would deadlock with {needs}; use stages >= 2")
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     bh, bkv = batch * heads, batch * kv_heads
@@ -492,7 +545,8 @@ def gluon_dq(
         bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
-        WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer, LOAD_REGS=LOAD_REGS,
+        WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
+        PRODUCER_REGS=PRODUCER_REGS,
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
     )  # fmt: skip

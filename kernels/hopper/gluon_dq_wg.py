@@ -10,13 +10,15 @@ changes is who computes what, as :mod:`.gluon_dkdv_wg` did for dK and dV:
 * Here a program holds two query blocks (256 queries of one head), and each consumer warpgroup owns one block's
   128 queries against every key tile. The dS scale is a reduction within the warpgroup; the two warpgroups share
   only the TMA ring of ``K'^`` and ``V`` tiles (each releases a stage on its own, ``empty`` counts two arrivals), so
-  one quantizes while the other's products run, and each key tile read from L2 serves 256 queries. Each warpgroup
-  copies the tile's K'^ transposed into a ``[D, 64]`` buffer of its own before it issues S and dP (after, the causal
-  kernel spilled) (:func:`.gluon_dq._transpose_k`: the dQ product's B operand, K-major over the keys).
+  one quantizes while the other's products run, and each key tile read from L2 serves 256 queries. The producer
+  warpgroup of :mod:`.gluon_dq` (:func:`.gluon_dq._dq_producer`) loads the ring and copies each tile's K'^ transposed
+  into a ``[D, 64]`` buffer (two in turn) that both warpgroups read as the dQ product's B operand (K-major over the
+  keys); ``empty`` counts three arrivals (both warpgroups and the producer), ``kt_empty`` two.
 
 The cost is registers: a warpgroup holds the whole ``[128, 64]`` S and dP (64 each per thread) and its ``[128, D]``
 dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone would take 128). Causal: the lower
-block's warpgroup needs two key tiles fewer than the upper's; it waits for them and hands them back unread. With
+block's warpgroup needs two key tiles fewer than the upper's; it waits for their transposition and hands them back
+unread. With
 an odd number of query blocks the last program's upper warpgroup has no block: it hands every tile back and
 writes nothing.
 
@@ -29,9 +31,9 @@ import torch
 
 from ..forward import LOG2E
 from . import dispatch
-from .gluon_backward import HAVE_GLUON, LOAD_REGS, _desc
-from .gluon_dkdv_wg import CONSUMER_REGS, WG_MAXNREG
-from .gluon_dq import BLOCK_M, BLOCK_N
+from .gluon_backward import HAVE_GLUON, _desc
+from .gluon_dkdv_wg import WG_MAXNREG
+from .gluon_dq import BLOCK_M, BLOCK_N, PRODUCER_REGS
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -39,13 +41,12 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
     from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
-    from .gluon_dq import _issue_kv, _transpose_k
+    from .gluon_dq import _dq_producer
 
 #: The environment variable that can turn this variant off (``auto``: it serves every call it can; ``off``: the
 #: calls go to :func:`.gluon_dq.gluon_dq`), to compare the two or to step around a fault.
@@ -59,28 +60,13 @@ HEAD_DIMS = (64,)
 #: K'^, K'^T and V at D=64 and N=4096 are 16 MiB, inside L2). Measured on an H100 against one head at a time:
 #: 1.07-1.25x causal; non-causal calls keep one head at a time (0.98-1.00x with chunks).
 HEAD_CHUNK = 16
+#: Registers per thread of the second consumer warpgroup (a worker partition, so its count is set explicitly; the
+#: first, the default partition, gets what the others leave of :data:`.gluon_dkdv_wg.WG_MAXNREG` over 12 warps:
+#: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`.gluon_dq.PRODUCER_REGS`).
+CONSUMER_REGS = 232
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _dqwg_loader(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """The load partition (one warp): both blocks' Q'^ and dO once, then every key tile either warpgroup
-        reads into the ring, each stage refilled once both consumer warpgroups have released it."""
-        desc_q, desc_do, desc_k, desc_v = descs
-        q_smem, do_smem, k_smem, kt_smem, v_smem = bufs
-        ready, empty, q_bar = bars
-        mbarrier.expect(q_bar, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
-        for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
-            tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
-        for t in range(n_tiles):
-            # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_kv(t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
 
     @gluon.jit
     def _dqwg_compute(
@@ -89,12 +75,12 @@ if HAVE_GLUON:
         STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: query block ``2 * pid_pair + HALF`` against its key tiles (the first ``mine`` of
-        the ring's ``n_tiles``), then its dQ rows to global memory."""
+        the ring's ``n_tiles``), then its dQ rows to global memory. Each tile's K'^ comes transposed from the
+        producer warpgroup (``kt_ready``), one copy for both warpgroups."""
         q_all, do_all, k_smem, kt_smem, v_smem = bufs
-        ready, empty, q_bar = bars
+        ready, empty, q_bar, kt_ready, kt_empty = bars
         q_smem = q_all.index(HALF)
         do_smem = do_all.index(HALF)
-        kt_tile = kt_smem.index(HALF)
         # One warpgroup: its 4 warps split the 128 queries' rows (two m64 repetitions); a row's 64 keys lie in one
         # thread quad.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -142,9 +128,6 @@ if HAVE_GLUON:
             start_n = t * BLOCK_N
             k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            # K'^ transposed into the warpgroup's own buffer (its dQ product of the tile before was waited for),
-            # before S's and dP's accumulators take their registers.
-            _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 4)
             # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -161,6 +144,8 @@ if HAVE_GLUON:
             # One dS scale for the 128 x 64 tile (within the warpgroup).
             ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
             codes = _int8_codes(ds, ds_scale)
+            kt_tile = kt_smem.index(t % 2)
+            mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
             # its transposed [D, 64] copy (K-major over the keys).
             dq_tok = warpgroup_mma(
@@ -168,16 +153,18 @@ if HAVE_GLUON:
             )
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
             dq += _int32_scaled(dq_int, ds_scale * k_scale)
-            # The warpgroup is done with this stage before it hands it back (the load warp refills a stage once
-            # both warpgroups have).
+            # The warpgroup is done with this stage and the transposed tile before it hands them back (the
+            # producer refills a stage, or transposes into a buffer, once both warpgroups have).
             gl.thread_barrier()
             mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.arrive(kt_empty.index(t % 2), count=1)
         # The ring's tiles this block does not read (the upper block's last diagonal tiles, or all of them when
-        # this warpgroup has no block): wait for each, so the release counts towards its own phase, and hand it back.
+        # this warpgroup has no block): wait for each one's transposition (which follows its load), so the
+        # releases count towards its own phases, and hand both back.
         for t in range(mine, n_tiles):
-            stage = t % STAGES
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
+            mbarrier.arrive(empty.index(t % STAGES), count=1)
+            mbarrier.arrive(kt_empty.index(t % 2), count=1)
 
         if live:
             rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
@@ -191,7 +178,7 @@ if HAVE_GLUON:
         Q_SCALE, K_SCALE, LSE, DELTA, DQ,
         BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         n_pairs = gl.cdiv(m_blocks, 2)
@@ -212,7 +199,7 @@ if HAVE_GLUON:
         q_row = bh * SEQ_Q + 2 * pid_pair * BLOCK_M
         kv_row0 = kv_bh * SEQ_K
 
-        # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^ and V tiles, each warpgroup's K'^T tile.
+        # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^ and V tiles, two transposed K'^ tiles.
         kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
@@ -222,16 +209,22 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
+            # Released by both consumer warpgroups and by the producer once it has transposed the stage's K'^.
+            mbarrier.init(empty.index(i), count=3)
+        for i in gl.static_range(2):
+            mbarrier.init(kt_ready.index(i), count=1)
             # Released by both consumer warpgroups.
-            mbarrier.init(empty.index(i), count=2)
+            mbarrier.init(kt_empty.index(i), count=2)
         mbarrier.init(q_bar, count=1)
         fence_async_shared()
 
         descs = (desc_q, desc_do, desc_k, desc_v)
         bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem)
-        bars = (ready, empty, q_bar)
+        bars = (ready, empty, q_bar, kt_ready, kt_empty)
         gl.warp_specialize(
             [
                 (
@@ -244,10 +237,10 @@ if HAVE_GLUON:
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
                      qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
                 ),
-                (_dqwg_loader, (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_M, BLOCK_N, STAGES)),
+                (_dq_producer, (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2)),
             ],
-            [4, 1],
-            [CONSUMER_REGS, LOAD_REGS],
+            [4, 4],
+            [CONSUMER_REGS, PRODUCER_REGS],
         )  # fmt: skip
 
 
@@ -293,14 +286,14 @@ def gluon_dq_wg(
     Args:
         grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal, scale: as
             :func:`.gluon_dq.gluon_dq`.
-        stages: depth of the TMA ring of key tiles (12 KiB each at D=64, beside 48 KiB of Q'^ and dO and 8 KiB of
-            transposed K'^ tiles).
+        stages: depth of the TMA ring of key tiles, at least 2 (12 KiB each at D=64, beside 48 KiB of Q'^ and dO
+            and 8 KiB of transposed K'^ tiles).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a head dim it does not serve, or ``stages`` below 1.
+        ValueError: a head dim it does not serve, or ``stages`` below 2.
 
     Example::
 
@@ -310,8 +303,9 @@ def gluon_dq_wg(
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     if not gluon_dq_wg_serves(head_dim):
         raise ValueError(f"gluon_dq_wg: serves head_dim in {HEAD_DIMS}; received head_dim={head_dim}")
-    if stages < 1:
-        raise ValueError(f"gluon_dq_wg: stages must be at least 1; received stages={stages}")
+    if stages < 2:
+        raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
+                         f"received stages={stages}")  # fmt: skip
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     bh, bkv = batch * heads, batch * kv_heads
@@ -325,7 +319,7 @@ def gluon_dq_wg(
         bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
-        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
         num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dq
