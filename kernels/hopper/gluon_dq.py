@@ -129,19 +129,21 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
-    def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row):
-        """TMA loads of the program's Q'^ and dO tiles (once)."""
-        mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q, [q_row, 0], q_bar, q_smem)
-        tma.async_copy_global_to_shared(desc_do, [q_row, 0], q_bar, do_smem)
+    def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M: gl.constexpr, Q_BLOCKS: gl.constexpr):
+        """TMA loads of the program's ``Q_BLOCKS`` consecutive blocks of Q'^ and dO (once) into ``q_smem`` and
+        ``do_smem`` (``[Q_BLOCKS, BLOCK_M, D]`` each)."""
+        mbarrier.expect(q_bar, Q_BLOCKS * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
+        for h in gl.static_range(Q_BLOCKS):
+            tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
+            tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
 
     @gluon.jit
     def _dq_producer(
         descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr,
     ):  # fmt: skip
-        """The producer partition (one warpgroup): the program's ``Q_BLOCKS`` blocks of Q'^ and dO once (``q_smem``
-        and ``do_smem`` hold one block, or ``Q_BLOCKS`` indexed), every key tile into the ring, and each tile's
+        """The producer partition (one warpgroup): the program's ``Q_BLOCKS`` blocks of Q'^ and dO once
+        (:func:`_issue_q`), every key tile into the ring, and each tile's
         K'^ transposed into a ``[D, 64]`` buffer (two, used in turn) for the consumers' dQ products, off their path.
 
         Tile ``t``: once it has landed (``ready``) and the consumers are done with the buffer's tile before
@@ -152,13 +154,7 @@ if HAVE_GLUON:
         desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
-        if Q_BLOCKS == 1:
-            _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
-        else:
-            mbarrier.expect(q_bar, Q_BLOCKS * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
-            for h in gl.static_range(Q_BLOCKS):
-                tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
-                tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
+        _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M, Q_BLOCKS)
         for i in gl.static_range(STAGES):
             _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         for t in range(n_tiles):
@@ -189,8 +185,10 @@ if HAVE_GLUON:
         tile before still reads the other). With ``DEFER`` each tile's dQ product is waited for in the next
         iteration, after the next tile's S and dP are issued."""
         desc_q, desc_do, desc_k, desc_v = descs
-        q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem = bufs
+        q_all, do_all, k_smem, kt_smem, v_smem, ds_smem = bufs
         ready, empty, q_bar, kt_ready, kt_empty = bars
+        q_smem = q_all.index(0)
+        do_smem = do_all.index(0)
         # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
@@ -211,7 +209,7 @@ if HAVE_GLUON:
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
         if not WARP_SPECIALIZE:
-            _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row)
+            _issue_q(desc_q, desc_do, q_all, do_all, q_bar, q_row, BLOCK_M, 1)
             for i in gl.static_range(STAGES - 1):
                 _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
@@ -242,10 +240,7 @@ if HAVE_GLUON:
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-            if DEFER or WARP_SPECIALIZE:
-                kt_tile = kt_smem.index(t % 2)
-            else:
-                kt_tile = kt_smem.index(0)
+            kt_tile = kt_smem.index(t % kt_smem.shape[0])
             if not WARP_SPECIALIZE:
                 _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
             if DEFER:
@@ -356,8 +351,8 @@ if HAVE_GLUON:
         # buffers with the producer warpgroup or DEFER), the dS codes.
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
         kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
-        do_smem = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [1] + desc_q.block_type.shape, desc_q.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, [1] + desc_do.block_type.shape, desc_do.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
         kt_smem = gl.allocate_shared_memory(
             gl.int8, [2 if DEFER or WARP_SPECIALIZE else 1, HEAD_DIM, BLOCK_N], kt_layout
