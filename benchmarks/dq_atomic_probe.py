@@ -12,8 +12,8 @@ H=16, N=4096). This probe adds exactly that traffic, nothing else, in the same g
 * ``store``: plain stores of the same tiles (the write bandwidth they would have without the reduction);
 
 and, in the same run and at the same shape, times the Gluon dQ kernel that the lever would remove, the Gluon dK/dV
-kernel it would be added to, and the whole backward. If the reduction alone takes about as long as the dQ kernel,
-the lever cannot pay at that key block.
+kernel it would be added to (each the one ``backward()`` takes there), and the whole backward. If the reduction alone
+takes about as long as the dQ kernel, the lever cannot pay at that key block.
 
 Run on the device (Triton 3.6), from the project root after ``pip install -e .``::
 
@@ -80,26 +80,21 @@ def check_sum(seq: int, head_dim: int, key_block: int, mode: str) -> bool:
 
 
 def kernel_times(shape: tuple, causal: bool) -> dict[str, float]:
-    """Milliseconds of the Gluon dQ kernel, the Gluon dK/dV kernel and the whole backward at ``shape``."""
-    from gluon_dkdv_check import inputs, run_backward
-    from sage_lightning.kernels.hopper import gluon_backward as gb
-    from sage_lightning.kernels.hopper import gluon_dq as gq
+    """Milliseconds of the Gluon dQ and dK/dV kernels that ``backward()`` takes at ``shape`` (the ``wg`` ones
+    where they serve), and of the whole backward."""
+    import gluon_dkdv_check as dkdv
+    import gluon_dq_check as dq
     from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
-    x, raw = inputs(shape, causal)
-    tau, head_dim = raw["tau"], shape[-1]
-    common = (x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"])
-    if gqw.gluon_dq_wg_serves(head_dim):
-        dq = lambda: gqw.gluon_dq_wg(*common, is_causal=causal, scale=tau)  # noqa: E731
-    else:
-        dq = lambda: gq.gluon_dq(*common, is_causal=causal, scale=tau)  # noqa: E731
-    dkdv_args = (x["do"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"], x["q_scale"],
-                 x["k_op"], x["k_scale"], x["v"], x["lse"], None)  # fmt: skip
+    x, raw = dkdv.inputs(shape, causal)
+    tau = raw["tau"]
+    dq_variant = "wg" if gqw.gluon_dq_wg_serves(shape[-1]) else "ws"
+    dkdv_variant = "wg" if dkdv.serves(x, "wg") else "ws"
     bench = triton.testing.do_bench
     return {
-        "gluon_dq_ms": bench(dq),
-        "gluon_dkdv_ms": bench(lambda: gb.gluon_dkdv(*dkdv_args, is_causal=causal, scale=tau)),
-        "backward_ms": bench(lambda: run_backward(x, raw, causal)),
+        "gluon_dq_ms": bench(lambda: dq.gluon(x, causal, tau, dq_variant)),
+        "gluon_dkdv_ms": bench(lambda: dkdv.gluon(x, causal, tau, None, dkdv_variant)),
+        "backward_ms": bench(lambda: dkdv.run_backward(x, raw, causal)),
     }
 
 
