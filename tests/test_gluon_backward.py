@@ -112,6 +112,76 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(monkeypatc
         wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1)
 
 
+@pytest.mark.parametrize(
+    ("variant", "needs"), [({"defer": True}, "defer"), ({}, r"the producer warpgroup \(warp_specialize=True\)")]
+)
+def test_defer_and_the_producer_refuse_a_one_stage_ring(variant, needs):
+    """``defer`` hands a stage back one tile late, and the producer warpgroup refills a tile's stage after it has
+    transposed the next tile's Q'^: with one stage the loads would wait for it forever."""
+    x = torch.zeros(1, 1, 128, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=f"gluon_dkdv: stages=1 would deadlock with {needs}; use stages >= 2"):
+        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.125, stages=1, **variant)
+
+
+def test_the_one_partition_kernel_needs_q_copy():
+    """Only the producer warpgroup transposes Q'^'s tiles itself; the one-partition kernel reads the ``[D, N]``
+    copy and refuses to run without it."""
+    x = torch.zeros(1, 1, 128, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dkdv: q_op_t=None needs warp_specialize=True"):
+        gb.gluon_dkdv(x, x, x, x, x, None, x, x, x, x, x, None, is_causal=False, scale=0.125, warp_specialize=False)
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("wg_kernel", "copied"), [(False, False), (True, True)])
+def test_backward_makes_q_copy_only_for_the_kernels_that_read_it(monkeypatch, wg_kernel, copied):
+    """The warp-specialised Gluon dK/dV kernel (D=128) transposes Q'^'s tiles in shared memory: ``backward()``
+    makes no ``[D, N]`` copy of Q'^ for it (32 MiB at 16K tokens, D=128) and passes ``None``; the D=64 ``wg``
+    kernel still gets the copy from the preprocess launch."""
+    from sage_lightning.kernels import backward as bwd
+
+    seen: dict[str, object] = {}
+    preprocess = bwd.backward_preprocess
+
+    def spy_preprocess(*args, transpose=None, **kwargs):
+        seen["transpose"] = transpose
+        return preprocess(*args, transpose=transpose, **kwargs)
+
+    def fake_kernel(name):
+        def kernel(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, *rest, **kwargs):
+            seen["kernel"], seen["q_op_t"] = name, q_op_t
+            raise _Stop
+
+        return kernel
+
+    monkeypatch.setattr(bwd, "backward_preprocess", spy_preprocess)
+    monkeypatch.setattr(bwd, "gluon_dkdv_applies", lambda *a, **k: True)
+    monkeypatch.setattr(bwd, "gluon_dq_applies", lambda *a, **k: False)
+    monkeypatch.setattr(bwd, "gluon_dkdv_wg_applies", lambda head_dim, seq_k: wg_kernel)
+    monkeypatch.setattr(bwd, "gluon_dkdv", fake_kernel("gluon_dkdv"))
+    monkeypatch.setattr(bwd, "gluon_dkdv_wg", fake_kernel("gluon_dkdv_wg"))
+    b, h, n, d = 1, 1, 128, 64
+    gen = torch.Generator().manual_seed(0)
+    q_op = torch.randint(-127, 128, (b, h, n, d), dtype=torch.int8, generator=gen)
+    grad_out = torch.randn(b, h, n, d, generator=gen).bfloat16()
+    out = torch.randn(b, h, n, d, generator=gen).bfloat16()
+    scale = torch.ones(b, h, 1)
+    with pytest.raises(_Stop):
+        bwd.backward(
+            grad_out, out, q_op, scale, None, q_op, torch.ones(b, h, 2), out, torch.zeros(b, h, n), None,
+            is_causal=False, scale=0.125, block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
+            ds_int8=True,
+        )  # fmt: skip
+    assert seen["kernel"] == ("gluon_dkdv_wg" if wg_kernel else "gluon_dkdv")
+    if copied:
+        assert seen["transpose"] is q_op
+        assert torch.equal(seen["q_op_t"], q_op.transpose(2, 3))
+    else:
+        assert seen["transpose"] is None and seen["q_op_t"] is None
+
+
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Both Gluon dK/dV kernels as ``backward()`` calls them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
     monkeypatch.delenv(wg.ENV, raising=False)
