@@ -100,8 +100,6 @@ def gluon(x: dict, causal: bool, tau: float, stats: torch.Tensor | None, variant
     if variant == "wg":
         return wg.gluon_dkdv_wg(*operands, is_causal=causal, scale=tau)
     ws, defer = variant.startswith("ws"), variant.endswith("defer")
-    if ws:  # the producer warpgroup transposes Q'^'s tiles itself, as backward() calls it: no [D, N] copy
-        operands = (*operands[:5], None, *operands[6:])
     return gb.gluon_dkdv(*operands, is_causal=causal, scale=tau, warp_specialize=ws, defer=defer)
 
 

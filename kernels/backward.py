@@ -377,8 +377,7 @@ def backward(
 
     Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
     copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before dQ and the portable dQ kernel's
-    ``[D, N]`` copy of K'^ are allocated. The Gluon dQ kernels and the warp-specialised Gluon dK/dV kernel (the one
-    taken at D=128) transpose K'^'s and Q'^'s tiles in shared memory instead: no copy is made for them.
+    ``[D, N]`` copy of K'^ are allocated (the Gluon dQ kernels transpose K'^'s tiles in shared memory instead).
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
@@ -407,14 +406,11 @@ def backward(
         # usually a [B, N, H, D] view).
         grad_out = grad_out.contiguous()
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
-    # cores want those contiguous, so the portable and the D=64 Gluon dK/dV kernels read Q'^'s [D, N] copy (written
-    # by the preprocess launch) and the portable dQ kernel K'^'s (made just before it). The warp-specialised Gluon
-    # dK/dV kernel and the Gluon dQ kernels transpose Q'^'s and K'^'s tiles in shared memory instead.
+    # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
+    # the portable dQ kernel K'^'s (made just before it; the Gluon dQ kernels transpose K'^'s tiles themselves).
     transposed = qk_int8 and ds_int8
-    gluon_kv_wg = gluon_kv and gluon_dkdv_wg_applies(q_op.shape[3], k_op.shape[2])
-    q_copy = transposed and (gluon_kv_wg or not gluon_kv)
     delta, do_codes, do_codes_t, do_scale, q_op_t = backward_preprocess(
-        grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8, transpose=q_op if q_copy else None
+        grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8, transpose=q_op if transposed else None
     )
     if dp_int8:
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
@@ -441,10 +437,11 @@ def backward(
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(io_dtype),
     )
+    q_op_t = q_op_t if q_op_t is not None else q_op
     if gluon_kv:
-        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py,
-        # no Q'^ copy; at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
-        kernel = gluon_dkdv_wg if gluon_kv_wg else gluon_dkdv
+        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
+        # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
+        kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(head_dim, seq_k) else gluon_dkdv
         dk, dv = kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale,
@@ -452,7 +449,6 @@ def backward(
     else:
         dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
         dv = torch.empty_like(dk)
-        q_op_t = q_op_t if q_op_t is not None else q_op
         _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
             q_op, q_op_t, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
             grad_out, codes_arg, do_codes_t if do_codes_t is not None else grad_out, code_scale_arg, lse, delta, dk, dv,

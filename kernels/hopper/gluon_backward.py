@@ -19,18 +19,14 @@ of the tile's 128 queries). P's per-key scale (a reduction over queries) and dS'
 tile) therefore cross both warpgroups; the reductions go through shared memory, so both warpgroups see the
 same scales and the granularity is SageBwd's (one scale per 128 x 64 tile). The codes of P^T and dS^T are
 written to shared memory once per tile and are the A operands of ``dV`` and ``dK``'s INT8 wgmma (each
-warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma requires: ``dO^`` is read from
-its ``[D, N]`` codes (the preprocess launch writes them); ``Q'^`` is transposed in shared memory by the producer
-warpgroup (each ``[128, D]`` tile into a ``[D, 128]`` buffer, two buffers in turn, ``qt_ready``/``qt_empty``
-mbarriers), so no ``[D, N]`` copy of Q'^ is made in global memory (32 MiB at 16K tokens, D=128); the one-partition
-variant still reads that copy.
+warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma requires: ``dO^`` and ``Q'^``
+are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
 
 Per program: one kv head's ``BLOCK_N = 64`` keys; it walks every query tile of every query head of the group
 (one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage; the tile's lse and
 delta come through the ring with it). Variants: warp-
-specialised (default: ``gl.warp_specialize`` with the two consumer warpgroups as the default partition at 232
-registers and the producer warpgroup, TMA loads and Q'^'s transposition, at 40) or one 8-warp partition that also
-issues the loads; ``defer`` waits for
+specialised (default: ``gl.warp_specialize`` with the two consumer warpgroups as the default partition at 240
+registers and one TMA load warp at 24) or one 8-warp partition that also issues the loads; ``defer`` waits for
 each tile's dV/dK products in the next iteration, after its S and dP are issued. Design, offline figures and the
 device test: ``benchmarks/gluon-dkdv.md``.
 """
@@ -92,11 +88,6 @@ HEAD_CHUNK = {64: 16, 128: 8}
 #: that after the load warpgroup gives its surplus back the consumers hold (168 * 12 - 24 * 4) / 8 = 240.
 LOAD_REGS = 24
 WS_MAXNREG = 168
-#: Registers per thread of a producer warpgroup (TMA loads and the transposition of an 8-bit tile through registers,
-#: 16 registers per thread for a ``[64, 128]`` int8 tile): the dQ kernels' (K'^'s tiles) and the warp-specialised
-#: dK/dV kernel's (Q'^'s tiles). With the launch's cap of :data:`WS_MAXNREG` over 12 warps the two consumer
-#: warpgroups hold (168 * 12 - 40 * 4) / 8 = 232 each.
-PRODUCER_REGS = 40
 
 
 if HAVE_GLUON:
@@ -144,40 +135,14 @@ if HAVE_GLUON:
         return gl.fma((x + _ROUNDER_BITS).to(gl.float32, bitcast=True), c, -(c * _ROUNDER))
 
     @gluon.jit
-    def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
-        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (4 or 8),
-        visible to the CTA's next wgmma when it returns (the callers' own, or another partition's after an
-        mbarrier arrival). ``k_tile`` is a ``[64, D]`` int8 tile (K'^'s in the dQ kernels, half of a ``[128, D]``
-        Q'^ tile in the dK/dV kernel) and ``kt_tile`` a ``[D, 64]`` buffer or a 64-column slice of a ``[D, 128]``
-        one.
-
-        8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
-        ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
-        contiguous. Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys); a
-        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first (the tile repeats over
-        the warps where they cover less). Under the copy engine's swizzle of the source (128 bytes at D=128) and
-        the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load takes 4 shared-memory wavefronts and its store 2
-        (each thread's block being 4 dims wide keeps every store within rows of one parity): 384 per D=128 tile,
-        against 1,088 for 32 lanes along the dims (16-way conflicts on the stores). Both layouts are modelled in
-        ``benchmarks/NOTES.md`` (device run 10)."""
-        warps_k: gl.constexpr = (WARPS * 16 + HEAD_DIM - 1) // HEAD_DIM
-        layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[warps_k, WARPS // warps_k], order=[1, 0]
-        )
-        kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
     def _issue_loads(
         t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
         q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
-        SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, LOAD_QT: gl.constexpr,
+        SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
         stage ``t % STAGES``; nothing when ``t >= total``. ``row_q0``: the group's first head's first row in the
-        ``[B*H*N, D]`` views; ``col_t0``: its first row in the ``[B*H*D, N]`` views. ``LOAD_QT``: Q'^'s tile from
-        its ``[D, N]`` copy too (the one-partition kernel; the producer warpgroup transposes Q'^'s tile instead)."""
+        ``[B*H*N, D]`` views; ``col_t0``: its first row in the ``[B*H*D, N]`` views."""
         s = t % STAGES
         live = t < total
         g = t // n_m
@@ -186,15 +151,12 @@ if HAVE_GLUON:
         row_t = col_t0 + g * HEAD_DIM
         bar = ready.index(s)
         nbytes: gl.constexpr = (
-            desc_q.block_type.nbytes + desc_do.block_type.nbytes + desc_dot.block_type.nbytes
-            + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
+            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
+            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
         )  # fmt: skip
-        if LOAD_QT:
-            mbarrier.expect(bar, nbytes + desc_qt.block_type.nbytes, pred=live)
-            tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
-        else:
-            mbarrier.expect(bar, nbytes, pred=live)
+        mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
         # The tile's lse and delta (512 bytes each) come with it.
@@ -202,54 +164,26 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s), pred=live)
 
     @gluon.jit
-    def _dkdv_producer(
+    def _dkdv_loader(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
-        """The producer partition (one warpgroup): K'^ and V once, every iteration's tiles into the ring, and each
-        tile's Q'^ ``[128, D]`` transposed into a ``[D, 128]`` buffer (two, used in turn) for the consumers' dK
-        products, in two ``[64, D]`` halves (:func:`_transpose_k`), off their path.
-
-        Tile ``t``: once it has landed (``ready``) and the consumers are done with the buffer's tile before
-        (``qt_empty``), its transposition, then ``qt_ready``; its stage is released on this side (``empty`` counts
-        the consumers' arrival and this one), and the stage of tile ``t - 1`` is refilled with tile
-        ``t - 1 + STAGES`` once the consumers have released it too (so the ring needs two stages)."""
+        """The load partition (one warp): K'^ and V once, then every iteration's four tiles into the ring, each
+        stage refilled once the compute partition has released it (``empty``)."""
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
-        ready, empty, kv_bar, qt_ready, qt_empty = bars
+        ready, empty, kv_bar = bars
         mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
         tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
-        # n_m is 0 or less where the key block starts past the last query (causal, more keys than queries):
-        # nothing loads then (total <= 0), but _issue_loads divides by it.
-        n_m = gl.maximum(n_m, 1)
-        for i in gl.static_range(STAGES):
-            _issue_loads(
-                i, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
-                q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                False,
-            )  # fmt: skip
         for t in range(total):
-            stage = t % STAGES
-            qb = t % 2
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
-            mbarrier.wait(qt_empty.index(qb), ((t // 2) & 1) ^ 1)
-            for h in gl.static_range(BLOCK_M // 64):
-                _transpose_k(
-                    q_smem.index(stage).slice(h * 64, 64, dim=0), qt_smem.index(qb).slice(h * 64, 64, dim=1),
-                    HEAD_DIM, 4,
-                )  # fmt: skip
-            mbarrier.arrive(qt_ready.index(qb), count=1)
-            mbarrier.arrive(empty.index(stage), count=1)
-            if t > 0:
-                prev = (t - 1) % STAGES
-                mbarrier.wait(empty.index(prev), ((t - 1) // STAGES) & 1)
-                _issue_loads(
-                    t - 1 + STAGES, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
-                    desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                    HEAD_DIM, BLOCK_M, STAGES, False,
-                )  # fmt: skip
+            # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
+            # ring does not wait.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_loads(
+                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+                q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+            )  # fmt: skip
 
     @gluon.jit
     def _dkdv_compute(
@@ -260,12 +194,10 @@ if HAVE_GLUON:
         DEFER: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
-        With ``WARP_SPECIALIZE`` the producer warpgroup transposes each tile's Q'^ (``qt_ready``, two buffers in
-        turn); without, these warps also issue the loads (``STAGES - 1`` iterations ahead), Q'^'s tile from its
-        ``[D, N]`` copy among them."""
+        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead)."""
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
-        ready, empty, kv_bar, qt_ready, qt_empty = bars
+        ready, empty, kv_bar = bars
         # Accumulator layouts, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps and
         # the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups.
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -298,7 +230,7 @@ if HAVE_GLUON:
                 _issue_loads(
                     i, total, gl.maximum(n_m, 1), lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                    HEAD_DIM, BLOCK_M, STAGES, True,
+                    HEAD_DIM, BLOCK_M, STAGES,
                 )  # fmt: skip
         k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
 
@@ -327,7 +259,7 @@ if HAVE_GLUON:
                 _issue_loads(
                     t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                    HEAD_DIM, BLOCK_M, STAGES, True,
+                    HEAD_DIM, BLOCK_M, STAGES,
                 )  # fmt: skip
             g = t // n_m
             m_block = lo_tile + t % n_m
@@ -356,12 +288,11 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
-                    mbarrier.arrive(qt_empty.index((t + 1) % 2), count=1, pred=t > 0)
                 else:
                     _issue_loads(
                         t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                         desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                        HEAD_DIM, BLOCK_M, STAGES, True,
+                        HEAD_DIM, BLOCK_M, STAGES,
                     )  # fmt: skip
                 # Loaded here, after the tile before's dV and dK are out of the registers.
                 lse = lse_smem.index(stage).load(query_l)
@@ -390,12 +321,9 @@ if HAVE_GLUON:
             dv_tok = warpgroup_mma(
                 p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
             )
-            if WARP_SPECIALIZE:
-                qt_tile = qt_smem.index(t % 2)
-                mbarrier.wait(qt_ready.index(t % 2), (t // 2) & 1)
-            else:
-                qt_tile = qt_smem.index(stage)
-            dk_tok = warpgroup_mma(ds_smem, qt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
+            dk_tok = warpgroup_mma(
+                ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
             if DEFER:
                 dv_c = gl.convert_layout(p_scale, acc_row_l) * do_scale
                 dk_c = ds_scale * q_scale
@@ -410,7 +338,6 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index(stage), count=1)
-                    mbarrier.arrive(qt_empty.index(t % 2), count=1)
         if DEFER:
             dv_int = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok])
             dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
@@ -459,7 +386,7 @@ if HAVE_GLUON:
         WITH_STATS: gl.constexpr,
         WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
+        LOAD_REGS: gl.constexpr,
     ):
         # Causal: program 0 of a kv head (its first keys) sees every query tile, the longest first.
         pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // BLOCK_N, BKV, HEAD_CHUNK)
@@ -477,17 +404,12 @@ if HAVE_GLUON:
         col_t0 = bh0 * HEAD_DIM
         kv_row = pid_bkv * SEQ_K + pid_n * BLOCK_N
 
-        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, dO, dO^T tiles (and Q'^T's without
-        # the producer warpgroup; with it, two buffers it transposes Q'^'s tiles into), the codes.
+        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
         v_smem = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        if WARP_SPECIALIZE:
-            qt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_M], gl.int8)
-            qt_smem = gl.allocate_shared_memory(gl.int8, [2, HEAD_DIM, BLOCK_M], qt_layout)
-        else:
-            qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
+        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
         lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
@@ -499,21 +421,15 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        qt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        qt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            # With the producer warpgroup a stage is released by it (its Q'^ transposed) and by the consumers.
-            mbarrier.init(empty.index(i), count=2 if WARP_SPECIALIZE else 1)
-        for i in gl.static_range(2):
-            mbarrier.init(qt_ready.index(i), count=1)
-            mbarrier.init(qt_empty.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
         mbarrier.init(kv_bar, count=1)
         fence_async_shared()
 
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
-        bars = (ready, empty, kv_bar, qt_ready, qt_empty)
+        bars = (ready, empty, kv_bar)
         if WARP_SPECIALIZE:
             gl.warp_specialize(
                 [
@@ -524,13 +440,13 @@ if HAVE_GLUON:
                          CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
                     ),
                     (
-                        _dkdv_producer,
+                        _dkdv_loader,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
                          STAGES),
                     ),
                 ],
-                [4],
-                [PRODUCER_REGS],
+                [1],
+                [LOAD_REGS],
             )  # fmt: skip
         else:
             _dkdv_compute(
@@ -631,7 +547,7 @@ def gluon_dkdv(
     do_codes_t: torch.Tensor,
     do_scale: torch.Tensor,
     q_op: torch.Tensor,
-    q_op_t: torch.Tensor | None,
+    q_op_t: torch.Tensor,
     q_scale: torch.Tensor,
     k_op: torch.Tensor,
     k_scale: torch.Tensor,
@@ -652,48 +568,34 @@ def gluon_dkdv(
         grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
         delta, do_codes_t, do_scale: from :func:`..quant.backward_preprocess` (``codes_t=True``).
         q_op, q_op_t, q_scale, k_op, k_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]``, its ``[B, Hq, D, N]``
-            copy (read only without ``warp_specialize``, whose producer warpgroup transposes Q'^'s tiles itself;
-            ``None`` is fine there), scales per 128 rows; K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows.
+            copy, scales per 128 rows; K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows.
         v: V ``[B, Hkv, Nk, D]`` contiguous (dP's operand in bf16).
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         stats: fp32 ``(2,)`` the dS statistics are added into, or ``None``.
         is_causal, scale: as the forward.
-        stages: depth of the TMA ring, at least 2 with ``warp_specialize`` or ``defer``; ``None``: 2 at D=128
-            (202.5 KiB; 3 would need 267), 3 at D=64 (143.6 KiB).
-        warp_specialize: a producer warpgroup (TMA loads and Q'^'s transposition) beside the two consumer
-            warpgroups (FA3's structure), or one partition of 8 warps that also issues the loads.
+        stages: depth of the TMA ring; ``None``: 2 at D=128 (202.5 KiB; 3 would need 282), 3 at D=64 (151.6 KiB).
+        warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or
+            one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
             their scaling overlaps the tensor cores (same values, same order of additions).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
 
-    Raises:
-        ValueError: a ring of fewer stages than the variant needs, or no ``q_op_t`` without ``warp_specialize``.
-
     Example::
 
-        dk, dv = gluon_dkdv(grad_out, delta, codes_t, dscale, q_op, None, q_scale, k_op, k_scale, v, lse, None,
+        dk, dv = gluon_dkdv(grad_out, delta, codes_t, dscale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, None,
                             is_causal=False, scale=0.125)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
-    if stages < (2 if defer or warp_specialize else 1):
-        needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
-        raise ValueError(f"gluon_dkdv: stages={stages} would deadlock with {needs}; use stages >= 2")
-    if q_op_t is None and not warp_specialize:
-        raise ValueError(
-            "gluon_dkdv: q_op_t=None needs warp_specialize=True (its producer transposes Q'^); pass Q'^'s [B, H, D, N] "
-            "copy for warp_specialize=False"
-        )
     do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    # The producer warpgroup transposes Q'^'s tiles itself: its descriptor stands in for the copy's (never read).
-    desc_qt = desc_q if warp_specialize else _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
+    desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
     desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
     desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
@@ -705,8 +607,7 @@ def gluon_dkdv(
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
-        WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer,
-        PRODUCER_REGS=PRODUCER_REGS,
+        WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
     )  # fmt: skip

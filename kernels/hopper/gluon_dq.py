@@ -43,7 +43,7 @@ import torch
 
 from ..forward import LOG2E
 from . import dispatch
-from .gluon_backward import GLUON_TRITON, HAVE_GLUON, PRODUCER_REGS, WS_MAXNREG, _desc
+from .gluon_backward import GLUON_TRITON, HAVE_GLUON, WS_MAXNREG, _desc
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -57,7 +57,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max, _transpose_k
+    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
 #: The environment variable that selects the Gluon dQ kernel, and the values it takes (:func:`gluon_dq_applies`).
 ENV = "SAGE_LIGHTNING_GLUON_DQ"
@@ -82,6 +82,10 @@ BLOCK_N = 64
 #: in L2). Measured on an H100 against one head at a time: 1.05-1.07x causal at D=128; non-causal calls keep one
 #: head at a time (0.99-1.01x with chunks).
 HEAD_CHUNK = {64: 16, 128: 8}
+#: Registers per thread of the producer warpgroup (TMA loads and the K'^ transposition: a 64 x D int8 tile is 16
+#: registers per thread at D=128). With the launch's cap of :data:`.gluon_backward.WS_MAXNREG` over 12 warps the
+#: two consumer warpgroups hold (168 * 12 - 40 * 4) / 8 = 232 each.
+PRODUCER_REGS = 40
 
 
 if HAVE_GLUON:
@@ -100,6 +104,29 @@ if HAVE_GLUON:
         mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_k, [kv_row0 + start_n, 0], bar, k_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_v, [kv_row0 + start_n, 0], bar, v_smem.index(s), pred=live)
+
+    @gluon.jit
+    def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
+        """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (4 or 8),
+        visible to the CTA's next wgmma when it returns (the callers' own, or another partition's after an
+        mbarrier arrival).
+
+        8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
+        ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
+        contiguous. Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys); a
+        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first (the tile repeats over
+        the warps where they cover less). Under the copy engine's swizzle of the source (128 bytes at D=128) and
+        the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load takes 4 shared-memory wavefronts and its store 2
+        (each thread's block being 4 dims wide keeps every store within rows of one parity): 384 per D=128 tile,
+        against 1,088 for 32 lanes along the dims (16-way conflicts on the stores). Both layouts are modelled in
+        ``benchmarks/NOTES.md`` (device run 10)."""
+        warps_k: gl.constexpr = (WARPS * 16 + HEAD_DIM - 1) // HEAD_DIM
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[warps_k, WARPS // warps_k], order=[1, 0]
+        )
+        kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
 
     @gluon.jit
     def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M: gl.constexpr, Q_BLOCKS: gl.constexpr):

@@ -31,9 +31,9 @@ import torch
 
 from ..forward import LOG2E
 from . import dispatch
-from .gluon_backward import HAVE_GLUON, PRODUCER_REGS, _desc
+from .gluon_backward import HAVE_GLUON, _desc
 from .gluon_dkdv_wg import WG_MAXNREG
-from .gluon_dq import BLOCK_M, BLOCK_N
+from .gluon_dq import BLOCK_M, BLOCK_N, PRODUCER_REGS
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -62,7 +62,7 @@ HEAD_DIMS = (64,)
 HEAD_CHUNK = 16
 #: Registers per thread of the second consumer warpgroup (a worker partition, so its count is set explicitly; the
 #: first, the default partition, gets what the others leave of :data:`.gluon_dkdv_wg.WG_MAXNREG` over 12 warps:
-#: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`.gluon_backward.PRODUCER_REGS`).
+#: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`.gluon_dq.PRODUCER_REGS`).
 CONSUMER_REGS = 232
 
 
