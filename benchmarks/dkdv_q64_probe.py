@@ -2,8 +2,8 @@
 
 At D=64 the backward's dK/dV work goes to ``gluon_dkdv_wg`` (one warpgroup per 64 keys against the whole 128-query
 tile: P's per-key scale and dS's tile scale stay inside a warpgroup, so the two warpgroups run apart and one
-quantizes while the other's products run); it is 1.55-1.68x the portable kernel against 1.07-1.10x for the lockstep
-``gluon_dkdv`` (``gluon_dkdv_check.py``, device run 12). At D=128 that structure does not fit: a warpgroup would hold
+quantizes while the other's products run); its dK/dV kernel is 1.17-1.32x faster than the lockstep ``gluon_dkdv``
+(``results/speed-h100-20261124-gluon-dkdv-wg.md``). At D=128 that structure does not fit: a warpgroup would hold
 S^T, P and dP^T ``[64, 128]`` (64 registers each per thread) beside dK and dV ``[64, 128]`` (64 each). So D=128 runs
 the lockstep kernel, whose two warpgroups split each tile by queries and meet at two CTA barriers per tile for the
 cross-warpgroup scale reductions.
@@ -19,7 +19,9 @@ Before anyone pays for that, this probe measures both sides of it on the device:
   kernel ``backward()`` takes at the same shape, same inputs, interleaved ``do_bench`` rounds;
 * **accuracy**: dK and dV of both against float64 attention gradients (relative L2), at smaller shapes.
 
-The probe's kernel is not a shipped path: nothing dispatches to it and no record carries it.
+The probe's kernel is not a shipped path: nothing dispatches to it and no record carries it. Its first run (H200,
+8241e05: ``results/speed-h200-20261126-dkdv-q64-probe.md``) found 1.01-1.10x the ``ws`` kernel at D=128 and dK's
+error against float64 14-19% lower.
 
 Run on the device (Triton 3.6), from the project root after ``pip install -e .``::
 
