@@ -108,15 +108,10 @@ if HAVE_GLUON:
         descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv,
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 against every
-        query tile; its dK and dV rows to global memory at the end.
-
-        ``CODES_IN_REGISTERS``: P's and dS's codes are the dV and dK products' A operands straight from registers
-        (converted to the int8 operand layout within each warp), each product issued as soon as its codes exist
-        and waited for before the next accumulator is needed; otherwise they go through the warpgroup's shared
-        tiles, both products issued together after a fence and a barrier."""
+        query tile; its dK and dV rows to global memory at the end."""
         k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         k_smem = k_all.index(HALF)
@@ -137,8 +132,6 @@ if HAVE_GLUON:
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
         acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
-        # The codes [64 keys, 128 queries] as the A operand of dV's and dK's products: 4 int8 per 32-bit register.
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -183,49 +176,30 @@ if HAVE_GLUON:
                     p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
             # P's codes, one scale per key over the tile's 128 queries (within the thread quad that holds the row).
             p_scale = _int8_scale(_nan_max(p, 1))
-            p_codes = _int8_codes(p, p_scale[:, None])
-            if CODES_IN_REGISTERS:
-                # dV = psi(P)^T dO^ now (A = the codes in registers, B = dO^ K-major [D, 128]), finished before
-                # dP's accumulator is needed: both in flight beside P, dK and dV would exceed the registers.
-                dv_tok = warpgroup_mma(
-                    gl.convert_layout(p_codes, a_layout), dot_smem.index(stage).permute((1, 0)), acc_zero,
-                    use_acc=False, is_async=True,
-                )  # fmt: skip
-                dv_int = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok])
-                dv += _int32_scaled(dv_int, gl.convert_layout(p_scale, acc_row_l)[:, None] * do_scale)
-            else:
-                p_smem.store(p_codes)
+            p_smem.store(_int8_codes(p, p_scale[:, None]))
             dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
             ds = p * (dp - delta[None, :])
             # One dS scale for this half's 64 x 128 tile (within the warpgroup).
             ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-            ds_codes = _int8_codes(ds, ds_scale)
+            ds_smem.store(_int8_codes(ds, ds_scale))
             if WITH_STATS:
                 err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
                 err2 += gl.sum(err * err, axis=1)
                 norm2 += gl.sum(ds * ds, axis=1)
-            if CODES_IN_REGISTERS:
-                # dK = psi(dS)^T Q'^ (A = the codes in registers, B = Q'^ K-major [D, 128]).
-                dk_tok = warpgroup_mma(
-                    gl.convert_layout(ds_codes, a_layout), qt_smem.index(stage).permute((1, 0)), acc_zero,
-                    use_acc=False, is_async=True,
-                )  # fmt: skip
-            else:
-                ds_smem.store(ds_codes)
-                fence_async_shared()
-                gl.thread_barrier()
-                # dV and dK: A = the codes [64 keys, 128 queries], B = dO^ and Q'^ (K-major, [D, 128]).
-                dv_tok = warpgroup_mma(
-                    p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-                )
-                dk_tok = warpgroup_mma(
-                    ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-                )
-                dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
-                p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
-                dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            # dV and dK: A = the codes [64 keys, 128 queries], B = dO^ and Q'^ (K-major, [D, 128]).
+            dv_tok = warpgroup_mma(
+                p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
+            dk_tok = warpgroup_mma(
+                ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
+            )
+            dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
+            p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
+            dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
             dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
             dk += _int32_scaled(dk_int, ds_scale * q_scale)
             # The warpgroup is done with its codes and with this stage before it overwrites the one or hands
@@ -250,7 +224,7 @@ if HAVE_GLUON:
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
         # Causal: program 0 of a head (its first keys) sees every query tile, the longest first.
         pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // (2 * BLOCK_N), BKV, HEAD_CHUNK)
@@ -302,13 +276,13 @@ if HAVE_GLUON:
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS, CODES_IN_REGISTERS),
+                     CAUSAL, WITH_STATS),
                 ),
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS, CODES_IN_REGISTERS),
+                     CAUSAL, WITH_STATS),
                 ),
                 (
                     _wg_loader,
@@ -360,7 +334,6 @@ def gluon_dkdv_wg(
     is_causal: bool,
     scale: float,
     stages: int = 3,
-    codes_in_registers: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as :func:`.gluon_backward.gluon_dkdv` returns them, bit for bit, for the calls
     :func:`gluon_dkdv_wg_serves` accepts (arguments as there).
@@ -369,8 +342,6 @@ def gluon_dkdv_wg(
         grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, is_causal,
             scale: as :func:`.gluon_backward.gluon_dkdv`.
         stages: depth of the TMA ring (3 at D=64: 40 KiB per stage beside 56 KiB of K, V and codes).
-        codes_in_registers: P's and dS's codes as the dV and dK products' A operands from registers, or through
-            shared memory (same values, same products).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
@@ -404,6 +375,6 @@ def gluon_dkdv_wg(
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, HEAD_CHUNK=HEAD_CHUNK, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        CODES_IN_REGISTERS=codes_in_registers, num_warps=4, maxnreg=WG_MAXNREG,
+        num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dk, dv
