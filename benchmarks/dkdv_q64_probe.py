@@ -61,6 +61,7 @@ from sage_lightning.kernels.hopper.gluon_backward import (  # noqa: E402
     _nan_max,
 )
 from sage_lightning.kernels.hopper.gluon_dkdv_wg import WG_MAXNREG  # noqa: E402
+from sage_lightning.kernels.hopper.gluon_dq import _transpose_k  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
@@ -86,7 +87,8 @@ def _probe_loader(
 ):  # fmt: skip
     """One warp: both 64-key halves of K'^ and V once, then every 64-query tile into the ring."""
     desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
-    k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
+    k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
+    lse_smem, delta_smem = bufs[8], bufs[9]
     ready, empty, kv_bar = bars
     half: gl.constexpr = desc_k.block_type.shape[0]
     mbarrier.expect(kv_bar, 2 * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
@@ -117,17 +119,23 @@ def _probe_loader(
 @gluon.jit
 def _probe_compute(
     bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE, DO_SCALE, DK, DV,
-    qk_scale, tau, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    Q_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    DQ_ACC, qk_scale, tau, HALF: gl.constexpr, HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    Q_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, FUSED_DQ: gl.constexpr,
 ):  # fmt: skip
     """One consumer warpgroup: its 64 keys against every 64-query tile. P's scale per key over the tile's 64
-    queries, one dS scale per 64 x 64 tile, both within the warpgroup; Q'^'s and dO^'s scales per 128 rows."""
-    k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem = bufs
+    queries, one dS scale per 64 x 64 tile, both within the warpgroup; Q'^'s and dO^'s scales per 128 rows.
+
+    ``FUSED_DQ``: also the tile's dQ partial ``int32_scaled(psi(dS) K'^, s_dS s_K)`` over this warpgroup's 64 keys,
+    added into the fp32 ``DQ_ACC`` ``[B*H*N, D]`` with relaxed atomics (A = dS's codes stored again with the keys
+    contiguous, B = this half's K'^ transposed once per program)."""
+    k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem, kt_all, dst_all = bufs
     ready, empty, kv_bar = bars
     k_smem = k_all.index(HALF)
     v_smem = v_all.index(HALF)
     p_smem = p_all.index(HALF)
     ds_smem = ds_all.index(HALF)
+    kt_smem = kt_all.index(HALF)
+    dst_smem = dst_all.index(HALF)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, TILE_M, 32]
     )
@@ -141,6 +149,13 @@ def _probe_compute(
     query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
     acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
     acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    DQ_COLS: gl.constexpr = 32
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 32]
+    )
+    dq_row_l: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    dq_col_l: gl.constexpr = gl.SliceLayout(0, dq_layout)
+    dq_zero = gl.zeros([TILE_M, DQ_COLS], gl.int32, dq_layout)
 
     q_blocks = gl.cdiv(SEQ_Q, Q_BLOCK)
     k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -156,6 +171,9 @@ def _probe_compute(
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     mbarrier.wait(kv_bar, 0)
+    if FUSED_DQ:
+        # dQ's B operand, K'^ K-major over the keys: this half's tile transposed once for the whole program.
+        _transpose_k(k_smem, kt_smem, HEAD_DIM, 4)
 
     for t in range(total):
         stage = t % STAGES
@@ -181,7 +199,10 @@ def _probe_compute(
         dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
         ds = p * (dp - delta[None, :])
         ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-        ds_smem.store(_int8_codes(ds, ds_scale))
+        ds_codes = _int8_codes(ds, ds_scale)
+        ds_smem.store(ds_codes)
+        if FUSED_DQ:
+            dst_smem.store(gl.permute(ds_codes, (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
         # One [64, D] int32 product in flight at a time (with dK and dV that is 192 registers per thread at D=128).
@@ -191,6 +212,19 @@ def _probe_compute(
         dk_tok = warpgroup_mma(ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True)
         dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
         dk += _int32_scaled(dk_int, ds_scale * q_scale)
+        if FUSED_DQ:
+            # In column chunks of DQ_COLS: a [64, D] fp32 partial with its 64-bit addresses would not fit beside dK
+            # and dV.
+            dq_c = ds_scale * k_scale
+            q_rows = bh * SEQ_Q + start_m + gl.arange(0, TILE_M, layout=dq_row_l)
+            for c in gl.static_range(HEAD_DIM // DQ_COLS):
+                b_tile = kt_smem.slice(c * DQ_COLS, DQ_COLS, dim=0).permute((1, 0))
+                dq_tok = warpgroup_mma(dst_smem, b_tile, dq_zero, use_acc=False, is_async=True)
+                dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+                q_cols = c * DQ_COLS + gl.arange(0, DQ_COLS, layout=dq_col_l)
+                gl.atomic_add(
+                    DQ_ACC + q_rows[:, None] * HEAD_DIM + q_cols[None, :], _int32_scaled(dq_int, dq_c), sem="relaxed"
+                )
         gl.thread_barrier()
         mbarrier.arrive(empty.index(stage), count=1)
 
@@ -205,9 +239,9 @@ def _probe_compute(
 @gluon.jit
 def _probe_kernel(
     desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, Q_SCALE, K_SCALE, DO_SCALE, DK, DV,
-    BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr,
+    DQ_ACC, BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr,
     BLOCK_N: gl.constexpr, Q_BLOCK: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, FUSED_DQ: gl.constexpr,
 ):  # fmt: skip
     pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // (2 * BLOCK_N), BKV, HEAD_CHUNK)
     kv_heads = HEADS // GROUP
@@ -233,6 +267,14 @@ def _probe_kernel(
     delta_smem = gl.allocate_shared_memory(desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout)
     p_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, TILE_M], codes_layout)
     ds_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, TILE_M], codes_layout)
+    kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
+    dst_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_N], gl.int8)
+    if FUSED_DQ:
+        kt_smem = gl.allocate_shared_memory(gl.int8, [2, HEAD_DIM, BLOCK_N], kt_layout)
+        dst_smem = gl.allocate_shared_memory(gl.int8, [2, TILE_M, BLOCK_N], dst_layout)
+    else:
+        kt_smem = p_smem  # unused
+        dst_smem = p_smem
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -243,14 +285,17 @@ def _probe_kernel(
     fence_async_shared()
 
     descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
-    bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
+    bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem, kt_smem,
+            dst_smem)  # fmt: skip
     bars = (ready, empty, kv_bar)
     gl.warp_specialize(
         [
             (_probe_compute, (bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                              DO_SCALE, DK, DV, qk_scale, tau, 0, HEAD_DIM, TILE_M, BLOCK_N, Q_BLOCK, STAGES, CAUSAL)),
+                              DO_SCALE, DK, DV, DQ_ACC, qk_scale, tau, 0, HEAD_DIM, TILE_M, BLOCK_N, Q_BLOCK, STAGES,
+                              CAUSAL, FUSED_DQ)),
             (_probe_compute, (bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
-                              DO_SCALE, DK, DV, qk_scale, tau, 1, HEAD_DIM, TILE_M, BLOCK_N, Q_BLOCK, STAGES, CAUSAL)),
+                              DO_SCALE, DK, DV, DQ_ACC, qk_scale, tau, 1, HEAD_DIM, TILE_M, BLOCK_N, Q_BLOCK, STAGES,
+                              CAUSAL, FUSED_DQ)),
             (_probe_loader, (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, TILE_M,
                              STAGES)),
         ],
@@ -259,13 +304,16 @@ def _probe_kernel(
     )  # fmt: skip
 
 
-def probe_dkdv(x: dict, causal: bool, tau: float, stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK and dV of the probe's kernel on ``gluon_dkdv_check.inputs``' tensors (keys a multiple of 128)."""
+def probe_dkdv(x: dict, causal: bool, tau: float, stages: int = 3, fused_dq: bool = False) -> tuple:
+    """dK and dV of the probe's kernel on ``gluon_dkdv_check.inputs``' tensors (keys a multiple of 128); with
+    ``fused_dq`` also dQ, accumulated in fp32 by the same launch and converted to bf16 after (as cuDNN's
+    ``convert_dq_to_16bits``)."""
     q_op, k_op, do = x["q_op"], x["k_op"], x["do"]
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=do.dtype, device=do.device)
     dv = torch.empty_like(dk)
+    dq_acc = torch.zeros(q_op.shape, dtype=torch.float32, device=do.device) if fused_dq else dk
     bh, bkv = batch * heads, batch * kv_heads
     rows_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     desc_lse, desc_delta = (
@@ -278,19 +326,22 @@ def probe_dkdv(x: dict, causal: bool, tau: float, stages: int = 3) -> tuple[torc
         _desc(x["v"], bkv * seq_k, head_dim, [BLOCK_N, head_dim]),
         _desc(do, bh * seq_q, head_dim, [TILE_M, head_dim]),
         _desc(x["do_codes_t"], bh * head_dim, seq_q, [head_dim, TILE_M]),
-        desc_lse, desc_delta, x["q_scale"], x["k_scale"], x["do_scale"], dk, dv,
+        desc_lse, desc_delta, x["q_scale"], x["k_scale"], x["do_scale"], dk, dv, dq_acc,
         bkv, heads, heads // kv_heads, seq_q, seq_k, tau * LOG2E, tau,
         HEAD_DIM=head_dim, TILE_M=TILE_M, BLOCK_N=BLOCK_N, Q_BLOCK=Q_BLOCK, STAGES=stages, CAUSAL=causal,
         HEAD_CHUNK=16 if head_dim == 64 else 8, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        num_warps=4, maxnreg=WG_MAXNREG,
+        FUSED_DQ=fused_dq, num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
+    if fused_dq:
+        return dk, dv, (dq_acc * tau).to(do.dtype)
     return dk, dv
 
 
-def float64_grads(raw: dict, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK and dV of plain attention in float64 on the same inputs (GQA by repeating K and V)."""
+def float64_grads(raw: dict, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dK, dV and dQ of plain attention in float64 on the same inputs (GQA by repeating K and V)."""
     q, k, v, do = (raw[n].double() for n in ("q", "k", "v", "do"))
     group = q.shape[1] // k.shape[1]
+    q.requires_grad_(True)
     k.requires_grad_(True)
     v.requires_grad_(True)
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -299,7 +350,7 @@ def float64_grads(raw: dict, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n, nk = s.shape[-2:]
         s = s.masked_fill(torch.ones(n, nk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     (torch.softmax(s, -1) @ vr).backward(do)
-    return k.grad, v.grad
+    return k.grad, v.grad, q.grad
 
 
 def compile_only() -> int:
@@ -308,10 +359,10 @@ def compile_only() -> int:
     for head_dim in (128, 64):
         x = offline.backward_inputs(1, 2, 2, 1024, head_dim)
         x["do"] = x["grad_out"]
-        for causal in (False, True):
-            offline._CASE["name"] = f"q64 D={head_dim} causal={causal}"
+        for causal, fused in ((False, False), (True, False), (False, True), (True, True)):
+            offline._CASE["name"] = f"q64{'+dq' if fused else ''} D={head_dim} causal={causal}"
             try:
-                probe_dkdv(x, causal, head_dim**-0.5)
+                probe_dkdv(x, causal, head_dim**-0.5, fused_dq=fused)
             except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                 failures += 1
                 print(f"{offline._CASE['name']}: {type(error).__name__}: {error}"[:4000])
@@ -323,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 offline, print resources")
+    parser.add_argument(
+        "--fused-dq", action="store_true",
+        help="the probe's kernel also accumulates dQ (fp32 atomics), against the dK/dV and dQ kernels backward() takes",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.compile_only:
         return compile_only()
@@ -331,7 +386,20 @@ def main(argv: list[str] | None = None) -> int:
     from accuracy import _commit, _versions, to_json
     from gluon_dkdv_check import gluon, inputs
     from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
+    from sage_lightning.kernels.hopper.gluon_dq import gluon_dq
+    from sage_lightning.kernels.hopper.gluon_dq_wg import gluon_dq_wg
     from triton.testing import do_bench
+
+    names = ("dk", "dv", "dq") if args.fused_dq else ("dk", "dv")
+
+    def current(x: dict, causal: bool, tau: float, variant: str) -> tuple:
+        dkdv = gluon(x, causal, tau, None, variant)
+        if not args.fused_dq:
+            return dkdv
+        dq_fn = gluon_dq_wg if x["q_op"].shape[-1] == 64 else gluon_dq
+        dq = dq_fn(x["do"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"],
+                   is_causal=causal, scale=tau)  # fmt: skip
+        return (*dkdv, dq)
 
     rows = []
     accuracy_shapes = [(1, 4, 4, 2048, 2048, 128), (1, 8, 2, 1024, 1024, 128), (1, 4, 4, 2048, 2048, 64)]
@@ -344,22 +412,22 @@ def main(argv: list[str] | None = None) -> int:
             tau = raw["tau"]
             variant = "wg" if wg.gluon_dkdv_wg_serves(shape[-1], shape[4]) else "ws"
             row = {"shape": list(shape), "causal": causal, "current": variant}
-            cur = gluon(x, causal, tau, None, variant)
-            new = probe_dkdv(x, causal, tau)
-            for name, a, b in zip(("dk", "dv"), new, cur, strict=True):
+            cur = current(x, causal, tau, variant)
+            new = probe_dkdv(x, causal, tau, fused_dq=args.fused_dq)
+            for name, a, b in zip(names, new, cur, strict=True):
                 a32, b32 = a.float(), b.float()
                 row[f"{name}_finite"] = bool(torch.isfinite(a32).all())
                 row[f"{name}_cos_vs_current"] = round(torch.nn.functional.cosine_similarity(
                     a32.flatten(), b32.flatten(), dim=0).item(), 7)  # fmt: skip
             if not timed:
                 ref = float64_grads(raw, causal)
-                for name, a, b, r in zip(("dk", "dv"), new, cur, ref, strict=True):
+                for name, a, b, r in zip(names, new, cur, ref[: len(names)], strict=True):
                     norm = r.norm().item()
                     row[f"{name}_rel_l2_probe"] = round((a.double() - r).norm().item() / norm, 6)
                     row[f"{name}_rel_l2_current"] = round((b.double() - r).norm().item() / norm, 6)
             else:
-                run_probe = functools.partial(probe_dkdv, x, causal, tau)
-                run_current = functools.partial(gluon, x, causal, tau, None, variant)
+                run_probe = functools.partial(probe_dkdv, x, causal, tau, fused_dq=args.fused_dq)
+                run_current = functools.partial(current, x, causal, tau, variant)
                 probe_ms, cur_ms = [], []
                 for _ in range(3):
                     probe_ms.append(do_bench(run_probe, warmup=25, rep=200))
@@ -370,19 +438,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(row, flush=True)
     print("\n| shape (B,H,Hkv,N,Nk,D) | causal | current | probe ms | current ms | current / probe | "
-          "dK rel L2 vs fp64 probe / current | dV probe / current |")  # fmt: skip
-    print("|---|:-:|:-:|---:|---:|---:|---:|---:|")
+          + " | ".join(f"{n} rel L2 vs fp64 probe / current" for n in names) + " |")  # fmt: skip
+    print("|---|:-:|:-:|---:|---:|---:|" + "---:|" * len(names))
     for r in rows:
         speed = (f"{r['probe_ms']:.3f} | {r['current_ms']:.3f} | {r['current_ms'] / r['probe_ms']:.3f}x"
                  if "probe_ms" in r else "- | - | -")  # fmt: skip
-        acc = "- | -"
+        acc = " | ".join("-" for _ in names)
         if "dk_rel_l2_probe" in r:
-            acc = (f"{r['dk_rel_l2_probe']:.5f} / {r['dk_rel_l2_current']:.5f} | "
-                   f"{r['dv_rel_l2_probe']:.5f} / {r['dv_rel_l2_current']:.5f}")  # fmt: skip
+            acc = " | ".join(f"{r[f'{n}_rel_l2_probe']:.5f} / {r[f'{n}_rel_l2_current']:.5f}" for n in names)
         print(f"| {tuple(r['shape'])} | {'yes' if r['causal'] else 'no'} | {r['current']} | {speed} | {acc} |")
     if args.out:
         result = {"kind": "speed", "device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-                  "commit": _commit(), "command": "python3 benchmarks/dkdv_q64_probe.py --out $OUT/dkdv-q64-probe.json",
+                  "commit": _commit(),
+                  "command": " ".join(["python3 benchmarks/dkdv_q64_probe.py", *(argv or sys.argv[1:])]),
                   "versions": _versions(), "rows": rows}  # fmt: skip
         args.out.write_text(to_json(result))
     return 0
