@@ -21,7 +21,9 @@ Before anyone pays for that, this probe measures both sides of it on the device:
 
 The probe's kernel is not a shipped path: nothing dispatches to it and no record carries it. Its first run (H200,
 8241e05: ``results/speed-h200-20261126-dkdv-q64-probe.md``) found 1.01-1.10x the ``ws`` kernel at D=128 and dK's
-error against float64 14-19% lower.
+error against float64 14-19% lower. With ``--fused-dq`` the kernel also accumulates dQ (fp32 atomics), against the
+dK/dV and dQ kernels ``backward()`` takes: 0.76-0.77x at D=128 (it spills) and 0.86-0.90x at D=64 (7bb889b,
+``results/speed-h200-20261126-dkdv-q64-fused-dq-probe.md``).
 
 Run on the device (Triton 3.6), from the project root after ``pip install -e .``::
 
