@@ -62,14 +62,13 @@ from sage_lightning.kernels.hopper.gluon_backward import (  # noqa: E402
     _int32_scaled,
     _nan_max,
 )
-from sage_lightning.kernels.hopper.gluon_dkdv_wg import WG_MAXNREG  # noqa: E402
+from sage_lightning.kernels.hopper.gluon_dkdv_wg import WG_MAXNREG, _wg_loader  # noqa: E402
 from sage_lightning.kernels.hopper.gluon_dq import _transpose_k  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -80,42 +79,6 @@ TILE_M = 64
 Q_BLOCK = 128
 #: Consumer registers: (168 * 12 - 24 * 4) / 8, as in ``gluon_dkdv_wg``.
 CONSUMER_REGS = 240
-
-
-@gluon.jit
-def _probe_loader(
-    descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
-    HEAD_DIM: gl.constexpr, TILE_M: gl.constexpr, STAGES: gl.constexpr,
-):  # fmt: skip
-    """One warp: both 64-key halves of K'^ and V once, then every 64-query tile into the ring."""
-    desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
-    k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], bufs[5]
-    lse_smem, delta_smem = bufs[8], bufs[9]
-    ready, empty, kv_bar = bars
-    half: gl.constexpr = desc_k.block_type.shape[0]
-    mbarrier.expect(kv_bar, 2 * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
-    for h in gl.static_range(2):
-        tma.async_copy_global_to_shared(desc_k, [kv_row + h * half, 0], kv_bar, k_smem.index(h))
-        tma.async_copy_global_to_shared(desc_v, [kv_row + h * half, 0], kv_bar, v_smem.index(h))
-    nbytes: gl.constexpr = (
-        desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
-        + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
-    )  # fmt: skip
-    for t in range(total):
-        s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        g = t // n_m
-        start_m = (lo_tile + t % n_m) * TILE_M
-        row = row_q0 + g * SEQ_Q + start_m
-        row_t = col_t0 + g * HEAD_DIM
-        bar = ready.index(s)
-        mbarrier.expect(bar, nbytes)
-        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s))
-        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s))
-        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s))
-        tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s))
-        tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s))
-        tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s))
 
 
 @gluon.jit
@@ -287,6 +250,7 @@ def _probe_kernel(
     fence_async_shared()
 
     descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
+    load_bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
     bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem, kt_smem,
             dst_smem)  # fmt: skip
     bars = (ready, empty, kv_bar)
@@ -298,7 +262,8 @@ def _probe_kernel(
             (_probe_compute, (bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                               DO_SCALE, DK, DV, DQ_ACC, qk_scale, tau, 1, HEAD_DIM, TILE_M, BLOCK_N, Q_BLOCK, STAGES,
                               CAUSAL, FUSED_DQ)),
-            (_probe_loader, (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, TILE_M,
+            # gluon_dkdv_wg's load warp, its tile TILE_M queries.
+            (_wg_loader, (descs, load_bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, TILE_M,
                              STAGES)),
         ],
         [4, 1],
