@@ -141,9 +141,15 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
         ctx.save_for_backward(out, lse, q, ones[0], k, ones[1], v, ones[1])
     ctx.config = (is_causal, scale, matched, block_m, block_n)
     ctx.mark_non_differentiable(lse, out_hp, q_values, q_scale, k_values, k_scale, v_values, v_scale)
+    # The backward reads only O's gradient: no zero gradients for the other eight outputs (O's fp32 copy among them).
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
+def _backward(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor | None, *_unused: torch.Tensor | None
+) -> tuple:
+    if grad_out is None:  # gradients are not materialized (_setup_context): O took no part in what is derived
+        return (None,) * 8
     out_for_delta, lse, q_op, q_scale, k_op, k_scale, v_op, v_scale = ctx.saved_tensors
     q_op, k_op, v_op = (t.contiguous() for t in (q_op, k_op, v_op))  # the drop-in's inputs may have any strides
     dq, dk, dv = attn_qat_backward(

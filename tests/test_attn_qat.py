@@ -392,3 +392,27 @@ def test_trainer_fits_with_attn_qat_and_the_controller_falls_a_layer_back_to_ful
     assert layers["blocks.1.attn"].precision.mode == "full" and layers["blocks.0.attn"].precision == precision
     # Steps 0-2 ran both layers in attn_qat, step 3 one of them (the other now at full): 7 of 8 layer-steps.
     assert controller.int8_fraction == pytest.approx(7 / 8)
+
+
+def test_the_backward_is_not_handed_zero_gradients_of_the_other_outputs():
+    """Attn-QAT's operator returns O and eight non-differentiable tensors (O in fp32 among them); its autograd
+    formula switches the gradients' materialization off, so autograd allocates no zeros for them per backward."""
+    from sage_lightning.kernels import qat_ops
+
+    class Ctx:
+        def __init__(self):
+            self.calls = []
+
+        def save_for_backward(self, *tensors):
+            self.calls.append(("save", len(tensors)))
+
+        def mark_non_differentiable(self, *tensors):
+            self.calls.append(("non-differentiable", len(tensors)))
+
+        def set_materialize_grads(self, value):
+            self.calls.append(("materialize", value))
+
+    ctx = Ctx()
+    x = torch.zeros(1)
+    qat_ops._setup_context(ctx, (x, x, x, True, 0.1, True, 128, 64), (x,) * 9)
+    assert ("materialize", False) in ctx.calls and ("non-differentiable", 8) in ctx.calls

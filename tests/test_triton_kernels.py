@@ -275,6 +275,60 @@ def test_eager_calls_skip_the_operators_and_match_them(monkeypatch):
         assert torch.equal(g, g_op)
 
 
+def test_the_backward_is_not_handed_zero_gradients_of_the_other_outputs(monkeypatch):
+    """Only O's gradient reaches the backward: autograd does not allocate zero gradients for the six
+    non-differentiable outputs (Q'^, K'^, their scales, lse, Q's means: 66 MiB at 16K tokens and 2048 channels, live
+    at the backward's peak)."""
+    from sage_lightning.kernels import ops
+
+    received = []
+    backward = ops._SageBwd.backward
+
+    def record(ctx, grad_out, *others):
+        received.append((grad_out, others))
+        return backward(ctx, grad_out, *others)
+
+    monkeypatch.setattr(ops._SageBwd, "backward", staticmethod(record))
+    q, k, v, do = _inputs((1, 2, 64, 16), (1, 2, 64, 16), torch.bfloat16, seed=11)
+    _run(sage_attention_triton, q, k, v, do)
+    ((grad_out, others),) = received
+    assert torch.equal(grad_out, do)
+    assert len(others) == 6 and all(g is None for g in others)
+
+
+def test_the_operators_autograd_formula_does_not_materialize_gradients_either():
+    """The operators' autograd formula (``torch.library.register_autograd``) shares ``_setup_context`` with the
+    eager function; it switches the materialization off there too."""
+    from sage_lightning.kernels import ops
+
+    class Ctx:
+        def __init__(self):
+            self.calls = []
+
+        def save_for_backward(self, *tensors):
+            self.calls.append(("save", len(tensors)))
+
+        def mark_non_differentiable(self, *tensors):
+            self.calls.append(("non-differentiable", len(tensors)))
+
+        def set_materialize_grads(self, value):
+            self.calls.append(("materialize", value))
+
+    ctx = Ctx()
+    x = torch.zeros(1)
+    ops._setup_context(ctx, (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64), (x,) * 7)
+    assert ("materialize", False) in ctx.calls and ("non-differentiable", 6) in ctx.calls
+
+
+def test_a_call_whose_output_takes_no_part_gets_no_gradient():
+    """With gradients not materialized, a backward may run where only another call's output needs a gradient: the
+    inputs get none from this call (not zeros, not an error)."""
+    q, k, v, do = _inputs((1, 2, 64, 16), (1, 2, 64, 16), torch.bfloat16, seed=12)
+    out, _ = sage_attention_triton(q, k, v)
+    (g,) = torch.autograd.grad((out * 0).sum() + q.sum(), (q,))
+    assert torch.equal(g, torch.ones_like(q))
+
+
 def test_traced_calls_take_the_operators():
     """Fake tensors (what ``torch.compile`` and ``torch.export`` trace with) go through the registered fakes: the
     call returns O's shape and layout without running a kernel."""
