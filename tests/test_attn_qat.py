@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from qat_formula import attn_qat_formula, dropin_backward, nvfp4_qkv
+from recording_ctx import RecordingCtx
 from sage_lightning.kernels import use_backend
 from sage_lightning.kernels.nvfp4 import round_e2m1, round_e4m3
 from sage_lightning.kernels.qat_ops import attn_qat_triton
@@ -399,20 +400,7 @@ def test_the_backward_is_not_handed_zero_gradients_of_the_other_outputs():
     formula switches the gradients' materialization off, so autograd allocates no zeros for them per backward."""
     from sage_lightning.kernels import qat_ops
 
-    class Ctx:
-        def __init__(self):
-            self.calls = []
-
-        def save_for_backward(self, *tensors):
-            self.calls.append(("save", len(tensors)))
-
-        def mark_non_differentiable(self, *tensors):
-            self.calls.append(("non-differentiable", len(tensors)))
-
-        def set_materialize_grads(self, value):
-            self.calls.append(("materialize", value))
-
-    ctx = Ctx()
+    ctx = RecordingCtx()
     x = torch.zeros(1)
     qat_ops._setup_context(ctx, (x, x, x, True, 0.1, True, 128, 64), (x,) * 9)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 8) in ctx.calls

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from recording_ctx import RecordingCtx
 from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import (
@@ -301,20 +302,7 @@ def test_the_operators_autograd_formula_does_not_materialize_gradients_either():
     eager function; it switches the materialization off there too."""
     from sage_lightning.kernels import ops
 
-    class Ctx:
-        def __init__(self):
-            self.calls = []
-
-        def save_for_backward(self, *tensors):
-            self.calls.append(("save", len(tensors)))
-
-        def mark_non_differentiable(self, *tensors):
-            self.calls.append(("non-differentiable", len(tensors)))
-
-        def set_materialize_grads(self, value):
-            self.calls.append(("materialize", value))
-
-    ctx = Ctx()
+    ctx = RecordingCtx()
     x = torch.zeros(1)
     ops._setup_context(ctx, (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64), (x,) * 7)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 6) in ctx.calls
