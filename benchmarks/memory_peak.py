@@ -64,18 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             "benchmarks/memory_peak.py reads the CUDA caching allocator; no CUDA device is available.", file=sys.stderr
         )
         return 1
-    from speed import _attention
+    from speed import pass_calls
 
     for impl in args.impl or ["sage"]:
         for head_dim in args.head_dim:
-            attention = _attention(impl)
-            shape = (args.tokens // args.seq, 2048 // head_dim, args.seq, head_dim)
-            q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-            do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-
-            def step(q=q, k=k, v=v, do=do, attention=attention) -> None:
-                torch.autograd.grad(attention(q, k, v, args.causal), (q, k, v), do)
-
+            # speed.py's forward+backward on its inputs; its other passes (one holds a retained graph) are dropped.
+            batch, heads = args.tokens // args.seq, 2048 // head_dim
+            step = pass_calls(impl, batch, heads, args.seq, head_dim, args.causal)["fwd+bwd"]
             step()
             step()
             torch.cuda.synchronize()
