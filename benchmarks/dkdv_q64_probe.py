@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     import functools
 
     from accuracy import _commit, _versions, to_json
+    from device_check import rel_l2
     from gluon_dkdv_check import gluon, inputs
     from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
     from sage_lightning.kernels.hopper.gluon_dq import gluon_dq
@@ -389,9 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             if not timed:
                 ref = float64_grads(raw, causal)
                 for name, a, b, r in zip(names, new, cur, ref[: len(names)], strict=True):
-                    norm = r.norm().item()
-                    row[f"{name}_rel_l2_probe"] = round((a.double() - r).norm().item() / norm, 6)
-                    row[f"{name}_rel_l2_current"] = round((b.double() - r).norm().item() / norm, 6)
+                    row[f"{name}_rel_l2_probe"] = round(rel_l2(a, r), 6)
+                    row[f"{name}_rel_l2_current"] = round(rel_l2(b, r), 6)
             else:
                 run_probe = functools.partial(probe_dkdv, x, causal, tau, fused_dq=args.fused_dq)
                 run_current = functools.partial(current, x, causal, tau, variant)

@@ -184,8 +184,8 @@ def inputs(kind: str, shape: tuple[int, int, int, int], seed: int = 0) -> tuple[
 
 
 def compile_only() -> int:
-    """Compile the probe's kernel and the shipped forward for sm_90 offline (D=64 and 128, causal or not) and print
-    registers, spills and the hot loop's instructions."""
+    """Compile the probe's kernel for sm_90 offline (D=64 and 128, causal or not) and print ``sm90_compile``'s table
+    of it: registers, spills, shared memory and the hot loop's instructions."""
     failures = 0
     for head_dim in (128, 64):
         shape = (1, 2, 1024, head_dim)
@@ -198,10 +198,9 @@ def compile_only() -> int:
             except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                 failures += 1
                 print(f"{offline._CASE['name']}: {type(error).__name__}: {error}"[:4000])
-    for row in offline._RECORDS:
-        print(row.case, row.kernel, row.num_warps, row.num_stages, f"regs {row.registers} spill {row.spill_stores}",
-              f"smem {row.shared / 1024 if row.shared else 0:.1f} KiB", f"CTA/SM {row.blocks_per_sm}",
-              f"loop {offline._loop_cell(row)}", row.wgmma, row.error or "")  # fmt: skip
+    offline.report_gluon_compile(
+        f"Triton {triton.__version__}, sm_90 offline", None, False, case_width=26, skip=("_quantize_rows_kernel",)
+    )
     return 1 if failures else 0
 
 
@@ -249,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return compile_only()
     import torch.nn.functional as F
     from accuracy import _commit, _versions, to_json
+    from device_check import rel_l2
 
     rows = []
     for kind in ("normal", "k_outliers", "v_outliers", "sharp"):
@@ -258,14 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                 tau = head_dim**-0.5
                 x = operands(q, k, v)
                 exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-                norm = exact.norm().item()
                 err = {
                     "int8": int8_forward(x, is_causal=causal, scale=tau, out_dtype=q.dtype, like=q),
                     "fp8": fp8_pv_forward(x, is_causal=causal, scale=tau, out_dtype=q.dtype),
                 }
                 row = {"what": "accuracy", "inputs": kind, "head_dim": head_dim, "seq": 2048, "causal": causal}
                 for name, out in err.items():
-                    row[f"o_rel_l2_{name}"] = round((out.double() - exact).norm().item() / norm, 6)
+                    row[f"o_rel_l2_{name}"] = round(rel_l2(out, exact), 6)
                 rows.append(row)
                 print(row, flush=True)
     for head_dim in (128, 64):
