@@ -67,7 +67,7 @@ def measure(head_dim: int, seq: int, causal: bool, tokens: int) -> list[dict]:
         return hopper.hopper_forward(q, q_scale, None, k, k_scale, v, v_scale, **tiles)[0]
 
     def run_portable() -> torch.Tensor:
-        return portable.forward(q, q_scale, None, k, k_scale, v, v_scale, **tiles, qk_int8=True, pv_int8=True)[0]
+        return portable.forward(q, q_scale, None, k, k_scale, v, v_scale, **tiles, qk="int8", pv="int8")[0]
 
     timed: list[tuple[str, float, str | None]] = []
     try:

@@ -129,9 +129,9 @@ def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 128, block_n: int = 64) -> dict:
     """The quantized operands of both forwards: Q'^, K'^ (K-smoothed) and their scales as SageBwd makes them; V^ for
     the INT8 product and V in e4m3 for the probe."""
-    q_op, q_scale, _ = quantize_rows(q, block_m, int8=True)
-    k_op, k_scale, _ = quantize_rows(k, block_n, int8=True, mean=k.mean(dim=2, dtype=torch.float32))
-    v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
+    q_op, q_scale, _ = quantize_rows(q, block_m, fmt="int8")
+    k_op, k_scale, _ = quantize_rows(k, block_n, fmt="int8", mean=k.mean(dim=2, dtype=torch.float32))
+    v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True)
     v8, v8_scale = quantize_v_fp8(v)
     return {"q_op": q_op, "q_scale": q_scale, "k_op": k_op, "k_scale": k_scale, "v_op": v_op, "v_scale": v_scale,
             "v8": v8, "v8_scale": v8_scale, "block_m": block_m, "block_n": block_n}  # fmt: skip

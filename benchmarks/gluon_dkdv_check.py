@@ -77,13 +77,14 @@ def tl_dkdv(x: dict, causal: bool, tau: float, stats: torch.Tensor | None) -> tu
     dv = torch.empty_like(dk)
     bwd._dkdv_kernel[(triton.cdiv(seq_k, 64), batch * kv_heads)](
         q_op, x["q_op_t"], x["q_scale"], x["q_scale"], k_op, x["k_scale"], x["v"], x["k_scale"],
-        do, do, x["do_codes_t"], x["do_scale"], x["lse"], x["delta"], dk, dv,
+        do, do, x["do_codes_t"], x["do_scale"], x["do_scale"], x["lse"], x["delta"], dk, dv,
         stats if stats is not None else x["delta"],
         *do.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, seq_bucket(max(seq_q, seq_k)), seq_bucket(batch * heads),
         tau * LOG2E, tau,
-        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_INT8=True, DP_INT8=False,
-        DS_INT8=True, SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype), DV_INT8=True, WITH_STATS=stats is not None,
+        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_FMT="int8", DP_FMT="bf16",
+        DS_FMT="int8", SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype), DV_FMT="int8",
+        WITH_STATS=stats is not None,
     )  # fmt: skip
     return dk, dv
 
@@ -114,7 +115,7 @@ def inputs(shape: tuple, causal: bool, seed: int = 0) -> tuple[dict, dict]:
     tau = head_dim**-0.5
     prec = AttentionPrecision()
     out, lse, q_op, q_scale, _q_mean, k_op, k_scale = sagebwd_forward(
-        q, k, v, None, causal, tau, True, True, True, False, True, prec.smooth_k, False, 128, 64
+        q, k, v, None, causal, tau, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64
     )
     delta, _, do_codes_t, do_scale, _ = backward_preprocess(do, out, 128, codes=False, codes_t=True)
     x = dict(do=do, out=out, delta=delta, do_codes_t=do_codes_t, do_scale=do_scale, q_op=q_op,
@@ -127,8 +128,8 @@ def run_backward(x: dict, raw: dict, causal: bool) -> tuple:
     """``backward.backward`` (what the autograd formula calls) on :func:`inputs`' tensors."""
     return bwd.backward(
         x["do"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], raw["v"], x["lse"], None,
-        is_causal=causal, scale=raw["tau"], block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
-        ds_int8=True,
+        is_causal=causal, scale=raw["tau"], block_m=128, block_n=64, qk="int8", dv="int8", dp="bf16",
+        ds="int8",
     )  # fmt: skip
 
 

@@ -85,8 +85,8 @@ def tl_dq(x: dict, causal: bool, tau: float) -> torch.Tensor:
         *do.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, seq_bucket(max(seq_q, seq_k)), seq_bucket(batch * heads),
         tau * LOG2E, tau,
-        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_INT8=True, DP_INT8=False,
-        DS_INT8=True, SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype),
+        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_FMT="int8", DP_FMT="bf16",
+        DS_FMT="int8", SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype),
     )  # fmt: skip
     return dq
 
@@ -122,8 +122,8 @@ def run_backward(x: dict, raw: dict, causal: bool, setting: str) -> tuple:
     try:
         return bwd.backward(
             x["do"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], raw["v"], x["lse"], None,
-            is_causal=causal, scale=raw["tau"], block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False,
-            ds_int8=True,
+            is_causal=causal, scale=raw["tau"], block_m=128, block_n=64, qk="int8", dv="int8", dp="bf16",
+            ds="int8",
         )  # fmt: skip
     finally:
         os.environ[gq.ENV] = "force"

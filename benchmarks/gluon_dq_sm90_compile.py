@@ -45,8 +45,8 @@ def _portable(x: dict, causal: bool) -> None:
         do, do, x["delta"], x["lse"], x["delta"], dq, *do.stride(),
         heads, heads // kv_heads, seq_q, seq_k, head_dim, seq_bucket(max(seq_q, seq_k)), seq_bucket(batch * heads),
         tau * LOG2E, tau,
-        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_INT8=True, DP_INT8=False,
-        DS_INT8=True, SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype),
+        BLOCK_M=128, BLOCK_N=64, D_PAD=padded_head_dim(head_dim), CAUSAL=causal, QK_FMT="int8", DP_FMT="bf16",
+        DS_FMT="int8", SMOOTH_Q=False, DOT_PRECISION=dot_precision(do.dtype),
     )  # fmt: skip
 
 

@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ[gb.ENV] = "off"  # backward() itself, with the portable _dkdv_kernel
                 backward(
                     x["grad_out"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], x["v"], x["lse"],
-                    None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk_int8=True,
-                    dv_int8=True, dp_int8=False, ds_int8=True,
+                    None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk="int8",
+                    dv="int8", dp="bf16", ds="int8",
                 )  # fmt: skip
                 os.environ[gb.ENV] = "force"
     failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)

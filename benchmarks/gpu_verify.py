@@ -54,12 +54,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accuracy import _commit, _versions, device_name, to_json  # noqa: E402
 from gpu_record import KERNELS, RECORD, REPO, REQUIRED_CHECKS, digest, kernel_files  # noqa: E402
 
-#: The precisions the agreement runs, by name: the default, each lever, all high precision, both Attn-QAT backwards.
+#: The precisions the agreement runs, by name: the default, each lever, all high precision, the FP8 formats (P V on the
+#: Hopper forward, dS, all five on the portable kernels), both Attn-QAT backwards.
 PRECISIONS: dict[str, dict[str, Any]] = {
     "sagebwd": {},
     "ds_bf16": {"ds": "bf16"},
     "smooth_q": {"smooth_q": True},
     "all_bf16": {"qk": "bf16", "pv": "bf16", "dv": "bf16", "dp": "bf16", "ds": "bf16"},
+    "fp8_pv": {"pv": "fp8"},
+    "fp8_ds": {"ds": "fp8"},
+    "all_fp8": {"qk": "fp8", "pv": "fp8", "dv": "fp8", "dp": "fp8", "ds": "fp8"},
     "attn_qat": {"mode": "attn_qat"},
     "attn_qat_dropin": {"mode": "attn_qat", "qat_backward": "dropin"},
 }

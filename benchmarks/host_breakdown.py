@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         return lambda: torch.autograd.backward(out, grad, retain_graph=True)
 
     tau = head_dim**-0.5
-    op_args = (q, k, v, None, causal, tau, True, True, True, False, True, True, False, 128, 64)
+    op_args = (q, k, v, None, causal, tau, "int8", "int8", "int8", "bf16", "int8", True, False, 128, 64)
     saved = sagebwd_forward(*op_args)
     out, lse, q_op, q_scale, q_mean, k_op, k_scale = saved
     bwd_args = (grad, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v.detach(), None, causal, tau,
-                True, True, False, True, 128, 64)  # fmt: skip
+                "int8", "int8", "bf16", "int8", 128, 64)  # fmt: skip
     # Reference functions: the layer's, the interface's, the operators' (with and without torch.library's dispatch).
     fwd = {
         "layer": lambda: layer.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),

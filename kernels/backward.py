@@ -4,9 +4,11 @@ Both kernels walk the same ``BLOCK_M x BLOCK_N`` tiles the forward used and reco
 ``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`),
 so the two see the same dS and its INT8 codes. Per tile (as the reference):
 
-* ``dV += psi(P)^T psi(dO)``: one scale per key column of the tile of P, one per block of dO;
-* ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 when ``dp="int8"``);
-* ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS;
+* ``dV += psi(P)^T psi(dO)``: one scale per key column of the tile of P (INT8; FP8 codes ``448 P`` with one
+  scale), one per block of dO;
+* ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 / FP8 when ``dp`` says so);
+* ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS (INT8 or FP8; where dS and
+  Q'^, K'^ differ in format, both are cast to the input dtype, which holds every code exactly);
 * Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
 
 The dK/dV program owns one key block of a kv head and loops over every query head of its group, so GQA
@@ -25,19 +27,25 @@ from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
 from .hopper.gluon_dkdv_wg import gluon_dkdv_wg, gluon_dkdv_wg_applies
 from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
 from .hopper.gluon_dq_wg import gluon_dq_wg, gluon_dq_wg_applies
+from .precision import LOW_BIT_FORMATS
 from .quant import (
+    FP8_MAX,
     backward_preprocess,
     dot_precision,
+    fp8_codes,
+    fp8_scale,
     hp_dot,
     int8_codes,
     int8_scale,
     int32_scaled,
+    low_bit_dot,
     nan_max,
     padded_head_dim,
     quantize_rows,
     round_half_even,
     seq_bucket,
     to_dtype,
+    to_e4m3,
     transpose_rows,
     tuning_configs,
 )
@@ -46,7 +54,7 @@ _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.
 _BACKWARD_KEY = [
     *("HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL"),
-    *("QK_INT8", "DP_INT8", "DS_INT8", "SMOOTH_Q", "DOT_PRECISION"),
+    *("QK_FMT", "DP_FMT", "DS_FMT", "SMOOTH_Q", "DOT_PRECISION"),
 ]
 
 
@@ -69,9 +77,9 @@ def _tile_gradients(
     SEQ_K,
     qk_scale,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
-    DP_INT8: tl.constexpr,
+    DP_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     masked,
 ):
@@ -79,14 +87,16 @@ def _tile_gradients(
     for the whole program): whether the tile may hold such a pair; only then are the mask's compares and
     selects run."""
     s, _ = scores_tile(
-        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q,
+        q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q,
         DOT_PRECISION, False,
     )  # fmt: skip
     p = tl.math.exp2(s - lse[:, None])
     if masked:
         p = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), 0.0, p)
-    if DP_INT8:
+    if DP_FMT == "int8":
         dp = int32_scaled(tl.dot(do_dp, tl.trans(v)), do_scale * v_scale)
+    elif DP_FMT == "fp8":
+        dp = low_bit_dot(do_dp, tl.trans(v), DOT_PRECISION) * (do_scale * v_scale)
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
@@ -94,7 +104,7 @@ def _tile_gradients(
 
 # restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.
 @triton.autotune(
-    configs=tuning_configs(_BACKWARD_CONFIGS), key=_BACKWARD_KEY + ["DV_INT8", "WITH_STATS"], restore_value=["STATS"]
+    configs=tuning_configs(_BACKWARD_CONFIGS), key=_BACKWARD_KEY + ["DV_FMT", "WITH_STATS"], restore_value=["STATS"]
 )
 @triton.jit
 def _dkdv_kernel(
@@ -110,6 +120,7 @@ def _dkdv_kernel(
     DO_CODES,
     DO_CODES_T,
     DO_SCALE,
+    DO_T_SCALE,
     LSE,
     DELTA,
     DK,
@@ -132,10 +143,10 @@ def _dkdv_kernel(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
-    DV_INT8: tl.constexpr,
-    DP_INT8: tl.constexpr,
-    DS_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
+    DV_FMT: tl.constexpr,
+    DP_FMT: tl.constexpr,
+    DS_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     WITH_STATS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -150,10 +161,10 @@ def _dkdv_kernel(
     cols = tl.arange(0, D_PAD)
     k = load_tile(K_OP + pid_bkv * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
     k_scale = tl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
-    # V as dP's operand: INT8 codes (then V_SCALE holds their scales) or the input itself.
+    # V as dP's operand: INT8 or FP8 codes (then V_SCALE holds their scales) or the input itself.
     v = load_tile(V + pid_bkv * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
     v_scale = 1.0
-    if DP_INT8:
+    if DP_FMT != "bf16":
         v_scale = tl.load(V_SCALE + pid_bkv * k_blocks + pid_n)
     io_dtype = DK.dtype.element_ty
     # dK and dV are accumulated [BLOCK_N, D], the codes of P and dS as left-hand operands. The transposed form
@@ -191,30 +202,36 @@ def _dkdv_kernel(
                 other=0.0,
             )
             do_scale = 1.0
-            if DV_INT8:
+            if DP_FMT != "bf16":
                 do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
-            if DP_INT8:
-                do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
+            do_t_scale = 1.0
+            if DV_FMT != "bf16":
+                do_t_scale = tl.load(DO_T_SCALE + bh * m_blocks + m_block)
             lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
-            if DP_INT8:
+            if DP_FMT != "bf16":
                 do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
-                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION, masked,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION, masked,
                 )  # fmt: skip
             else:
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do, 1.0, lse, delta, offs_m, offs_n,
-                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION, masked,
+                    SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION, masked,
                 )  # fmt: skip
-            if DV_INT8:
+            if DV_FMT == "fp8":
+                # P = exp2(S - lse) is at most 1: codes e4m3(448 P), one scale; dO^ per block, read as stored [D, N].
+                do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
+                p_codes = to_e4m3(p * FP8_MAX)
+                dv += low_bit_dot(tl.trans(p_codes), tl.trans(do_t), DOT_PRECISION) * (do_t_scale / FP8_MAX)
+            elif DV_FMT == "int8":
                 # P per key column of the tile: one scale per row of P^T, i.e. per row of dV.
                 p_scale = int8_scale(nan_max(p, axis=0))
                 p_codes = int8_codes(p, p_scale[None, :])
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
-                dv += int32_scaled(tl.dot(tl.trans(p_codes), tl.trans(do_t)), p_scale[:, None] * do_scale)
+                dv += int32_scaled(tl.dot(tl.trans(p_codes), tl.trans(do_t)), p_scale[:, None] * do_t_scale)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -223,18 +240,27 @@ def _dkdv_kernel(
                 err = ds - round_half_even(ds / stat_scale) * stat_scale
                 err2 += tl.sum(err * err, axis=0)
                 norm2 += tl.sum(ds * ds, axis=0)
-            # dS as the dK product takes it: INT8 codes with one scale for the tile, or rounded to the input dtype.
-            # (Written out in both kernels: Triton 3.6 refuses a helper whose constexpr branches return
+            # dS as the dK product takes it: INT8 or FP8 codes with one scale for the tile, or rounded to the input
+            # dtype. (Written out in both kernels: Triton 3.6 refuses a helper whose constexpr branches return
             # different types.)
-            if DS_INT8:
+            if DS_FMT == "int8":
                 ds_scale = int8_scale(nan_max(tl.abs(ds)))
                 ds_codes = int8_codes(ds, ds_scale)
-                if QK_INT8:
+                if QK_FMT == "int8":
                     q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
                     dk += int32_scaled(tl.dot(tl.trans(ds_codes), tl.trans(q_t)), ds_scale * q_scale)
                 else:
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
-                    dk += hp_dot(ds_t, q, DOT_PRECISION) * (ds_scale * q_scale)
+                    dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * q_scale)
+            elif DS_FMT == "fp8":
+                ds_scale = fp8_scale(nan_max(tl.abs(ds)))
+                ds_codes = fp8_codes(ds, ds_scale)
+                if QK_FMT == "fp8":
+                    q_t = load_tile_t(Q_OP_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
+                    dk += low_bit_dot(tl.trans(ds_codes), tl.trans(q_t), DOT_PRECISION) * (ds_scale * q_scale)
+                else:
+                    ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
+                    dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * q_scale)
             else:
                 ds_t = tl.trans(to_dtype(ds, io_dtype, DOT_PRECISION))
                 dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * q_scale
@@ -283,9 +309,9 @@ def _dq_kernel(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
-    DP_INT8: tl.constexpr,
-    DS_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
+    DP_FMT: tl.constexpr,
+    DS_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -310,7 +336,7 @@ def _dq_kernel(
         other=0.0,
     )
     do_scale = 1.0
-    if DP_INT8:
+    if DP_FMT != "bf16":
         do = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
         do_scale = tl.load(DO_SCALE + bh * m_blocks + pid_m)
     lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
@@ -326,21 +352,31 @@ def _dq_kernel(
         k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
         v = load_tile(V + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         v_scale = 1.0
-        if DP_INT8:
+        if DP_FMT != "bf16":
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
         _, ds = _tile_gradients(
             q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
-            SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_INT8, SMOOTH_Q, DP_INT8, DOT_PRECISION,
+            SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION,
             partial_rows | (start_n >= full_hi),
         )  # fmt: skip
-        if DS_INT8:
+        if DS_FMT == "int8":
             ds_scale = int8_scale(nan_max(tl.abs(ds)))
             ds_codes = int8_codes(ds, ds_scale)
-            if QK_INT8:
+            if QK_FMT == "int8":
                 k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
                 dq += int32_scaled(tl.dot(ds_codes, tl.trans(k_t)), ds_scale * k_scale)
             else:
-                dq += hp_dot(to_dtype(ds_codes, io_dtype, DOT_PRECISION), k, DOT_PRECISION) * (ds_scale * k_scale)
+                ds_hp = to_dtype(ds_codes, io_dtype, DOT_PRECISION)
+                dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * k_scale)
+        elif DS_FMT == "fp8":
+            ds_scale = fp8_scale(nan_max(tl.abs(ds)))
+            ds_codes = fp8_codes(ds, ds_scale)
+            if QK_FMT == "fp8":
+                k_t = load_tile_t(K_OP_T + kv_bh * SEQ_K * HEAD_DIM, offs_n, cols, SEQ_K, HEAD_DIM)
+                dq += low_bit_dot(ds_codes, tl.trans(k_t), DOT_PRECISION) * (ds_scale * k_scale)
+            else:
+                ds_hp = to_dtype(ds_codes, io_dtype, DOT_PRECISION)
+                dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * k_scale)
         else:
             ds_hp = to_dtype(ds, io_dtype, DOT_PRECISION)
             dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * k_scale
@@ -367,10 +403,10 @@ def backward(
     scale: float,
     block_m: int,
     block_n: int,
-    qk_int8: bool,
-    dv_int8: bool,
-    dp_int8: bool,
-    ds_int8: bool,
+    qk: str,
+    dv: str,
+    dp: str,
+    ds: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)``
     contiguous in dO's dtype.
@@ -384,36 +420,44 @@ def backward(
         out: the forward's O, for ``delta`` (:func:`.quant.backward_preprocess`).
         q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands (``q_mean`` ``None`` without
             Q-smoothing).
-        v: V itself; its INT8 codes are made here when ``dp="int8"``.
+        v: V itself; its codes are made here when ``dp`` is ``"int8"`` or ``"fp8"``.
         lse: the forward's internal logsumexp (base 2).
         stats: fp32 ``(2,)`` buffer the dS statistics are added to, or ``None`` (nothing computed).
         is_causal, scale, block_m, block_n: as the forward.
-        qk_int8, dv_int8, dp_int8, ds_int8: the products' formats.
+        qk, dv, dp, ds: the products' formats (``"int8"``, ``"fp8"`` or ``"bf16"``); ``qk`` must be the forward's.
 
     Example::
 
         dq, dk, dv = backward(grad_out, out, q_op, q_scale, None, k_op, k_scale, v, lse, None,
-                              is_causal=True, scale=0.125, block_m=128, block_n=64, qk_int8=True,
-                              dv_int8=True, dp_int8=False, ds_int8=True)
+                              is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
+                              dv="int8", dp="bf16", ds="int8")
     """
-    formats = dict(qk_int8=qk_int8, dv_int8=dv_int8, dp_int8=dp_int8, ds_int8=ds_int8)
+    formats = dict(qk_int8=qk == "int8", dv_int8=dv == "int8", dp_int8=dp == "int8", ds_int8=ds == "int8")
     tiles = dict(is_causal=is_causal, block_m=block_m, block_n=block_n)
-    gluon_kv = gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, **formats)
-    gluon_q = gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk_int8=qk_int8, dp_int8=dp_int8,
-                               ds_int8=ds_int8)  # fmt: skip
+    # The Gluon kernels serve INT8 formats only; any FP8 product takes the portable kernels.
+    no_fp8 = "fp8" not in (qk, dv, dp, ds)
+    gluon_kv = no_fp8 and gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, **formats)
+    gluon_q = no_fp8 and gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk_int8=qk == "int8",
+                                          dp_int8=dp == "int8", ds_int8=ds == "int8")  # fmt: skip
     if gluon_kv or gluon_q:
         # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
         # usually a [B, N, H, D] view).
         grad_out = grad_out.contiguous()
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
     # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
-    # the portable dQ kernel K'^'s (made just before it; the Gluon dQ kernels transpose K'^'s tiles themselves).
-    transposed = qk_int8 and ds_int8
+    # the portable dQ kernel K'^'s (made just before it; the Gluon dQ kernels transpose K'^'s tiles in shared memory).
+    transposed = qk == ds and qk in LOW_BIT_FORMATS
     delta, do_codes, do_codes_t, do_scale, q_op_t = backward_preprocess(
-        grad_out, out, block_m, codes=dp_int8, codes_t=dv_int8, transpose=q_op if transposed else None
+        grad_out, out, block_m, codes=dp == "int8", codes_t=dv == "int8", transpose=q_op if transposed else None
     )
-    if dp_int8:
-        v_dp, v_dp_scale, _ = quantize_rows(v, block_n, int8=True)
+    do_t_scale = do_scale
+    # FP8 codes of dO, per block of block_m rows as INT8's (dP reads them [N, D], dV [D, N]).
+    if dp == "fp8":
+        do_codes, do_scale, _ = quantize_rows(grad_out, block_m, fmt="fp8")
+    if dv == "fp8":
+        do_codes_t, do_t_scale, _ = quantize_rows(grad_out, block_m, fmt="fp8", transposed=True)
+    if dp in LOW_BIT_FORMATS:
+        v_dp, v_dp_scale, _ = quantize_rows(v, block_n, fmt=dp)
     else:
         v_dp, v_dp_scale = v.contiguous(), None
     batch, heads, seq_q, head_dim = q_op.shape
@@ -425,15 +469,16 @@ def backward(
     q_mean_arg = q_mean if q_mean is not None else q_scale
     codes_arg = do_codes if do_codes is not None else grad_out
     code_scale_arg = do_scale if do_scale is not None else delta
+    code_t_scale_arg = do_t_scale if do_t_scale is not None else delta
     v_scale_arg = v_dp_scale if v_dp_scale is not None else k_scale
     common = dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         D_PAD=d_pad,
         CAUSAL=is_causal,
-        QK_INT8=qk_int8,
-        DP_INT8=dp_int8,
-        DS_INT8=ds_int8,
+        QK_FMT=qk,
+        DP_FMT=dp,
+        DS_FMT=ds,
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(io_dtype),
     )
@@ -442,20 +487,21 @@ def backward(
         # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
         # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
         kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(head_dim, seq_k) else gluon_dkdv
-        dk, dv = kernel(
+        grad_k, grad_v = kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale,
         )  # fmt: skip
     else:
-        dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
-        dv = torch.empty_like(dk)
+        grad_k = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
+        grad_v = torch.empty_like(grad_k)
         _dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
             q_op, q_op_t, q_scale, q_mean_arg, k_op, k_scale, v_dp, v_scale_arg,
-            grad_out, codes_arg, do_codes_t if do_codes_t is not None else grad_out, code_scale_arg, lse, delta, dk, dv,
+            grad_out, codes_arg, do_codes_t if do_codes_t is not None else grad_out, code_scale_arg, code_t_scale_arg,
+            lse, delta, grad_k, grad_v,
             stats if stats is not None else delta,
             *grad_out.stride(),
             heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
-            DV_INT8=dv_int8, WITH_STATS=stats is not None, **common,
+            DV_FMT=dv, WITH_STATS=stats is not None, **common,
         )  # fmt: skip
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
     del q_op_t, do_codes_t
@@ -464,15 +510,15 @@ def backward(
         # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py). They transpose K'^'s tiles in shared
         # memory: no [D, N] copy.
         dq_kernel = gluon_dq_wg if gluon_dq_wg_applies(head_dim) else gluon_dq
-        dq = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
+        grad_q = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
     else:
         k_op_t = transpose_rows(k_op) if transposed else k_op
-        dq = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
+        grad_q = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)
         _dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
             q_op, q_scale, q_mean_arg, k_op, k_op_t, k_scale, v_dp, v_scale_arg,
-            grad_out, codes_arg, code_scale_arg, lse, delta, dq,
+            grad_out, codes_arg, code_scale_arg, lse, delta, grad_q,
             *grad_out.stride(),
             heads, heads // kv_heads, seq_q, seq_k, head_dim, bucket, heads_bucket, scale * LOG2E, scale,
             **common,
         )  # fmt: skip
-    return dq, dk, dv
+    return grad_q, grad_k, grad_v

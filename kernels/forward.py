@@ -1,4 +1,4 @@
-"""Triton forward of SageBwd: INT8 ``Q'^ K'^T`` and ``P^ V^`` with an online softmax over key tiles.
+"""Triton forward of SageBwd: INT8 or FP8 ``Q'^ K'^T`` and ``P^ V^`` with an online softmax over key tiles.
 
 One program per (query tile of ``BLOCK_M`` rows, batch x query head); the kv head is ``query head // group``,
 so grouped-query attention reads the shared K and V without repeating them. Scores are kept in base 2
@@ -15,14 +15,17 @@ import triton
 import triton.language as tl
 
 from .quant import (
+    FP8_MAX,
     dot_precision,
     hp_dot,
     int8_codes,
     int8_scale,
     int32_scaled,
+    low_bit_dot,
     padded_head_dim,
     seq_bucket,
     to_dtype,
+    to_e4m3,
     tuning_configs,
 )
 
@@ -35,7 +38,7 @@ def load_tile(BASE, offs, cols, stride, SEQ, HEAD_DIM):
     return tl.load(
         BASE + offs[:, None] * stride + cols[None, :],
         mask=(offs[:, None] < SEQ) & (cols[None, :] < HEAD_DIM),
-        other=0,
+        other=0.0,  # cast to the element type (0.0, not 0: the interpreter casts no int to fp8)
     )
 
 
@@ -45,7 +48,7 @@ def load_tile_t(BASE, offs, cols, SEQ, HEAD_DIM):
     return tl.load(
         BASE + cols[:, None] * SEQ + offs[None, :],
         mask=(cols[:, None] < HEAD_DIM) & (offs[None, :] < SEQ),
-        other=0,
+        other=0.0,
     )
 
 
@@ -62,20 +65,23 @@ def scores_tile(
     SEQ_K,
     qk_scale,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASK: tl.constexpr = True,
 ):
     """``S`` (base 2) of one tile from the quantized operands, and the mask of pairs that take no part
     (``S = -inf`` there). Shared by the forward and both backward kernels, so the backward recomputes exactly
-    the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query.
+    the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query. ``QK_FMT`` is the
+    product's format (``"int8"``, ``"fp8"`` or ``"bf16"``), which the operands' dtype must match.
 
     ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
-    if QK_INT8:
+    if QK_FMT == "int8":
         s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
+    elif QK_FMT == "fp8":
+        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
     else:
         s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
     if SMOOTH_Q:
@@ -137,8 +143,8 @@ def _forward_tile(
     full_hi,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
-    PV_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
+    PV_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -153,7 +159,7 @@ def _forward_tile(
     k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
     s, _ = scores_tile(
         q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale,
-        CAUSAL, QK_INT8, SMOOTH_Q, DOT_PRECISION, False,
+        CAUSAL, QK_FMT, SMOOTH_Q, DOT_PRECISION, False,
     )  # fmt: skip
     if start_n >= full_hi:
         s = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), s)
@@ -164,7 +170,12 @@ def _forward_tile(
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if PV_INT8:
+    if PV_FMT == "fp8":
+        # P~ against the running max is in [0, 1]: its codes are e4m3(448 P~), one scale for every tile, and V^ has
+        # one scale per channel (applied at the end), so the product adds into O as it is.
+        v_t = load_tile_t(v_base, offs_n, cols, SEQ_K, HEAD_DIM)
+        pv = low_bit_dot(to_e4m3(p * FP8_MAX), tl.trans(v_t), DOT_PRECISION)
+    elif PV_FMT == "int8":
         # V^ is stored [D, Nk]: the 8-bit product wants the summed-over keys contiguous.
         v_t = load_tile_t(v_base, offs_n, cols, SEQ_K, HEAD_DIM)
         # P per row of the tile, s_P = rowmax(P~) / 127: the codes do not depend on the running max.
@@ -184,7 +195,7 @@ def _forward_tile(
 # may not fit another in shared memory.
 @triton.autotune(
     configs=tuning_configs(((8, 2), (8, 3), (4, 3))),
-    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "QK_INT8", "PV_INT8", "SMOOTH_Q", "DOT_PRECISION"],
+    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "QK_FMT", "PV_FMT", "SMOOTH_Q", "DOT_PRECISION"],
 )
 @triton.jit
 def _forward_kernel(
@@ -212,8 +223,8 @@ def _forward_kernel(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
-    QK_INT8: tl.constexpr,
-    PV_INT8: tl.constexpr,
+    QK_FMT: tl.constexpr,
+    PV_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -242,10 +253,13 @@ def _forward_kernel(
         # program takes alike), which keeps one software-pipelined loop.
         acc, l_i, m_i = _forward_tile(
             acc, l_i, m_i, q, q_scale, q_mean, k_base, v_base, K_SCALE, V_SCALE, kv_bh, k_blocks, start_n, offs_m,
-            cols, SEQ_Q, SEQ_K, HEAD_DIM, qk_scale, full_hi, BLOCK_N, CAUSAL, QK_INT8, PV_INT8, SMOOTH_Q,
-            DOT_PRECISION,
+            cols, SEQ_Q, SEQ_K, HEAD_DIM, qk_scale, full_hi, BLOCK_N, CAUSAL, QK_FMT, PV_FMT, SMOOTH_Q, DOT_PRECISION,
         )  # fmt: skip
     out = acc / l_i[:, None]
+    if PV_FMT == "fp8":
+        # V's per-channel scales and P's 1 / 448.
+        v_scale = tl.load(V_SCALE + kv_bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
+        out = out * (v_scale / FP8_MAX)[None, :]
     tl.store(
         OUT + b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :],
         to_dtype(out, OUT.dtype.element_ty, DOT_PRECISION),
@@ -268,8 +282,8 @@ def forward(
     scale: float,
     block_m: int,
     block_n: int,
-    qk_int8: bool,
-    pv_int8: bool,
+    qk: str,
+    pv: str,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on quantized operands (see :func:`.quant.quantize_rows`).
@@ -278,13 +292,14 @@ def forward(
         q_op, q_scale, q_mean: Q'^ ``[B, Hq, N, D]``, its scales ``[B, Hq, N / BLOCK_M]`` and, with
             Q-smoothing, the block means ``[B, Hq, N / BLOCK_M, D]``.
         k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and ``[B, Hkv, Nk / BLOCK_N]``.
-        v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` and its scales, or V ``[B, Hkv, Nk, D]`` when ``pv`` is high
-            precision.
+        v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` and its scales (``[B, Hkv, Nk / BLOCK_N]`` for INT8, per channel
+            ``[B, Hkv, D]`` for FP8: :func:`.quant.quantize_channels_fp8`), or V ``[B, Hkv, Nk, D]`` when ``pv`` is
+            high precision.
         out_dtype: dtype of O (the input dtype).
         is_causal: top-left causal mask.
         scale: softmax scale ``tau``.
         block_m, block_n: tile sizes; they must be the quantization blocks of the operands.
-        qk_int8, pv_int8: whether the products run in INT8.
+        qk, pv: the products' formats (``"int8"``, ``"fp8"`` or ``"bf16"``), matching the operands' dtypes.
         out: where O is written (``[B, Hq, N, D]`` of ``out_dtype``, any strides with the last dim contiguous, e.g.
             :func:`.quant.output_like` of q); a contiguous one is made when ``None``.
 
@@ -294,7 +309,7 @@ def forward(
     Example::
 
         out, lse2 = forward(*q_parts, *k_parts, v_codes, v_scale, out_dtype=torch.bfloat16, is_causal=True,
-                            scale=0.125, block_m=128, block_n=64, qk_int8=True, pv_int8=True)
+                            scale=0.125, block_m=128, block_n=64, qk="int8", pv="int8")
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
@@ -326,8 +341,8 @@ def forward(
         BLOCK_N=block_n,
         D_PAD=d_pad,
         CAUSAL=is_causal,
-        QK_INT8=qk_int8,
-        PV_INT8=pv_int8,
+        QK_FMT=qk,
+        PV_FMT=pv,
         SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(out_dtype),
     )

@@ -25,7 +25,7 @@ from .forward import LOG2E, forward
 from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
-from .quant import MAX_PRODUCT_TERMS, output_like, quantize_rows
+from .quant import CODE_DTYPES, MAX_PRODUCT_TERMS, output_like, quantize_channels_fp8, quantize_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
@@ -42,11 +42,11 @@ def _sagebwd_forward(
     stats: torch.Tensor | None,
     is_causal: bool,
     scale: float,
-    qk_int8: bool,
-    pv_int8: bool,
-    dv_int8: bool,
-    dp_int8: bool,
-    ds_int8: bool,
+    qk: str,
+    pv: str,
+    dv: str,
+    dp: str,
+    ds: str,
     smooth_k: bool,
     smooth_q: bool,
     block_m: int,
@@ -58,21 +58,23 @@ def _sagebwd_forward(
     Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
     """
     k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
-    q_op, q_scale, q_mean = quantize_rows(q, block_m, int8=qk_int8, block_mean=smooth_q)
-    k_op, k_scale, _ = quantize_rows(k, block_n, int8=qk_int8, mean=k_mean)
-    if pv_int8:
-        v_op, v_scale, _ = quantize_rows(v, block_n, int8=True, transposed=True)
+    q_op, q_scale, q_mean = quantize_rows(q, block_m, fmt=qk, block_mean=smooth_q)
+    k_op, k_scale, _ = quantize_rows(k, block_n, fmt=qk, mean=k_mean)
+    if pv == "int8":
+        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True)
+    elif pv == "fp8":
+        v_op, v_scale = quantize_channels_fp8(v)
     else:
         v_op, v_scale = v.contiguous(), k_scale
     operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
     # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q)}  # fmt: skip
-    if hopper_forward_applies(q_op, k_op, qk_int8=qk_int8, pv_int8=pv_int8, scale=scale, block_m=block_m,
-                              block_n=block_n):  # fmt: skip
-        out, lse = hopper_forward(*operands, **tiles)
+    if hopper_forward_applies(q_op, k_op, qk_int8=qk == "int8", pv_int8=pv == "int8", pv_fp8=pv == "fp8", scale=scale,
+                              block_m=block_m, block_n=block_n):  # fmt: skip
+        out, lse = hopper_forward(*operands, **tiles, pv=pv)
     else:
-        out, lse = forward(*operands, **tiles, qk_int8=qk_int8, pv_int8=pv_int8)
+        out, lse = forward(*operands, **tiles, qk=qk, pv=pv)
     q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)
     return out, lse, q_op, q_scale, q_mean, k_op, k_scale
 
@@ -82,11 +84,11 @@ sagebwd_forward = torch.library.custom_op("sage_lightning::sagebwd_forward", mut
 
 
 @sagebwd_forward.register_fake
-def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk_int8, pv_int8, dv_int8, dp_int8, ds_int8,
-                          smooth_k, smooth_q, block_m, block_n):  # fmt: skip
+def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk, pv, dv, dp, ds, smooth_k, smooth_q, block_m,
+                          block_n):  # fmt: skip
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    op_dtype = torch.int8 if qk_int8 else q.dtype
+    op_dtype = CODE_DTYPES.get(qk, q.dtype)
     m_blocks, n_blocks = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
     f32 = torch.float32
     return (
@@ -113,10 +115,10 @@ def _sagebwd_backward(
     stats: torch.Tensor | None,
     is_causal: bool,
     scale: float,
-    qk_int8: bool,
-    dv_int8: bool,
-    dp_int8: bool,
-    ds_int8: bool,
+    qk: str,
+    dv: str,
+    dp: str,
+    ds: str,
     block_m: int,
     block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,10 +138,10 @@ def _sagebwd_backward(
         scale=scale,
         block_m=block_m,
         block_n=block_n,
-        qk_int8=qk_int8,
-        dv_int8=dv_int8,
-        dp_int8=dp_int8,
-        ds_int8=ds_int8,
+        qk=qk,
+        dv=dv,
+        dp=dp,
+        ds=ds,
     )
 
 
@@ -151,19 +153,19 @@ sagebwd_backward = torch.library.custom_op("sage_lightning::sagebwd_backward", m
 
 @sagebwd_backward.register_fake
 def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
-                           qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n):  # fmt: skip
+                           qk, dv, dp, ds, block_m, block_n):  # fmt: skip
     return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(k_op.shape)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    q, k, v, stats, is_causal, scale, qk_int8, _pv, dv_int8, dp_int8, ds_int8, _sk, _sq, block_m, block_n = inputs
+    q, k, v, stats, is_causal, scale, qk, _pv, dv, dp, ds, _sk, _sq, block_m, block_n = inputs
     out, lse, q_op, q_scale, q_mean, k_op, k_scale = output
     # q and k themselves are not kept: the backward recomputes S from Q'^, K'^ (matching recomputation).
     ctx.save_for_backward(out, lse, q_op, q_scale, q_mean, k_op, k_scale, v)
     # Not saved as a tensor: the backward adds into it in place, and a layer called twice per step (shared
     # weights, activation checkpointing) would trip autograd's saved-tensor version check.
     ctx.stats = stats
-    ctx.config = (is_causal, scale, qk_int8, dv_int8, dp_int8, ds_int8, block_m, block_n)
+    ctx.config = (is_causal, scale, qk, dv, dp, ds, block_m, block_n)
     ctx.mark_non_differentiable(lse, q_op, q_scale, q_mean, k_op, k_scale)
     # The backward reads only O's gradient. Materialized, the other six outputs' gradients would be zero tensors
     # of their shapes allocated for every backward (66 MiB at 16K tokens and 2048 channels, at the peak).
@@ -251,11 +253,9 @@ def sage_attention_triton(
             )
     precision = AttentionPrecision() if precision is None else precision
     tau = softmax_scale(q.shape[-1], scale)
-    int8 = precision.int8_products
     attention = sagebwd_forward if _traced(q) else _SageBwd.apply
     out, lse2, *_ = attention(
-        q, k, v, stats, is_causal, tau,
-        "qk" in int8, "pv" in int8, "dv" in int8, "dp" in int8, "ds" in int8,
+        q, k, v, stats, is_causal, tau, precision.qk, precision.pv, precision.dv, precision.dp, precision.ds,
         precision.smooth_k, precision.smooth_q, block_m, block_n,
     )  # fmt: skip
     if not with_lse:

@@ -10,9 +10,13 @@ from dataclasses import dataclass
 #: ``dP = dO V^T`` and ``ds`` covers the two products that consume the score gradient,
 #: ``dQ = dS K`` and ``dK = dS^T Q``.
 PRODUCTS: tuple[str, ...] = ("qk", "pv", "dv", "dp", "ds")
-#: Formats a product can run in. ``"bf16"`` means "the input's 16-bit float type with fp32
+#: Formats a product can run in. ``"int8"``: symmetric INT8 codes, ``s = max|X| / 127`` per block, int32
+#: accumulation. ``"fp8"``: e4m3 codes, ``s = max|X| / 448`` per block (round to nearest even), fp32 accumulation
+#: (``docs/how-it-works.md`` lists each product's blocks). ``"bf16"`` means "the input's 16-bit float type with fp32
 #: accumulation" (fp16 inputs run it in fp16, fp32 inputs in fp32).
-FORMATS: tuple[str, ...] = ("int8", "bf16")
+FORMATS: tuple[str, ...] = ("int8", "fp8", "bf16")
+#: The 8-bit formats, whose operands are quantized codes with scales.
+LOW_BIT_FORMATS: tuple[str, ...] = ("int8", "fp8")
 #: Modes of an attention layer. ``"sagebwd"`` is INT8 attention (the product formats below), ``"attn_qat"``
 #: simulated NVFP4 attention for quantization-aware training (``docs/how-it-works.md``), ``"full"`` plain
 #: full-precision attention (the last rung of the controller's ladder).
@@ -41,7 +45,7 @@ class AttentionPrecision:
             quantization-aware training: Q, K, V and P fake-quantized to NVFP4, products in the input's
             16-bit type) or ``"full"`` (plain full-precision attention through
             ``torch.nn.functional.scaled_dot_product_attention``).
-        qk: format of ``S = Q K^T``.
+        qk: format of ``S = Q K^T`` (``"int8"``, ``"fp8"`` or ``"bf16"``; so are the four below).
         pv: format of ``O = P V``.
         dv: format of ``dV = P^T dO``.
         dp: format of ``dP = dO V^T``.
@@ -64,6 +68,8 @@ class AttentionPrecision:
         fast = AttentionPrecision()                      # SageBwd defaults
         safer = fast.replace(ds="bf16")                   # the score gradient in bf16
         print(safer.short_name)                           # "sagebwd:int8=qk,pv,dv;smooth_k"
+        fp8_pv = fast.replace(pv="fp8")                   # O = P V with e4m3 operands
+        print(fp8_pv.short_name)                          # "sagebwd:int8=qk,dv,ds;fp8=pv;smooth_k"
         qat = AttentionPrecision(mode="attn_qat")         # simulated NVFP4, Attn-QAT's backward
         print(qat.replace(qat_backward="dropin").short_name)  # "attn_qat:dropin"
     """
@@ -91,7 +97,10 @@ class AttentionPrecision:
         for name in PRODUCTS:
             value = getattr(self, name)
             if value not in FORMATS:
-                raise ValueError(f"AttentionPrecision: {name} must be one of {FORMATS}; received {value!r}.")
+                raise ValueError(
+                    f"AttentionPrecision: {name} must be one of {FORMATS}; received {value!r}"
+                    + (" (NVFP4 runs as the preset AttentionPrecision(mode='attn_qat'))." if value == "nvfp4" else ".")
+                )
         for name in ("smooth_k", "smooth_q"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -110,15 +119,24 @@ class AttentionPrecision:
         return tuple(name for name in PRODUCTS if getattr(self, name) == "int8")
 
     @property
+    def fp8_products(self) -> tuple[str, ...]:
+        """The products that run in FP8 (e4m3; empty in ``"attn_qat"`` and ``"full"`` modes)."""
+        if self.mode != "sagebwd":
+            return ()
+        return tuple(name for name in PRODUCTS if getattr(self, name) == "fp8")
+
+    @property
     def short_name(self) -> str:
-        """A compact, stable label of what runs, e.g. ``"sagebwd:int8=qk,pv,dv,ds;smooth_k"``, ``"attn_qat"``,
-        ``"attn_qat:dropin"`` or ``"full"``. Two precisions with the same label compute the same numbers (fields
-        the mode ignores are not in it)."""
+        """A compact, stable label of what runs, e.g. ``"sagebwd:int8=qk,pv,dv,ds;smooth_k"``,
+        ``"sagebwd:int8=qk,dv,ds;fp8=pv;smooth_k"``, ``"attn_qat"``, ``"attn_qat:dropin"`` or ``"full"``. Two
+        precisions with the same label compute the same numbers (fields the mode ignores are not in it)."""
         if self.mode == "attn_qat":
             return "attn_qat" if self.qat_backward == "matched" else f"attn_qat:{self.qat_backward}"
         if self.mode != "sagebwd":
             return self.mode
         parts = [f"int8={','.join(self.int8_products) or 'none'}"]
+        if self.fp8_products:
+            parts.append(f"fp8={','.join(self.fp8_products)}")
         parts += [name for name in ("smooth_k", "smooth_q") if getattr(self, name)]
         return "sagebwd:" + ";".join(parts)
 
@@ -135,6 +153,13 @@ class AttentionPrecision:
     def all_int8(cls, **changes: object) -> AttentionPrecision:
         """Every product in INT8, ``dp`` included (the seven-of-seven setting of the accuracy study)."""
         base = dict.fromkeys(PRODUCTS, "int8")
+        base.update(changes)
+        return cls(**base)
+
+    @classmethod
+    def all_fp8(cls, **changes: object) -> AttentionPrecision:
+        """Every product in FP8 (e4m3), ``dp`` included."""
+        base = dict.fromkeys(PRODUCTS, "fp8")
         base.update(changes)
         return cls(**base)
 

@@ -97,7 +97,7 @@ def _qat_dkdv_kernel(
             lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             s, invalid = scores_tile(
-                q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, False, False,
+                q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, "bf16", False,
                 DOT_PRECISION,
             )  # fmt: skip
             p = tl.where(invalid, 0.0, tl.math.exp2(s - lse[:, None]))
@@ -179,8 +179,9 @@ def _qat_dq_kernel(
         k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         s, invalid = scores_tile(
-            q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, False, False, DOT_PRECISION
-        )
+            q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, "bf16", False,
+            DOT_PRECISION,
+        )  # fmt: skip
         p = tl.where(invalid, 0.0, tl.math.exp2(s - lse[:, None]))
         dp = hp_dot(do, tl.trans(v), DOT_PRECISION) * v_scale
         ds = p * (dp - delta[:, None])

@@ -82,8 +82,9 @@ def _qat_forward_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = load_tile(k_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         s, _ = scores_tile(
-            q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, False, False, DOT_PRECISION
-        )
+            q, q_scale, no_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, "bf16", False,
+            DOT_PRECISION,
+        )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with every key so far masked keeps max -inf; exp2(-inf - 0) = 0 leaves it empty.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

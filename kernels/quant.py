@@ -1,4 +1,4 @@
-"""Triton quantization kernels: INT8 ``psi`` per block for Q', K', V and dO (fused with the backward's delta).
+"""Triton quantization kernels: INT8 or FP8 ``psi`` per block for Q', K', V and dO (fused with the backward's delta).
 
 The numerics are the reference's (:mod:`.reference`): one scale per block of ``BLOCK`` rows x the head dim,
 ``s = max|X| / 127`` (1 for a block that is all zero or whose max underflows), round half to even, clamp to
@@ -28,6 +28,12 @@ _ROUNDER_BITS = tl.constexpr(0x4B400000)
 #: The largest key or query tile the exact int32 -> fp32 conversion allows: every INT8 product sums at most
 #: this many (or the head dim's, at most 128) products of two codes, |code| <= 127, and 256 * 127 * 127 < 2**22.
 MAX_PRODUCT_TERMS = 256
+
+#: The largest finite e4m3 value; FP8 scales are ``max|X| / 448``.
+FP8_MAX = tl.constexpr(448.0)
+#: Adding then subtracting 1.5 * 2**14 rounds an fp32 of magnitude below 2**13 to a multiple of 2**-9, the spacing
+#: of e4m3's subnormals (below 2**-6), ties to even.
+_FP8_SUBNORMAL_ROUNDER = tl.constexpr(24576.0)
 
 #: Triton reads ``TRITON_INTERPRET`` once, when it is imported; so do we (not on every launch).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -183,6 +189,58 @@ def int8_codes(x, scale, EXACT: tl.constexpr = False):
 
 
 @triton.jit
+def fp8_scale(amax):
+    """``amax / 448``, or 1 where that is 0 (an all-zero block, or a max so small the division underflows)."""
+    scale = amax / FP8_MAX
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def e4m3_round(x):
+    """fp32 ``x`` (``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, still fp32.
+
+    Exact integer and float arithmetic: three mantissa bits kept (a carry into the exponent is the next binade's
+    value) for ``|x| >= 2**-6``, multiples of ``2**-9`` below. The GPU's conversion instruction rounds the same way;
+    Triton 3.9's interpreter does not (it drops the carry: 1.97 -> 1.0), so the codes below round here first there.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = (x + _FP8_SUBNORMAL_ROUNDER) - _FP8_SUBNORMAL_ROUNDER
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 values within e4m3's range as ``tl.float8e4nv``, rounded to nearest even on the GPU and in the
+    interpreter alike (:func:`e4m3_round`)."""
+    if _INTERPRETED_C:
+        return e4m3_round(x).to(tl.float8e4nv)
+    else:
+        return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def fp8_codes(x, scale, EXACT: tl.constexpr = False):
+    """e4m3 codes of ``x`` (fp32) for ``scale`` (broadcastable, ``max|x| / 448`` over the values coded), as
+    ``tl.float8e4nv``. ``EXACT`` divides with IEEE rounding (the reference's codes bit for bit); otherwise one
+    multiply by the reciprocal, as :func:`int8_codes`."""
+    if EXACT:
+        return to_e4m3(tl.math.div_rn(x, tl.zeros_like(x) + scale))
+    else:
+        return to_e4m3(x * (1.0 / scale))
+
+
+@triton.jit
+def low_bit_dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b`` of two FP8 operands with fp32 accumulation: the tensor cores' FP8 path, or under the interpreter
+    (``"upcast"``) the operands cast to fp32, which is exact."""
+    if DOT_PRECISION == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     X,
     OUT,
@@ -211,14 +269,15 @@ def _quantize_rows_kernel(
     D_PAD: tl.constexpr,
     SUBTRACT_MEAN: tl.constexpr,
     BLOCK_MEAN: tl.constexpr,
-    INT8: tl.constexpr,
+    FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
 
     ``SUBTRACT_MEAN``: subtract the per-(batch, head) mean ``MEAN_IN`` (K-smoothing).
     ``BLOCK_MEAN``: subtract the mean of the block's valid rows and write it to ``MEAN_OUT`` (Q-smoothing).
-    ``INT8``: write int8 codes and ``max|X| / 127``; otherwise the (smoothed) values in ``OUT``'s dtype and 1.
+    ``FMT``: ``"int8"`` writes int8 codes and ``max|X| / 127``, ``"fp8"`` e4m3 codes and ``max|X| / 448``, ``"bf16"``
+    the (smoothed) values in ``OUT``'s dtype and 1.
     Rows past ``SEQ`` are zero, so they leave the block's scale alone (as the reference's padding does).
     """
     pid_m = tl.program_id(0)
@@ -239,21 +298,52 @@ def _quantize_rows_kernel(
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
         x = tl.where(valid, x - mean[None, :], 0.0)
     out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
-    if INT8:
+    if FMT == "int8":
         amax = nan_max(tl.abs(x))
         scale = int8_scale(amax)
         tl.store(out_ptrs, int8_codes(x, scale, True), mask=valid)
+    elif FMT == "fp8":
+        scale = fp8_scale(nan_max(tl.abs(x)))
+        tl.store(out_ptrs, fp8_codes(x, scale, True), mask=valid)
     else:
         scale = 1.0
         tl.store(out_ptrs, to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
     tl.store(SCALE + b * stride_sb + h * stride_sh + pid_m, scale)
 
 
+#: The storage dtype of each 8-bit format's codes.
+CODE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes of ``x`` ``[B, H, N, D]`` with one scale per channel over all N rows (``max |x[b, h, :, c]| / 448``),
+    stored ``[B, H, D, N]``: V for an FP8 ``O = P V``, whose per-channel scale factors out of the sum over keys.
+
+    The reference's numerics (:func:`..reference.quantize_fp8` over the keys), in PyTorch: one pass for the maxima,
+    one for the codes.
+
+    Args:
+        x: the input, any strides, bf16/fp16/fp32.
+
+    Returns:
+        ``(codes, scale)``: ``[B, H, D, N]`` float8_e4m3fn contiguous and ``[B, H, D]`` fp32.
+
+    Example::
+
+        v_codes_t, v_scale = quantize_channels_fp8(v)
+    """
+    x32 = x.to(torch.float32)
+    scale = x32.abs().amax(dim=2) / FP8_MAX.value
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (x32 / scale[:, :, None, :]).to(torch.float8_e4m3fn)
+    return codes.transpose(2, 3).contiguous(), scale
+
+
 def quantize_rows(
     x: torch.Tensor,
     block: int,
     *,
-    int8: bool,
+    fmt: str,
     mean: torch.Tensor | None = None,
     block_mean: bool = False,
     transposed: bool = False,
@@ -263,7 +353,8 @@ def quantize_rows(
     Args:
         x: the input, any strides, bf16/fp16/fp32.
         block: rows per quantization block (``BLOCK_M`` for Q, ``BLOCK_N`` for K and V).
-        int8: INT8 codes and scales; ``False`` keeps the values in ``x``'s dtype with scale 1 (a "bf16" product).
+        fmt: ``"int8"`` (INT8 codes and scales), ``"fp8"`` (e4m3 codes and scales) or ``"bf16"`` (the values in
+            ``x``'s dtype with scale 1).
         mean: ``[B, H, D]`` fp32, subtracted from every row first (K-smoothing).
         block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
         transposed: write ``op`` as ``[B, H, D, N]`` (V^ for the forward's ``P V``: 8-bit tensor-core products
@@ -271,17 +362,17 @@ def quantize_rows(
 
     Returns:
         ``(op, scale, block_means)``: ``op`` ``[B, H, N, D]`` (``[B, H, D, N]`` if ``transposed``) contiguous
-        (int8 or ``x``'s dtype), ``scale``
+        (int8, float8_e4m3fn or ``x``'s dtype), ``scale``
         ``[B, H, blocks]`` fp32, and ``block_means`` ``[B, H, blocks, D]`` fp32 or ``None``.
 
     Example::
 
-        codes, scale, _ = quantize_rows(k, 64, int8=True, mean=k.float().mean(dim=2))
+        codes, scale, _ = quantize_rows(k, 64, fmt="int8", mean=k.float().mean(dim=2))
     """
     batch, heads, seq, head_dim = x.shape
     blocks = triton.cdiv(seq, block)
     op_shape = (batch, heads, head_dim, seq) if transposed else x.shape
-    op = torch.empty(op_shape, dtype=torch.int8 if int8 else x.dtype, device=x.device)
+    op = torch.empty(op_shape, dtype=CODE_DTYPES.get(fmt, x.dtype), device=x.device)
     op_strides = (op.stride(0), op.stride(1), 1, seq) if transposed else op.stride()
     scale = torch.empty(batch, heads, blocks, dtype=torch.float32, device=x.device)
     means = torch.empty(batch, heads, blocks, head_dim, dtype=torch.float32, device=x.device) if block_mean else None
@@ -308,7 +399,7 @@ def quantize_rows(
             D_PAD=padded_head_dim(head_dim),
             SUBTRACT_MEAN=mean is not None,
             BLOCK_MEAN=block_mean,
-            INT8=int8,
+            FMT=fmt,
             DOT_PRECISION=dot_precision(x.dtype),
         )
     return op, scale, means
@@ -464,7 +555,7 @@ def _transpose_block(X, OUT, pid_n, pid_bh, SEQ, HEAD_DIM, BLOCK: tl.constexpr, 
     cols = tl.arange(0, D_PAD)
     valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
     base = pid_bh * SEQ * HEAD_DIM
-    x = tl.load(X + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0)
+    x = tl.load(X + base + rows[:, None] * HEAD_DIM + cols[None, :], mask=valid, other=0.0)
     tl.store(OUT + base + cols[:, None] * SEQ + rows[None, :], tl.trans(x), mask=tl.trans(valid))
 
 

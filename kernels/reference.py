@@ -20,6 +20,11 @@ exactly, so products over ``K <= MAX_EXACT_CONTRACTION`` (1040) are exact whatev
 The contractions are the head dim (``QK^T``, ``dO V^T``) and the tile sides (``PV``, ``dV``, ``dQ``,
 ``dK``); all are checked against that bound. (An int32 accumulator, as in the GPU kernels, allows
 ``K <= 133144``.)
+
+A product in ``"fp8"`` takes e4m3 codes (kept as floats likewise) with ``s = max|X| / 448`` per the same blocks as
+INT8, except two: ``O = P V`` codes V per channel over all keys of its head and P as ``e4m3(448 P~)`` against the
+running max (one scale, ``1 / 448``), so the tile products add up as they are; and dV's P is ``e4m3(448 P)``
+(P is at most 1). FP8 products are summed in fp32 (the tensor cores accumulate them in fp32 too), not exactly.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from torch.autograd.function import once_differentiable
 from .precision import AttentionPrecision
 
 INT8_MAX = 127.0
+#: The largest finite e4m3 value: FP8 codes are ``X / s`` with ``s = max|X| / 448``, rounded to e4m3.
+FP8_MAX = 448.0
 #: Longest contraction whose int8 x int8 products sum exactly in fp32: floor(2**24 / 127**2).
 MAX_EXACT_CONTRACTION = (1 << 24) // (127 * 127)
 #: Longest contraction whose int8 x int8 products sum exactly in int32: floor((2**31 - 1) / 127**2).
@@ -45,10 +52,13 @@ DEFAULT_BLOCK_N = 64
 __all__ = [
     "DEFAULT_BLOCK_M",
     "DEFAULT_BLOCK_N",
+    "FP8_MAX",
     "INT8_MAX",
     "MAX_EXACT_CONTRACTION",
     "MAX_EXACT_CONTRACTION_INT32",
     "exact_attention",
+    "fp8_round",
+    "quantize_fp8",
     "quantize_int8",
     "sage_attention_intermediates",
     "sage_attention_reference",
@@ -80,12 +90,51 @@ def quantize_int8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor,
     return torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX), scale
 
 
+def fp8_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest e4m3 value (ties to even), kept in ``x``'s dtype; NaN stays NaN.
+
+    The callers scale ``x`` into [-448, 448] first, so nothing saturates.
+
+    Example::
+
+        fp8_round(torch.tensor([1.06, 300.0]))   # tensor([1.0, 288.0])
+    """
+    return x.to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def quantize_fp8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 (e4m3) quantization with one scale per block (the block spans ``dims``), the 8-bit float twin of
+    :func:`quantize_int8`.
+
+    ``s = max|X| / 448`` (``s = 1`` for an all-zero block) and ``X^ = e4m3(X / s)`` with round to nearest even.
+    A NaN or infinity in a block makes its scale and codes non-finite.
+
+    Args:
+        x: the tensor to quantize (fp32 or fp64).
+        dims: the dimensions one scale covers.
+
+    Returns:
+        ``(codes, scale)``: the e4m3 values as floats of ``x``'s dtype, and the scales with ``dims`` kept as size-1
+        dimensions, so ``codes * scale`` dequantizes.
+
+    Example::
+
+        codes, scale = quantize_fp8(torch.randn(4, 64), dims=(-1,))   # per-row scales
+    """
+    amax = x.abs().amax(dim=dims, keepdim=True)
+    scale = amax / FP8_MAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return fp8_round(x / scale), scale
+
+
 def _operand(
     x: torch.Tensor, fmt: str, dims: tuple[int, ...], io_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product operand in ``fmt``: INT8 codes and scales, or ``x`` rounded to the input dtype (scale 1)."""
+    """A product operand in ``fmt``: INT8 or FP8 codes and scales, or ``x`` rounded to the input dtype (scale 1)."""
     if fmt == "int8":
         return quantize_int8(x, dims)
+    if fmt == "fp8":
+        return quantize_fp8(x, dims)
     shape = list(x.shape)
     for dim in dims:
         shape[dim] = 1
@@ -243,7 +292,13 @@ def _forward(
     """Online softmax over key tiles. Returns O ``[B, Hkv, R, D]`` and logsumexp ``[B, Hkv, R]``."""
     vr = geo.to_keys(v)
     v_tiles = vr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
-    v_op, v_scale = _operand(v_tiles, precision.pv, (-2, -1), geo.io_dtype)
+    if precision.pv == "fp8":
+        # V per channel over all keys of its head: the scale factors out of the sum over keys, so O accumulates the
+        # FP8 products of every tile as they are and is scaled once at the end (the tensor core accumulates in fp32).
+        v_op, v_scale = quantize_fp8(v_tiles, (2, 3))  # v_scale [B, Hkv, 1, 1, D]
+        v_scale = v_scale[:, :, 0]  # [B, Hkv, 1, D]: per channel, for every tile
+    else:
+        v_op, v_scale = _operand(v_tiles, precision.pv, (-2, -1), geo.io_dtype)
     shape = (geo.batch, geo.kv_heads, geo.rows)
     row_max = torch.full(shape, -math.inf, dtype=geo.compute_dtype, device=v.device)
     row_sum = torch.zeros(shape, dtype=geo.compute_dtype, device=v.device)
@@ -257,9 +312,14 @@ def _forward(
         p = torch.exp(s - safe_max[..., None])
         alpha = torch.exp(row_max - safe_max)
         row_sum = row_sum * alpha + p.sum(dim=-1)
-        # P per row of the tile: s_P = rowmax(P~) / 127, so the codes do not depend on the running max.
-        p_op, p_scale = _operand(p, precision.pv, (-1,), geo.io_dtype)
-        pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale[:, :, tile])
+        if precision.pv == "fp8":
+            # P~ = exp(S - m) against the running max is in [0, 1]: e4m3 of 448 P~, one scale 1 / 448 for all.
+            p_op, p_scale = fp8_round(p * FP8_MAX), 1.0 / FP8_MAX
+            pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale)
+        else:
+            # P per row of the tile: s_P = rowmax(P~) / 127, so the codes do not depend on the running max.
+            p_op, p_scale = _operand(p, precision.pv, (-1,), geo.io_dtype)
+            pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale[:, :, tile])
         acc = acc * alpha[..., None] + pv
         row_max = new_max
         if record is not None:
@@ -319,7 +379,13 @@ def _backward(
         # dtype. Per column rather than per tile: a key that few queries attend to keeps its resolution
         # (dV cosine 0.99886 -> 0.9998 at N=4096, D=128; docs/how-it-works.md).
         p_blocks = p.reshape(b, h, geo.row_blocks, bm, nb)
-        p_op, p_scale = _operand(p_blocks, precision.dv, (-2,), geo.io_dtype)
+        if precision.dv == "fp8":
+            # P = exp(S - lse) is in [0, 1]: e4m3 of 448 P, one scale 1 / 448 (e4m3 keeps a key's small
+            # probabilities to 3 significant bits down to 2**-6 / 448 without a per-column scale).
+            p_op = fp8_round(p_blocks * FP8_MAX)
+            p_scale = p_blocks.new_full((b, h, geo.row_blocks, 1, nb), 1.0 / FP8_MAX)
+        else:
+            p_op, p_scale = _operand(p_blocks, precision.dv, (-2,), geo.io_dtype)
         dv_parts = (p_op.transpose(-1, -2) @ do_dv) * (p_scale.transpose(-1, -2) * do_dv_scale)
         dv[:, :, keys] = dv_parts.sum(dim=2)
 

@@ -190,7 +190,9 @@ def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
     from sage_lightning.kernels.ops import sagebwd_forward
 
     prec = AttentionPrecision()
-    return sagebwd_forward(q, k, v, None, True, 128**-0.5, True, True, True, False, True, prec.smooth_k, False, 128, 64)
+    return sagebwd_forward(
+        q, k, v, None, True, 128**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64
+    )
 
 
 @needs_hopper

@@ -51,6 +51,8 @@ CASES = [
     pytest.param(1, 2, 1, 144, 144, 64, True, AttentionPrecision(), id="gqa-causal-ragged"),
     pytest.param(1, 2, 2, 80, 208, 128, True, AttentionPrecision(), id="causal-n-lt-nk-d128"),
     pytest.param(1, 2, 2, 144, 96, 64, True, AttentionPrecision(smooth_q=True), id="smooth-q-n-gt-nk"),
+    pytest.param(1, 2, 1, 144, 144, 64, True, AttentionPrecision(pv="fp8"), id="fp8-pv-gqa-causal-ragged"),
+    pytest.param(1, 2, 2, 80, 208, 128, False, AttentionPrecision(pv="fp8", smooth_q=True), id="fp8-pv-smooth-q-d128"),
 ]
 
 
@@ -126,6 +128,8 @@ def test_dispatch_serves_the_default_precision_when_forced(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "force")
     assert _applies()
     assert _applies(head_dim=64, block_n=128)
+    assert _applies(pv_int8=False, pv_fp8=True)  # FP8 P V
+    assert not _applies(qk_int8=False, pv_int8=False, pv_fp8=True)  # FP8 or bf16 QK: the portable forward
 
 
 @pytest.mark.parametrize(

@@ -31,8 +31,20 @@ def test_helpers() -> None:
     assert AttentionPrecision.all_bf16().short_name == "sagebwd:int8=none;smooth_k"
     assert AttentionPrecision(mode="full").int8_products == () and AttentionPrecision(mode="full").short_name == "full"
     assert AttentionPrecision().replace(smooth_q=True).short_name.endswith("smooth_k;smooth_q")
-    assert FORMATS == ("int8", "bf16") and MODES == ("sagebwd", "attn_qat", "full")
+    assert FORMATS == ("int8", "fp8", "bf16") and MODES == ("sagebwd", "attn_qat", "full")
     assert QAT_BACKWARDS == ("matched", "dropin")
+
+
+def test_fp8_products_and_labels() -> None:
+    fp8_pv = AttentionPrecision(pv="fp8")
+    assert fp8_pv.fp8_products == ("pv",) and fp8_pv.int8_products == ("qk", "dv", "ds")
+    assert fp8_pv.short_name == "sagebwd:int8=qk,dv,ds;fp8=pv;smooth_k"
+    assert AttentionPrecision.all_fp8().fp8_products == PRODUCTS
+    assert AttentionPrecision.all_fp8().short_name == "sagebwd:int8=none;fp8=qk,pv,dv,dp,ds;smooth_k"
+    # Labels without an FP8 product are unchanged (checkpoints and result files carry them).
+    assert AttentionPrecision(ds="bf16").short_name == "sagebwd:int8=qk,pv,dv;smooth_k"
+    assert AttentionPrecision(mode="attn_qat", pv="fp8").fp8_products == ()
+    assert len({p.short_name for p in (fp8_pv, AttentionPrecision(ds="fp8"), AttentionPrecision())}) == 3
 
 
 def test_attn_qat_mode_labels_and_ignored_fields() -> None:
@@ -54,7 +66,9 @@ def test_attn_qat_mode_labels_and_ignored_fields() -> None:
         ({"mode": "fp8"}, ["mode", "'fp8'", "sagebwd"]),
         ({"mode": "attn-qat"}, ["mode", "'attn-qat'", "attn_qat"]),
         ({"mode": "attn_qat", "qat_backward": "drop-in"}, ["qat_backward", "'drop-in'", "'matched', 'dropin'"]),
-        ({"ds": "fp16"}, ["ds", "'fp16'", "'int8', 'bf16'"]),
+        ({"ds": "fp16"}, ["ds", "'fp16'", "'int8', 'fp8', 'bf16'"]),
+        ({"pv": "nvfp4"}, ["pv", "'nvfp4'", "mode='attn_qat'"]),
+        ({"dp": "e5m2"}, ["dp", "'e5m2'", "'fp8'"]),
         ({"qk": "INT8"}, ["qk", "'INT8'"]),
         ({"smooth_k": 1}, ["smooth_k", "1", "True or False"]),
     ],

@@ -14,6 +14,8 @@ from sage_lightning.kernels.reference import (
     MAX_EXACT_CONTRACTION,
     MAX_EXACT_CONTRACTION_INT32,
     exact_attention,
+    fp8_round,
+    quantize_fp8,
     quantize_int8,
     sage_attention_intermediates,
     sage_attention_reference,
@@ -86,6 +88,34 @@ def test_quantize_int8_properties(seed: int) -> None:
     assert (codes.abs().amax(dim=(-2, -1)).flatten()[1:] == 127).all()  # every non-zero block uses the range
     assert scale[0, 0].item() == 1.0 and not codes[0, 0].any()
     assert ((codes * scale - x).abs() <= scale / 2 * (1 + 1e-6)).all()  # round to nearest
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_quantize_fp8_properties(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 4, 16, 32, generator=g) * 10 ** torch.empty(3, 4, 1, 1).uniform_(-3, 3, generator=g)
+    x[0, 0] = 0.0  # an all-zero block
+    codes, scale = quantize_fp8(x, (-2, -1))
+    assert scale.shape == (3, 4, 1, 1)
+    assert torch.equal(codes, fp8_round(codes)) and codes.abs().max() <= 448  # e4m3 values, in range
+    assert (codes.abs().amax(dim=(-2, -1)).flatten()[1:] == 448).all()  # every non-zero block uses the range
+    assert scale[0, 0].item() == 1.0 and not codes[0, 0].any()
+    # Round to nearest: within half a step of e4m3 (3 mantissa bits: 2**-4 of the value, 2**-10 below 2**-6).
+    ratio = x / scale
+    assert ((codes - ratio).abs() <= torch.maximum(ratio.abs() * 2**-4, torch.tensor(2.0**-10)) * (1 + 1e-6)).all()
+    x[1, 1, 2, 3] = math.nan
+    codes, scale = quantize_fp8(x, (-2, -1))
+    assert not torch.isfinite(codes[1, 1] * scale[1, 1]).all() and torch.isfinite(codes[1, 0] * scale[1, 0]).all()
+
+
+def test_fp8_round_is_torchs_e4m3_cast_ties_to_even() -> None:
+    assert fp8_round(torch.tensor([1.0625, 1.1875, 300.0, 448.0, -0.0009765625 * 1.5])).tolist() == [
+        1.0,  # the tie 1 + 1/16 goes to the even neighbour 1.0
+        1.25,  # the tie 1 + 3/16 goes to 1.25 (even mantissa)
+        288.0,
+        448.0,
+        -0.001953125,  # a subnormal: 1.5 * 2**-10 = 0.75 * 2**-9 goes to the nearest multiple of 2**-9
+    ]
 
 
 def test_quantize_int8_keeps_non_finite_values_non_finite() -> None:
@@ -231,6 +261,9 @@ FORMULA_SETTINGS = {
     "ds_bf16": AttentionPrecision(ds="bf16", smooth_q=True),
     "only_dv": AttentionPrecision.all_bf16(dv="int8", smooth_k=False),
     "only_dp": AttentionPrecision.all_bf16(dp="int8"),
+    "all_fp8": AttentionPrecision.all_fp8(),
+    "fp8_pv_ds": AttentionPrecision(pv="fp8", ds="fp8", smooth_q=True),
+    "fp8_qk_dv_dp": AttentionPrecision(qk="fp8", dv="fp8", dp="fp8", smooth_k=False),
 }
 
 
@@ -264,7 +297,7 @@ def test_random_shapes_and_tiles_match_the_formula(seed: int) -> None:
     d = rnd.choice([8, 16, 24])
     block_m, block_n = rnd.choice([16, 32]), rnd.choice([8, 16, 32])
     causal = rnd.random() < 0.5
-    fields = {name: rnd.choice(["int8", "bf16"]) for name in ("qk", "pv", "dv", "dp", "ds")}
+    fields = {name: rnd.choice(["int8", "fp8", "bf16"]) for name in ("qk", "pv", "dv", "dp", "ds")}
     precision = AttentionPrecision(**fields, smooth_k=rnd.random() < 0.7, smooth_q=rnd.random() < 0.3)
     q, k, v, do = make_inputs(rnd.randint(1, 2), hq, hkv, n, nk, d, torch.float64, seed=seed)
     kwargs = {"is_causal": causal, "precision": precision, "block_m": block_m, "block_n": block_n}

@@ -22,13 +22,16 @@ from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import (
     MAX_PRODUCT_TERMS,
     backward_preprocess,
+    e4m3_round,
     int8_codes,
     int32_scaled,
     int32_to_f32,
+    quantize_channels_fp8,
     quantize_rows,
+    to_e4m3,
     transpose_rows,
 )
-from sage_lightning.kernels.reference import exact_attention, quantize_int8, sage_attention_reference
+from sage_lightning.kernels.reference import exact_attention, quantize_fp8, quantize_int8, sage_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -80,6 +83,17 @@ CASES = [
     pytest.param(1, 2, 2, 90, 90, 40, True, AttentionPrecision(), torch.bfloat16, id="head-dim-40"),
     pytest.param(1, 2, 2, 90, 90, 32, True, AttentionPrecision(), torch.float16, id="fp16"),
     pytest.param(1, 2, 1, 90, 90, 16, True, AttentionPrecision(smooth_q=True, ds="bf16"), torch.float32, id="fp32"),
+    # FP8 (e4m3): each product alone, the forward together, all five, and the format mixes a product can meet.
+    pytest.param(1, 2, 1, 130, 130, 32, True, AttentionPrecision(qk="fp8"), torch.bfloat16, id="fp8-qk"),
+    pytest.param(1, 3, 1, 100, 140, 32, False, AttentionPrecision(pv="fp8"), torch.bfloat16, id="fp8-pv-mqa"),
+    pytest.param(1, 2, 2, 100, 100, 32, True, AttentionPrecision(dv="fp8"), torch.bfloat16, id="fp8-dv"),
+    pytest.param(1, 2, 1, 100, 80, 32, False, AttentionPrecision(dp="fp8"), torch.bfloat16, id="fp8-dp"),
+    pytest.param(1, 2, 1, 140, 60, 16, True, AttentionPrecision(ds="fp8"), torch.bfloat16, id="fp8-ds"),
+    pytest.param(2, 4, 2, 70, 70, 32, True, AttentionPrecision.all_fp8(), torch.bfloat16, id="fp8-all-gqa"),
+    pytest.param(1, 2, 1, 100, 80, 32, True, AttentionPrecision.all_fp8(smooth_q=True), torch.float16, id="fp8-fp16"),
+    pytest.param(1, 2, 1, 90, 90, 32, False, AttentionPrecision(qk="fp8", ds="int8"), torch.bfloat16, id="fp8-int8"),
+    pytest.param(1, 2, 1, 90, 90, 32, False, AttentionPrecision(qk="fp8", ds="bf16"), torch.bfloat16, id="fp8-bf16"),
+    pytest.param(1, 2, 1, 90, 90, 16, True, AttentionPrecision.all_fp8(), torch.float32, id="fp8-fp32"),
 ]
 
 
@@ -107,21 +121,25 @@ def test_results_are_quantized_not_exact():
     q, k, v, do = _inputs((1, 2, 100, 32), (1, 2, 100, 32), torch.bfloat16, seed=3)
     int8 = _run(sage_attention_triton, q, k, v, do, precision=AttentionPrecision())
     bf16 = _run(sage_attention_triton, q, k, v, do, precision=AttentionPrecision.all_bf16())
+    fp8 = _run(sage_attention_triton, q, k, v, do, precision=AttentionPrecision.all_fp8())
     assert rel_l2(int8[0], bf16[0]) > 3e-3
     assert rel_l2(int8[2][0], bf16[2][0]) > 1e-2
+    assert rel_l2(fp8[0], bf16[0]) > 3e-3 and rel_l2(fp8[0], int8[0]) > 3e-3
+    assert rel_l2(fp8[2][0], bf16[2][0]) > 1e-2
 
 
-@pytest.mark.parametrize("int8", [True, False])
-def test_quantize_rows_matches_reference_quantizer(int8):
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+def test_quantize_rows_matches_reference_quantizer(fmt):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(2, 3, 100, 24, generator=gen) * 3).to(DEVICE, torch.bfloat16)
     x[0, 0, 5, :4] = torch.tensor([0.5, 1.5, -2.5, 127.0])  # ties: half to even
     mean = x.float().mean(dim=2)
-    op, scale, _ = quantize_rows(x, 64, int8=int8, mean=mean)
+    op, scale, _ = quantize_rows(x, 64, fmt=fmt, mean=mean)
     padded = torch.nn.functional.pad(x.float() - mean[:, :, None], (0, 0, 0, 28)).reshape(2, 3, 2, 64, 24)
-    if int8:
-        codes, ref_scale = quantize_int8(padded, (-2, -1))
-        assert op.dtype == torch.int8
+    if fmt != "bf16":
+        quantize, dtype = (quantize_int8, torch.int8) if fmt == "int8" else (quantize_fp8, torch.float8_e4m3fn)
+        codes, ref_scale = quantize(padded, (-2, -1))
+        assert op.dtype == dtype
         assert torch.equal(op.float(), codes.reshape(2, 3, 128, 24)[:, :, :100])
         assert torch.equal(scale, ref_scale.reshape(2, 3, 2))
     else:
@@ -130,9 +148,48 @@ def test_quantize_rows_matches_reference_quantizer(int8):
         assert torch.equal(scale, torch.ones_like(scale))
 
 
+def test_quantize_channels_fp8_matches_the_reference():
+    """V for an FP8 ``P V``: one scale per channel over all keys, the codes stored [D, N]."""
+    gen = torch.Generator().manual_seed(2)
+    v = (torch.randn(2, 3, 100, 24, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    v[1, 2, :, 7] = 0  # an all-zero channel: scale 1, codes 0
+    codes_t, scale = quantize_channels_fp8(v)
+    ref_codes, ref_scale = quantize_fp8(v.float(), (2,))
+    assert codes_t.dtype == torch.float8_e4m3fn and codes_t.shape == (2, 3, 24, 100) and codes_t.is_contiguous()
+    assert torch.equal(codes_t.float(), ref_codes.transpose(2, 3))
+    assert torch.equal(scale, ref_scale[:, :, 0]) and scale[1, 2, 7] == 1
+
+
+@triton.jit
+def _e4m3_kernel(X, Y, EXACT: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    x = tl.load(X + offs)
+    if EXACT:
+        tl.store(Y + offs, e4m3_round(x))
+    else:
+        tl.store(Y + offs, to_e4m3(x).to(tl.float32))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_e4m3_rounding_is_round_to_nearest_even(exact):
+    """Every e4m3 value, the midpoints between neighbours (ties go to the even code), values just either side of
+    each midpoint and random values of every binade, against PyTorch's cast; on the GPU ``to_e4m3`` is the
+    conversion instruction, in the interpreter it rounds first (the interpreter's own cast drops carries)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = codes[codes.isfinite()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, mid.nextafter(torch.tensor(math.inf)), mid.nextafter(torch.tensor(-math.inf))])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([x, torch.exp2(torch.rand(4096, generator=gen) * 18 - 9.5) * torch.randn(4096, generator=gen).sign()])
+    x = torch.cat([x, -x, torch.zeros(1024 - (2 * x.numel()) % 1024)]).clamp(-448, 448).to(DEVICE)
+    y = torch.empty_like(x)
+    _e4m3_kernel[(x.numel() // 1024,)](x, y, EXACT=exact)
+    assert torch.equal(y, x.to(torch.float8_e4m3fn).float())
+
+
 def test_quantize_rows_block_mean_is_mean_of_valid_rows():
     x = torch.randn(1, 1, 100, 16).to(DEVICE)
-    op, _, means = quantize_rows(x, 64, int8=False, block_mean=True)
+    op, _, means = quantize_rows(x, 64, fmt="bf16", block_mean=True)
     assert torch.allclose(means[0, 0, 0], x[0, 0, :64].mean(0), atol=1e-6)
     assert torch.allclose(means[0, 0, 1], x[0, 0, 64:].mean(0), atol=1e-6)  # 36 valid rows, not 64
     assert torch.allclose(op[0, 0, 64:], x[0, 0, 64:] - means[0, 0, 1], atol=1e-6)
@@ -141,10 +198,10 @@ def test_quantize_rows_block_mean_is_mean_of_valid_rows():
 def test_quantizer_edge_cases():
     x = torch.zeros(1, 1, 64, 16, device=DEVICE)
     x[0, 0, 1, 1] = 1.4e-45  # the smallest subnormal: max / 127 underflows to 0, which must become scale 1
-    op, scale, _ = quantize_rows(x, 32, int8=True)
+    op, scale, _ = quantize_rows(x, 32, fmt="int8")
     assert torch.equal(scale, torch.ones_like(scale)) and not op.any()
     x[0, 0, 40, 3] = float("nan")
-    _, scale, _ = quantize_rows(x, 32, int8=True)
+    _, scale, _ = quantize_rows(x, 32, fmt="int8")
     assert scale[0, 0, 0] == 1 and scale[0, 0, 1].isnan()  # a NaN poisons its own block's scale only
 
 
@@ -185,15 +242,16 @@ def test_transpose_rows(seq, head_dim):
     assert torch.equal(transpose_rows(x), x.transpose(-1, -2))
 
 
+@pytest.mark.parametrize("precision", [AttentionPrecision(), AttentionPrecision.all_fp8()], ids=["int8", "fp8"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_non_finite_input_gives_non_finite_output(where):
+def test_non_finite_input_gives_non_finite_output(where, precision):
     q, k, v, do = _inputs((1, 2, 80, 16), (1, 2, 80, 16), torch.bfloat16, seed=4)
     poisoned = {"q": q, "k": k, "v": v}[where].detach().clone()
     poisoned[0, 0, 3, 5] = float("nan")
     args = {"q": q, "k": k, "v": v}
     args[where] = poisoned.requires_grad_()
     stats = torch.zeros(2, device=DEVICE)
-    out, _ = sage_attention_triton(args["q"], args["k"], args["v"], stats=stats)
+    out, _ = sage_attention_triton(args["q"], args["k"], args["v"], stats=stats, precision=precision)
     assert not out.isfinite().all()
     grads = torch.autograd.grad(out, tuple(args.values()), do)
     assert not all(g.isfinite().all() for g in grads)
@@ -366,15 +424,15 @@ def test_o_comes_back_in_the_callers_layout():
         assert torch.equal(g_s, g)
     # The fakes: the forward's O as q; the backward's gradients contiguous, as the kernels write them.
     prec = AttentionPrecision()
-    args = (None, True, 32**-0.5, True, True, True, False, True, prec.smooth_k, False, 128, 64)
+    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64)
     do_s = _model_layout(do)
     with FakeTensorMode() as mode:
         fq, fk, fv, fdo = (mode.from_tensor(x) for x in (qs, ks, vs, do_s))
         fake = torch.ops.sage_lightning.sagebwd_forward(fq, fk, fv, *args)
         out, lse, q_op, q_scale, q_mean, k_op, k_scale = fake
         fgrads = torch.ops.sage_lightning.sagebwd_backward(
-            fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, True, True, False, True,
-            128, 64,
+            fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, "int8", "int8", "bf16",
+            "int8", 128, 64,
         )  # fmt: skip
     assert fake[0].stride() == out_s.stride()
     for f, g in zip(fgrads, grads_s, strict=True):

@@ -69,19 +69,22 @@ def hopper_forward_applies(
     qk_int8: bool,
     pv_int8: bool,
     scale: float,
+    pv_fp8: bool = False,
     block_m: int,
     block_n: int,
 ) -> bool:
     """Whether :func:`.forward.hopper_forward` serves this forward.
 
-    It serves INT8 ``QK`` and ``PV`` (the default precision, with or without Q-smoothing), head dims 64 and
+    It serves INT8 ``QK`` with INT8 or FP8 ``PV`` (with or without Q-smoothing), head dims 64 and
     128, key counts that are multiples of 16 (the transposed V^'s rows must be 16-byte aligned for the copy
     engine), a positive scale, Q blocks of a multiple of 128 rows and key tiles of 64 or 128, on a compute
     capability 9.0 GPU under a verified Triton (:data:`VERIFIED_TRITON`), unless :data:`ENV` says otherwise.
 
     Args:
         q_op, k_op: the quantized Q'^ ``[B, Hq, N, D]`` and K'^ ``[B, Hkv, Nk, D]``.
-        qk_int8, pv_int8, scale, block_m, block_n: as :func:`..forward.forward`.
+        qk_int8, pv_int8, scale, block_m, block_n: whether ``qk`` and ``pv`` are INT8, and the rest as
+            :func:`..forward.forward`.
+        pv_fp8: whether ``pv`` is FP8.
 
     Example::
 
@@ -93,7 +96,7 @@ def hopper_forward_applies(
         return False
     return (
         qk_int8
-        and pv_int8
+        and (pv_int8 or pv_fp8)
         and q_op.shape[-1] in HEAD_DIMS
         and k_op.shape[2] % 16 == 0
         and scale > 0

@@ -15,6 +15,9 @@ instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
 * ``P^ V^``'s int32 product is converted and scaled by one fused multiply-add per element
   (:func:`..quant.int32_scaled`, which the portable kernels use too).
 
+With ``pv="fp8"`` (``PV_FMT``) P is coded ``e4m3(448 P~)`` against the running max and V^ per channel, so each tile's
+FP8 product adds into O's fp32 accumulator inside the tensor core: no int32 conversion and no per-tile scaling.
+
 The first changes no value beyond the last bit of fp32 arithmetic (a code can flip where ``127 * E`` sits
 within that of a rounding boundary, as with the portable loop's fast division); the agreement against the
 reference is checked by the same tests and bounds as the portable kernels (``benchmarks/gpu_verify.py``).
@@ -28,7 +31,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..forward import LOG2E, key_range, scores_tile, tile_mask
-from ..quant import _INTERPRETED, _ROUNDER, _ROUNDER_BITS, dot_precision, int32_scaled, seq_bucket, to_dtype
+from ..quant import (
+    _INTERPRETED,
+    _ROUNDER,
+    _ROUNDER_BITS,
+    FP8_MAX,
+    dot_precision,
+    int32_scaled,
+    seq_bucket,
+    to_dtype,
+    to_e4m3,
+)
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.
@@ -57,7 +70,17 @@ def _configs() -> list[triton.Config]:
 
 @triton.autotune(
     configs=_configs(),
-    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "SMOOTH_Q", "Q_BLOCK", "BLOCK_N", "DOT_PRECISION"],
+    key=[
+        "HEAD_DIM",
+        "SEQ_BUCKET",
+        "HEADS_BUCKET",
+        "CAUSAL",
+        "SMOOTH_Q",
+        "Q_BLOCK",
+        "BLOCK_N",
+        "PV_FMT",
+        "DOT_PRECISION",
+    ],
 )
 @triton.jit
 def _hopper_forward_kernel(
@@ -83,6 +106,7 @@ def _hopper_forward_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
+    PV_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     if CAUSAL:
@@ -118,7 +142,7 @@ def _hopper_forward_kernel(
         if SMOOTH_Q:
             x, _ = scores_tile(
                 q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale,
-                CAUSAL, True, True, DOT_PRECISION, False,
+                CAUSAL, "int8", True, DOT_PRECISION, False,
             )  # fmt: skip
             a = 1.0
         else:
@@ -129,19 +153,30 @@ def _hopper_forward_kernel(
         tile_max = tl.max(x, axis=1) * a
         m_new = tl.maximum(m_i, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        t_safe = tl.where(tile_max == float("-inf"), 0.0, tile_max)
-        # E = P~ / rowmax(P~) of this tile, in [0, 1]: the codes are 127 * E, the sum is E's times exp2(t - m).
-        e = tl.math.exp2(x * a - t_safe[:, None])
-        beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
         alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(e, axis=1) * beta
-        codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
         vt = desc_vt.load([kv_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
-        v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
-        # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
-        acc = acc * alpha[:, None] + int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])
+        if PV_FMT == "fp8":
+            # P~ = exp2(S - m) against the running max, in [0, 1]: codes e4m3(448 P~) with one scale for every tile,
+            # and V^ has one scale per channel, so the tensor core adds the product into O in fp32 as it is.
+            p = tl.math.exp2(x * a - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(to_e4m3(p * FP8_MAX), tl.trans(vt), acc * alpha[:, None])
+        else:
+            t_safe = tl.where(tile_max == float("-inf"), 0.0, tile_max)
+            # E = P~ / rowmax(P~) of this tile, in [0, 1]: the codes are 127 * E, the sum is E's times exp2(t - m).
+            e = tl.math.exp2(x * a - t_safe[:, None])
+            beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
+            l_i = l_i * alpha + tl.sum(e, axis=1) * beta
+            codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
+            v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+            # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
+            pv = int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
     out = acc / l_i[:, None]
+    if PV_FMT == "fp8":
+        # V's per-channel scales and P's 1 / 448.
+        out = out * (tl.load(V_SCALE + kv_bh * HEAD_DIM + cols) / FP8_MAX)[None, :]
     out = to_dtype(out, desc_o.dtype, DOT_PRECISION)
     # O over its [B, H, N, D] strides (the caller's layout, e.g. [B, N, H, D] memory).
     desc_o.store([b, pid_bh % HEADS, pid_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
@@ -162,15 +197,19 @@ def hopper_forward(
     scale: float,
     block_m: int,
     block_n: int,
+    pv: str = "int8",
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward on Hopper, for INT8 ``QK`` and ``PV`` (what :func:`..forward.forward` takes, in its layouts).
+    """The forward on Hopper, for INT8 ``QK`` and INT8 or FP8 ``PV`` (what :func:`..forward.forward` takes, in its
+    layouts).
 
     Args:
         q_op, q_scale, q_mean, k_op, k_scale: as :func:`..forward.forward`.
-        v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` int8 and its scales ``[B, Hkv, Nk / block_n]``.
+        v_op, v_scale: V^ ``[B, Hkv, D, Nk]``: int8 with scales ``[B, Hkv, Nk / block_n]``, or for ``pv="fp8"`` e4m3
+            with one scale per channel ``[B, Hkv, D]`` (:func:`..quant.quantize_channels_fp8`).
         out_dtype, is_causal, scale, block_m, block_n: as :func:`..forward.forward`; ``block_m`` is the Q
             quantization block (programs take 128 or 64 of its rows), ``block_n`` the key tile.
+        pv: the format of ``P V``, ``"int8"`` or ``"fp8"``.
         out: where O is written, as :func:`..forward.forward` takes it (its strides must suit a TMA descriptor:
             :func:`..quant.output_like` makes such a tensor).
 
@@ -219,6 +258,7 @@ def hopper_forward(
         BLOCK_N=block_n,
         CAUSAL=is_causal,
         SMOOTH_Q=q_mean is not None,
+        PV_FMT=pv,
         DOT_PRECISION=dot_precision(out_dtype),
     )
     return out, lse
