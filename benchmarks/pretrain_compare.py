@@ -19,10 +19,13 @@ into ``--out-dir`` (default ``$OUT`` when set, else ``benchmarks/results``).
 
 Runs that differ in more than the attention go in ``--runs`` instead, one ``ATTENTION[:KEY=VALUE,...]`` each:
 ``controller=on|off`` (``AdaptivePrecision`` attached or not; default: as the config says), ``seed=N``,
-``smooth_k=on|off`` and ``smooth_q=on|off`` (SageBwd's K- and Q-smoothing, for ``sage``), ``sdpa=BACKEND`` (the
-backend of PyTorch's SDPA, which ``full`` layers call: ``default``, ``cudnn``, ``flash``, ``efficient``, ``math``)
-and ``name=NAME`` (the run's name in the files; made from the other keys when left out). ``--sdpa-backend``
-sets the SDPA backend of every run.
+``smooth_k=on|off`` and ``smooth_q=on|off`` (SageBwd's K- and Q-smoothing, for ``sage`` and the ``sage_fp8*``
+settings), ``sdpa=BACKEND`` (the backend of PyTorch's SDPA, which ``full`` layers call: ``default``, ``cudnn``,
+``flash``, ``efficient``, ``math``) and ``name=NAME`` (the run's name in the files; made from the other keys when
+left out). ``--sdpa-backend`` sets the SDPA backend of every run. ``ATTENTION`` is a key of ``examples/pretrain.py``'s
+``ATTENTION_MODES``: ``sage``, ``sage_fp8_pv``, ``sage_fp8_ds``, ``sage_fp8_pv_ds``, ``sage_fp8`` (SageBwd with
+``pv``, ``ds``, both, or every product in FP8), ``attn_qat``, ``attn_qat_dropin``, ``full``; e.g.
+``sage_fp8_pv:controller=off``.
 
 ``--matrix evidence`` runs issue #7's whole matrix (:func:`evidence_groups`): full precision with two seeds,
 SageBwd fixed and SageBwd with the controller, at a large and a small number of tokens per step, with and
@@ -48,7 +51,7 @@ Rows (one per ``trainer.log_every_n_steps`` optimizer steps and run): ``run`` (t
 of the per-step training losses in the window), ``tokens_per_s`` (the window's, validation excluded),
 ``val_loss`` at the steps that ran validation, ``seconds`` (the window's training wall time) and, on a GPU,
 ``peak_mem_mb`` (the run's peak memory, as speed rows carry it). The header's ``summary`` has one entry per run
-(steady tokens/s, peak memory, the controller's share of layer-steps on INT8, skipped steps, rollbacks, an
+(steady tokens/s, peak memory, the controller's share of layer-steps on INT8 or FP8, skipped steps, rollbacks, an
 ``error`` where the run failed), ``decisions`` each run's decisions as text and ``decision_log`` the same as
 records (``step``, ``layer``, ``lever``, ``old``, ``new``, ``reason``).
 
@@ -167,7 +170,8 @@ class RunSpec:
 
     Attributes:
         name: the run's name in the result files and TensorBoard (letters, digits, ``.``, ``_``, ``+``, ``-``).
-        attention: ``LlamaPretraining``'s ``attention`` (``sage``, ``full``, ``attn_qat``, ``attn_qat_dropin``).
+        attention: ``LlamaPretraining``'s ``attention``, a key of ``ATTENTION_MODES`` (``sage``, ``sage_fp8_pv``,
+            ``sage_fp8_ds``, ``sage_fp8_pv_ds``, ``sage_fp8``, ``attn_qat``, ``attn_qat_dropin``, ``full``).
         controller: ``AdaptivePrecision`` attached (``True``), not (``False``), or as the config says (``None``).
         seed: ``seed_everything``'s seed (initial weights and data order); the config's when ``None``.
         smooth_k: SageBwd's K-smoothing; the attention's default when ``None``.
@@ -385,8 +389,11 @@ def parse_run(text: str) -> RunSpec:
             if value.lower() not in _SWITCH:
                 raise ValueError(f"--runs {text!r}: {key} must be on or off; received {value!r}.")
             fields[key] = _SWITCH[value.lower()]
-    if attention != "sage" and (fields.get("smooth_k") is not None or fields.get("smooth_q") is not None):
-        raise ValueError(f"--runs {text!r}: smooth_k and smooth_q are SageBwd's; give them to sage runs only.")
+    sagebwd = [name for name, precision in ATTENTION_MODES.items() if precision.mode == "sagebwd"]
+    if attention not in sagebwd and (fields.get("smooth_k") is not None or fields.get("smooth_q") is not None):
+        raise ValueError(
+            f"--runs {text!r}: smooth_k and smooth_q are SageBwd's; give them to {', '.join(sagebwd)} runs only."
+        )
     name = fields.pop("name", None) or run_name(attention, **fields)
     return RunSpec(name=name, attention=attention, **fields)
 

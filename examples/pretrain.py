@@ -62,6 +62,12 @@ from llama import Llama, LlamaConfig  # noqa: E402
 #: ``attention`` -> the starting precision of every attention layer.
 ATTENTION_MODES: dict[str, AttentionPrecision] = {
     "sage": AttentionPrecision(),
+    # SageBwd with some products in FP8 (e4m3, a scale max|X| / 448 per block) instead of INT8, everything else as
+    # "sage" (dp bf16, K-smoothing); "sage_fp8" runs all five in FP8, dp included.
+    "sage_fp8_pv": AttentionPrecision(pv="fp8"),
+    "sage_fp8_ds": AttentionPrecision(ds="fp8"),
+    "sage_fp8_pv_ds": AttentionPrecision(pv="fp8", ds="fp8"),
+    "sage_fp8": AttentionPrecision.all_fp8(),
     "attn_qat": AttentionPrecision(mode="attn_qat"),
     # Attn-QAT's "drop-in" variant: the FP4 forward with a plain backward (no matching recomputation), which the
     # Attn-QAT paper reports as unstable; here for the comparison.
@@ -86,8 +92,11 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
     Args:
         config: the model's shape (:class:`llama.LlamaConfig`). The command line links
             ``vocab_size`` to the data's tokenizer and ``max_seq_len`` to the data's ``seq_len``.
-        attention: ``"sage"`` (SageBwd, INT8), ``"attn_qat"`` (simulated NVFP4), ``"attn_qat_dropin"`` (its FP4
-            forward with a plain backward) or ``"full"`` (full precision).
+        attention: ``"sage"`` (SageBwd, INT8), ``"sage_fp8_pv"``, ``"sage_fp8_ds"``, ``"sage_fp8_pv_ds"``
+            (SageBwd with ``O = P V``, the score gradient's products, or both in FP8 e4m3), ``"sage_fp8"`` (every
+            product in FP8, ``AttentionPrecision.all_fp8()``), ``"attn_qat"`` (simulated NVFP4),
+            ``"attn_qat_dropin"`` (its FP4 forward with a plain backward) or ``"full"`` (full precision);
+            :data:`ATTENTION_MODES` maps each to its precision.
         lr: peak learning rate.
         min_lr_ratio: the learning rate at the last step, as a share of ``lr``.
         warmup_steps: optimizer steps of linear warmup from zero.

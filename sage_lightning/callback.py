@@ -290,8 +290,9 @@ class AdaptivePrecision(Callback):
     @property
     def int8_fraction(self) -> float:
         """Share of layer-steps so far that ran low-bit: their layer's base precision is SageBwd (or Attn-QAT)
-        and every product it runs in INT8 still did. A layer whose base precision is full counts as not low-bit
-        (a run that starts in ``mode="full"`` shows 0). 1 before the first step."""
+        and every product it runs in INT8 or FP8 still did, in that format. A layer whose base precision is full,
+        or SageBwd with every product in bf16, counts as not low-bit (a run that starts in ``mode="full"`` shows
+        0). 1 before the first step. (Named for INT8, the default; FP8 products count the same.)"""
         return self._int8_layer_steps / self._layer_steps if self._layer_steps else 1.0
 
     @property
@@ -778,14 +779,19 @@ class AdaptivePrecision(Callback):
                 layer.precision = wanted
 
     def _on_fast_path(self, name: str) -> bool:
-        """Whether the layer runs its base precision's mode with every base INT8 product still in INT8 (an
-        attn_qat layer has no INT8 products: it is on its fast path while still in attn_qat mode)."""
+        """Whether the layer runs its base precision's mode with every low-bit product of its base (INT8 or FP8)
+        still in that format (an attn_qat layer has no low-bit products: it is on its fast path while still in
+        attn_qat mode). A base with FP8 products is on its fast path while they run FP8, not only its INT8 ones."""
         base, now = self._bases[name], self._layers[name].precision
-        return now.mode == base.mode and set(base.int8_products) <= set(now.int8_products)
+        low_bit = (*base.int8_products, *base.fp8_products)
+        return now.mode == base.mode and all(getattr(now, product) == getattr(base, product) for product in low_bit)
 
     def _runs_low_bit(self, name: str) -> bool:
-        """Whether the layer runs low-bit now: a base precision with low-bit work, still on its fast path."""
-        return self._bases[name].mode != "full" and self._on_fast_path(name)
+        """Whether the layer runs low-bit now: a base precision with low-bit work (attn_qat, or SageBwd with an INT8
+        or FP8 product), still on its fast path."""
+        base = self._bases[name]
+        has_low_bit = base.mode == "attn_qat" or bool(base.int8_products or base.fp8_products)
+        return has_low_bit and self._on_fast_path(name)
 
     # ---------------------------------------------------------------------------------------------- logging
 

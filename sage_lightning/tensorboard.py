@@ -9,8 +9,10 @@ Tags, all under ``sage/``:
 
 * per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
   ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
-  ``sage/level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``);
-* global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction``,
+  ``sage/level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder, not a
+  number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0 too);
+* global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction`` (the share of layer-steps on their
+  base's low-bit products, INT8 or FP8: :attr:`~sage_lightning.AdaptivePrecision.int8_fraction`),
   ``sage/accumulate_grad_batches``, ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
   ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
   ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``, ``sage/rollbacks_without_progress``
@@ -57,7 +59,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
     return {
         "sage: precision": {
             "level per layer (0 = base)": ["Multiline", [r"sage/level/.*"]],
-            "share of layer-steps on INT8": ["Multiline", [r"sage/int8_fraction"]],
+            "share of layer-steps on INT8/FP8": ["Multiline", [r"sage/int8_fraction"]],
         },
         "sage: signals": {
             "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],

@@ -448,13 +448,54 @@ def test_by_default_the_check_waits_only_for_optimizers_that_cannot_skip_on_the_
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_a_run_that_starts_in_full_precision_shows_no_int8_share(tmp_path) -> None:
-    """Layers whose base precision is full ran no INT8: the share is 0, not the vacuous 1 of "every INT8 product
-    of the base still in INT8"."""
+@pytest.mark.parametrize("precision", [AttentionPrecision(mode="full"), AttentionPrecision.all_bf16()])
+def test_a_run_that_starts_in_full_precision_shows_no_int8_share(tmp_path, precision: AttentionPrecision) -> None:
+    """Layers whose base precision is full (or SageBwd with every product in bf16) ran no INT8: the share is 0, not
+    the vacuous 1 of "every INT8 product of the base still in INT8"."""
     controller = AdaptivePrecision(PolicyConfig(ds_stats_every_n_steps=1000, probe_every_n_steps=1000), verbose=False)
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller])
-    trainer.fit(TinyLM(precision=AttentionPrecision(mode="full")), token_loader(3))
+    trainer.fit(TinyLM(precision=precision), token_loader(3))
     assert controller.int8_fraction == 0.0
+
+
+def test_an_fp8_base_is_its_fast_path_until_escalated_and_its_checkpoint_loads_back(tmp_path) -> None:
+    """A base with FP8 products counts as low-bit while they run FP8; its dS goes FP8 -> bf16 on a dS trigger (the
+    share then drops as for INT8); the precisions, FP8 included, come back identically from the checkpoint."""
+    torch.manual_seed(0)
+    base = AttentionPrecision(pv="fp8", ds="fp8")
+    config = PolicyConfig(
+        ds_stats_every_n_steps=2, probe_every_n_steps=1000, ds_rel_err_high=0.01, ds_rel_err_low=0.005
+    )
+    controller = AdaptivePrecision(config, verbose=False)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_last=True)
+    trainer = L.Trainer(
+        **trainer_kwargs(tmp_path, max_steps=6, enable_checkpointing=True), callbacks=[controller, checkpoints]
+    )
+    model = TinyLM(precision=base)
+    trainer.fit(model, token_loader(6))
+
+    escalated = base.replace(ds="bf16")
+    assert [(d.step, d.layer, d.old, d.new) for d in controller.history] == [
+        (2, name, base.short_name, escalated.short_name) for name in LAYERS
+    ]
+    assert controller.precisions() == dict.fromkeys(LAYERS, escalated)
+    # 2 layers x 3 steps with pv and dS in FP8 (the base: its fast path), then 2 x 3 with dS in bf16.
+    assert controller.int8_fraction == pytest.approx(0.5)
+
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    (state,) = [value for key, value in saved["callbacks"].items() if key.startswith("AdaptivePrecision")]
+    assert state["bases"] == dict.fromkeys(LAYERS, dataclasses.asdict(base))
+    assert saved["sage_attention"]["configured"] == dataclasses.asdict(base)
+    restored = TinyLM(precision=base)
+    restored.configure_model()
+    restored.on_load_checkpoint(saved)
+    assert {n: layer.precision for n, layer in attention_layers(restored).items()} == dict.fromkeys(LAYERS, escalated)
+    # Resumed: the same bases, paths and counters; two more steps with dS in bf16.
+    resumed = AdaptivePrecision(config, verbose=False)
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=8), callbacks=[resumed])
+    trainer.fit(TinyLM(precision=base), token_loader(8), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    assert resumed.precisions() == dict.fromkeys(LAYERS, escalated)
+    assert resumed.history == controller.history and resumed.int8_fraction == pytest.approx(6 / 16)
 
 
 class PackageHostReads(Callback):

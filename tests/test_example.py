@@ -128,8 +128,28 @@ def test_full_precision_switch_changes_the_attention_and_nothing_else() -> None:
         assert torch.equal(full(ids), reference)  # the full layers call PyTorch's SDPA as the plain model does
         difference = (sage(ids) - reference).abs().max().item()
     assert 0 < difference < 0.05  # INT8 attention: close, not equal
-    with pytest.raises(ValueError, match="attention must be one of 'sage', 'attn_qat', .*'full'; received 'fp32'"):
+    with pytest.raises(ValueError, match="attention must be one of 'sage', 'sage_fp8_pv', .*'full'; received 'fp32'"):
         LlamaPretraining(TINY, attention="fp32")
+
+
+@pytest.mark.parametrize(
+    ("attention", "fp8"),
+    [
+        ("sage_fp8_pv", ("pv",)),
+        ("sage_fp8_ds", ("ds",)),
+        ("sage_fp8_pv_ds", ("pv", "ds")),
+        ("sage_fp8", ("qk", "pv", "dv", "dp", "ds")),
+    ],
+)
+def test_fp8_attention_choices_start_every_layer_in_their_formats(attention: str, fp8: tuple[str, ...]) -> None:
+    module = LlamaPretraining(TINY, attention=attention)
+    module.configure_model()
+    precisions = {layer.precision for layer in attention_layers(module).values()}
+    assert precisions == {module.sage_precision}
+    (precision,) = precisions
+    assert precision.mode == "sagebwd" and precision.fp8_products == fp8 and precision.smooth_k
+    assert set(precision.int8_products) == {"qk", "pv", "dv", "ds"} - set(fp8)  # the rest as "sage" (dp in bf16)
+    assert module.hparams["attention"] == attention
 
 
 def test_learning_rate_schedule() -> None:
@@ -150,7 +170,7 @@ def corpus_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("attention", ["sage", "full"])
+@pytest.mark.parametrize("attention", ["sage", "full", "sage_fp8_pv_ds"])
 def test_training_with_the_controller_and_the_throughput_log(
     attention: str, corpus_folder: Path, tmp_path: Path
 ) -> None:
@@ -185,6 +205,10 @@ def test_training_with_the_controller_and_the_throughput_log(
         assert {p.mode for p in controller.precisions().values()} == {"full"}
     else:
         assert any(d.lever == "precision" for d in controller.history)
+    if attention == "sage_fp8_pv_ds":
+        # A dS error over the threshold raises an FP8 dS to bf16 as it does an INT8 one; pv stays in FP8.
+        assert {p.ds for p in controller.precisions().values()} == {"bf16"}
+        assert {p.pv for p in controller.precisions().values()} == {"fp8"}
 
 
 def test_the_progress_bar_reads_in_80_columns(corpus_folder: Path, tmp_path: Path) -> None:
@@ -352,6 +376,27 @@ def test_command_line_switches(tmp_path: Path, corpus_folder: Path, monkeypatch:
     assert not any(isinstance(cb, AdaptivePrecision) for cb in cli.trainer.callbacks)
     assert any(isinstance(cb, TokensPerSecond) for cb in cli.trainer.callbacks)
     assert cli.trainer.global_step == 2
+
+    cli = main(["fit", *common, "--model.attention=sage_fp8", "--adaptive_precision=null"])
+    assert cli.model.attention == "sage_fp8" and cli.trainer.global_step == 2
+    assert [layer.precision.fp8_products for layer in attention_layers(cli.model).values()] == [
+        ("qk", "pv", "dv", "dp", "ds")
+    ]
+
+
+def test_command_line_refuses_an_unknown_attention(
+    tmp_path: Path, corpus_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(_cli_args(tmp_path / "out", corpus_folder, "--model.attention=sage_fp4"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "LlamaPretraining: attention must be one of 'sage', 'sage_fp8_pv', 'sage_fp8_ds'" in err
+    assert "'sage_fp8'" in err and "received 'sage_fp4'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "llama-325m"])

@@ -128,6 +128,78 @@ def test_layers_are_decided_independently() -> None:
     assert policy.precisions() == {NAMES[0]: BASE, NAMES[1]: DS_BF16, NAMES[2]: BASE}
 
 
+# ------------------------------------------------------------------------------------------- FP8 products
+
+
+FP8_DS = BASE.replace(ds="fp8")
+FP8_PV = BASE.replace(pv="fp8")
+#: The default ladder with a rung for O = P V tried first for the forward.
+PV_LADDER = (Rung("pv_bf16", {"pv": "bf16"}, scope="forward", fixes=("forward",)), *PolicyConfig().ladder)
+
+
+@pytest.mark.parametrize("base", [FP8_DS, AttentionPrecision.all_fp8()], ids=["fp8_ds", "all_fp8"])
+def test_an_fp8_ds_escalates_to_bf16_like_an_int8_one(base: AttentionPrecision) -> None:
+    policy = make(base=base)
+    assert policy.decide(signals(0, l0=LayerSignals(ds_rel_err=0.3))).decisions == ()
+    (decision,) = policy.decide(signals(10, l0=LayerSignals(ds_rel_err=0.3))).decisions
+    assert policy.precision(NAMES[0]) == base.replace(ds="bf16") and policy.rung(NAMES[0]) == "ds_bf16"
+    assert (decision.old, decision.new) == (base.short_name, base.replace(ds="bf16").short_name)
+    assert "ds" in base.fp8_products and "ds" not in policy.precision(NAMES[0]).fp8_products
+    assert policy.decide(signals(20, l0=LayerSignals(ds_rel_err=0.5))).decisions == ()  # dS runs bf16: moot
+
+
+@pytest.mark.parametrize(
+    ("measured", "rung", "reason"),
+    [
+        ({"probe": probe(dk=0.9), "ds_rel_err": 0.3}, "ds_bf16", "which dS's FP8 error explains"),
+        ({"probe": probe(dk=0.9), "ds_rel_err": 0.02}, "smooth_q", "beyond dS's FP8 error"),
+    ],
+)
+def test_the_probe_blames_an_fp8_ds_as_it_does_an_int8_one(measured: dict, rung: str, reason: str) -> None:
+    policy = make(base=FP8_DS)
+    (decision,) = policy.decide(signals(0, l0=LayerSignals(**measured))).decisions
+    assert policy.rung(NAMES[0]) == rung and reason in decision.reason
+
+
+def test_an_fp8_qk_is_raised_by_the_forward_health_signal() -> None:
+    base = BASE.replace(qk="fp8")
+    policy = make(base=base)
+    policy.decide(signals(0, l0=LayerSignals(qk_rel_err=0.17)))
+    (decision,) = policy.decide(signals(1, l0=LayerSignals(qk_rel_err=0.17))).decisions
+    assert policy.precision(NAMES[0]) == base.replace(qk="bf16") and "its block's FP8 scale" in decision.reason
+
+
+@pytest.mark.parametrize("base", [FP8_PV, BASE], ids=["fp8_pv", "int8_pv"])
+def test_a_forward_trigger_raises_a_low_bit_pv_where_the_ladder_has_the_rung(base: AttentionPrecision) -> None:
+    policy = make(base=base, ladder=PV_LADDER)
+    (decision,) = policy.decide(signals(0, l0=LayerSignals(probe=probe(o=0.99)))).decisions
+    assert policy.rung(NAMES[0]) == "pv_bf16" and policy.precision(NAMES[0]) == base.replace(pv="bf16")
+    assert decision.new == base.replace(pv="bf16").short_name
+
+
+def test_a_pv_rung_is_passed_over_where_pv_already_runs_bf16() -> None:
+    policy = make(base=BASE.replace(pv="bf16"), ladder=PV_LADDER)
+    policy.decide(signals(0, l0=LayerSignals(probe=probe(o=0.99))))
+    assert policy.rung(NAMES[0]) == "smooth_q"
+
+
+def test_the_default_ladder_has_no_pv_rung_so_an_fp8_pv_forward_goes_smooth_q_qk_bf16_full() -> None:
+    policy = make(base=FP8_PV)
+    for step in range(3):
+        policy.decide(signals(step, l0=LayerSignals(probe=probe(o=0.99))))
+    assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["smooth_q", "qk_bf16", "full"]
+
+
+def test_a_divergence_no_layer_is_blamed_for_raises_fp8_ds_too() -> None:
+    policy = PrecisionPolicy(
+        {NAMES[0]: FP8_DS, NAMES[1]: BASE, NAMES[2]: DS_BF16.replace(pv="fp8")}, config=PolicyConfig(calm_steps=CALM)
+    )
+    outcome = policy.decide(signals(7, loss=NAN, grad_norm=NAN))
+    assert outcome.action == "rollback"
+    assert [policy.rung(name) for name in NAMES] == ["ds_bf16", "ds_bf16", "base"]  # the last has no low-bit dS
+    assert all("INT8 or FP8 dS" in d.reason for d in outcome.decisions[1:])
+
+
 # ------------------------------------------------------------------------------ stepping down: hysteresis, backoff
 
 

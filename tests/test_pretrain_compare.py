@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -133,6 +134,67 @@ def test_runs_name_what_sets_them_apart_and_refuse_bad_entries() -> None:
     ):
         with pytest.raises(ValueError, match=named):
             pretrain_compare.parse_run(text)
+
+
+def test_fp8_runs_parse_like_sage_and_bad_names_say_what_works() -> None:
+    assert pretrain_compare.parse_run("sage_fp8_pv:controller=off") == pretrain_compare.RunSpec(
+        name="sage_fp8_pv-fixed", attention="sage_fp8_pv", controller=False
+    )
+    # The sage_fp8* settings are SageBwd: its smoothing switches apply to them.
+    spec = pretrain_compare.parse_run("sage_fp8:smooth_k=off,smooth_q=on")
+    assert (spec.name, spec.smooth_k, spec.smooth_q) == ("sage_fp8-no-smooth-k-smooth-q", False, True)
+    args = pretrain_compare.parse_args(["--attention", "sage_fp8_ds", "sage_fp8_pv_ds", "full"])
+    assert [s.attention for s in pretrain_compare.run_specs(args)] == ["sage_fp8_ds", "sage_fp8_pv_ds", "full"]
+    with pytest.raises(
+        ValueError,
+        match=r"--runs 'sage_fp4:controller=off': the attention must be one of sage, "
+        r"sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8, .*full; received 'sage_fp4'",
+    ):
+        pretrain_compare.parse_run("sage_fp4:controller=off")
+    with pytest.raises(ValueError, match=r"--attention must be among sage, sage_fp8_pv, .*; received 'fp8'"):
+        pretrain_compare.run_specs(pretrain_compare.parse_args(["--attention", "sage", "fp8"]))
+    with pytest.raises(ValueError, match="give them to sage, sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8 runs"):
+        pretrain_compare.parse_run("attn_qat:smooth_q=on")
+
+
+def test_an_fp8_run_trains_and_records_its_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = pretrain_compare.main(
+        [
+            "--config",
+            str(REPO / "examples/configs/tiny.yaml"),
+            "--runs",
+            "sage_fp8_pv_ds:controller=on",
+            "--max-steps",
+            "3",
+            "--tag",
+            "fp8",
+            "--out-dir",
+            str(tmp_path),
+            "--set",
+            "data.max_bytes=300000",
+            "--set",
+            "model.config.n_layers=2",
+            "--set",
+            "trainer.log_every_n_steps=1",
+            "--set",
+            "trainer.limit_val_batches=0",
+            "--set",
+            "adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
+            "--set",
+            "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
+            "--set",
+            "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
+        ]
+    )
+    (summary,) = result["summary"]
+    assert summary["run"] == "sage_fp8_pv_ds-controller" and summary["attention"] == "sage_fp8_pv_ds"
+    assert not summary.get("error") and summary["steps"] == 3 and summary["fallback_calls"] == 0
+    assert summary["precision"] == "sagebwd:int8=qk,dv;fp8=pv,ds;smooth_k"
+    assert all(math.isfinite(row["train_loss"]) for row in result["rows"] if "train_loss" in row)
+    # The controller raised the FP8 dS to bf16 (a threshold below any error), pv stayed FP8: off the fast path.
+    assert set(summary["final_precisions"].values()) == {"sagebwd:int8=qk,dv;fp8=pv;smooth_k"}
+    assert summary["int8_fraction"] < 1
 
 
 @pytest.mark.parametrize(

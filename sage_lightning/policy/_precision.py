@@ -36,6 +36,9 @@ def _load():
     return importlib.import_module(_NAME)  # an unusual install: the ordinary import
 
 
-AttentionPrecision = _load().AttentionPrecision
+_module = _load()
+AttentionPrecision = _module.AttentionPrecision
+#: The 8-bit product formats (``"int8"``, ``"fp8"``): what the policy's rules raise to ``"bf16"``.
+LOW_BIT_FORMATS: tuple[str, ...] = _module.LOW_BIT_FORMATS
 
-__all__ = ["AttentionPrecision"]
+__all__ = ["LOW_BIT_FORMATS", "AttentionPrecision"]

@@ -32,13 +32,14 @@ class PolicyConfig:
         probe_every_n_steps: compare every layer with full-precision attention on one micro-batch of the
             optimizer steps that are a multiple of this.
         ds_rel_err_high: a layer whose ``ds_rel_err`` exceeds this, ``ds_rel_err_patience`` measurements in a
-            row while its dS runs in INT8, moves to the next backward rung.
+            row while its dS runs low-bit (INT8 or FP8), moves to the next backward rung. ``ds_rel_err`` is
+            INT8's error whatever dS runs in (the kernels measure it so), so for an FP8 dS it stands in for FP8's.
         ds_rel_err_low: a rung that changed ``ds`` is left (stepping down) only when the latest ``ds_rel_err``
             is below this (hysteresis: below ``ds_rel_err_high``).
         ds_rel_err_patience: consecutive measurements above ``ds_rel_err_high`` needed to escalate.
         qk_rel_err_high: a layer whose ``qk_rel_err`` (the INT8 error of the scores' operands, per row) exceeds
-            this, ``qk_rel_err_patience`` measurements in a row while its scores run in INT8, moves to the rung that
-            fixes ``"qk"`` (``qk_bf16``).
+            this, ``qk_rel_err_patience`` measurements in a row while its scores run low-bit (INT8 or FP8), moves to
+            the rung that fixes ``"qk"`` (``qk_bf16``). Measured for INT8 also when the scores run FP8.
         qk_rel_err_low: a rung that changed ``qk`` is left only when the latest ``qk_rel_err`` is below this.
         qk_rel_err_patience: consecutive measurements above ``qk_rel_err_high`` needed to escalate.
         probe_o_cos_min: a probe whose O cosine is below this implicates the forward (its next rung that fixes

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sage_lightning.detectors import SpikeDetector, SpikeReading
-from sage_lightning.policy._precision import AttentionPrecision
+from sage_lightning.policy._precision import LOW_BIT_FORMATS, AttentionPrecision
 from sage_lightning.policy.backoff import Backoff
 from sage_lightning.policy.config import PolicyConfig
 from sage_lightning.policy.tokens import TokensLever
@@ -380,11 +380,11 @@ class PrecisionPolicy:
             state = self._layers[name]
             current = self.precision(name)
             cause, reason = None, ""
-            if measured.ds_rel_err is not None and current.mode == "sagebwd" and current.ds == "int8":
+            if measured.ds_rel_err is not None and _low_bit(current, "ds"):
                 reason = _streak(state, "ds", measured.ds_rel_err, cfg.ds_rel_err_high, cfg.ds_rel_err_patience, "")
                 cause = "ds" if reason else None
-            if cause is None and measured.qk_rel_err is not None and current.mode == "sagebwd" and current.qk == "int8":
-                note = ": an outlier spoils its block's INT8 scale"
+            if cause is None and measured.qk_rel_err is not None and _low_bit(current, "qk"):
+                note = f": an outlier spoils its block's {current.qk.upper()} scale"
                 reason = _streak(state, "qk", measured.qk_rel_err, cfg.qk_rel_err_high, cfg.qk_rel_err_patience, note)
                 cause = "qk" if reason else None
             if measured.probe:
@@ -438,15 +438,15 @@ class PrecisionPolicy:
             return "dv", reason + " (dV does not use dS: its error comes from its own INT8 product of P and dO)"
         rel_l2 = _probe_rel_l2(probe, tensor)
         err = state.last_ds_rel_err
-        if current.mode == "sagebwd" and current.ds == "int8":
+        if _low_bit(current, "ds"):
+            ds_format = current.ds.upper()
             if err is None or rel_l2 is None or err >= cfg.ds_explains_ratio * rel_l2:
-                return "ds", reason + f", which dS's INT8 error explains (ds_rel_err {_fmt(err)})"
-        return "forward", reason + (
-            f", beyond dS's INT8 error (ds_rel_err {_fmt(err)} < ds_explains_ratio {cfg.ds_explains_ratio:g} x "
-            f"rel_l2 {_fmt(rel_l2)}): the forward's error"
-            if current.mode == "sagebwd" and current.ds == "int8"
-            else " with dS already in high precision: the forward's error"
-        )
+                return "ds", reason + f", which dS's {ds_format} error explains (ds_rel_err {_fmt(err)})"
+            return "forward", reason + (
+                f", beyond dS's {ds_format} error (ds_rel_err {_fmt(err)} < ds_explains_ratio "
+                f"{cfg.ds_explains_ratio:g} x rel_l2 {_fmt(rel_l2)}): the forward's error"
+            )
+        return "forward", reason + " with dS already in high precision: the forward's error"
 
     def _attn_qat_probe_trigger(self, probe: Mapping[str, Mapping[str, float]]) -> tuple[str | None, str]:
         """An ``attn_qat`` layer's probe: every error is its FP4 forward's (Q, K, V and P quantized; the backward's
@@ -487,13 +487,14 @@ class PrecisionPolicy:
         if backward:
             return backward
         # Nothing points at one layer. dS is SageBwd's dominant INT8 error (the study; our accuracy harness), so
-        # every layer whose dS is still INT8 moves to the rung that fixes it, the forward staying fast. A layer in
-        # attn_qat mode has no rung but full precision; the drop-in variant's backward is the known unstable one.
-        reason = f"{cause}; no layer flagged, so every layer with INT8 dS or FP4 attention moves up"
+        # every layer whose dS is still low-bit (INT8 or FP8) moves to the rung that fixes it, the forward staying
+        # fast. A layer in attn_qat mode has no rung but full precision; the drop-in variant's backward is the known
+        # unstable one.
+        reason = f"{cause}; no layer flagged, so every layer with INT8 or FP8 dS or FP4 attention moves up"
         decisions = []
         for name in self._layers:
             current = self.precision(name)
-            if (current.mode == "sagebwd" and current.ds == "int8") or current.mode == "attn_qat":
+            if _low_bit(current, "ds") or current.mode == "attn_qat":
                 decision = self._escalate(name, "ds", step, reason)
                 if decision is not None:
                     decisions.append(decision)
@@ -685,6 +686,12 @@ def _finite_cos(probe: Mapping[str, Mapping[str, float]], tensor: str) -> bool:
 def _probe_rel_l2(probe: Mapping[str, Mapping[str, float]], tensor: str) -> float | None:
     value = probe.get(tensor, {}).get("rel_l2")
     return float(value) if value is not None and math.isfinite(value) else None
+
+
+def _low_bit(precision: AttentionPrecision, product: str) -> bool:
+    """Whether SageBwd runs ``product`` (``"qk"``, ``"ds"``, ...) of ``precision`` in a low-bit format (INT8 or
+    FP8), which the rules raise to bf16; ``False`` in the other modes."""
+    return precision.mode == "sagebwd" and getattr(precision, product) in LOW_BIT_FORMATS
 
 
 def _fmt(value: float | None) -> str:
