@@ -352,13 +352,15 @@ def _install() -> None:
 def _cases(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(name, settings) of every entry point call this run compiles."""
     cases = []
+    formats = dict(item.split("=", 1) for item in args.formats)
     for head_dim in args.head_dim:
         for causal in (False, True):
             for tile in args.tiles:
                 block_m, block_n = (int(x) for x in tile.split("x"))
                 for path in PATHS[args.path]:
                     name = f"sagebwd D={head_dim} causal={causal} {block_m}x{block_n} {path}"
-                    settings = dict(impl="sagebwd", head_dim=head_dim, causal=causal, tiles=(block_m, block_n))
+                    settings = dict(impl="sagebwd", head_dim=head_dim, causal=causal, tiles=(block_m, block_n),
+                                    formats=formats)  # fmt: skip
                     cases.append((name, {**settings, "path": path}))
             if args.attn_qat:
                 for matched in (True, False):
@@ -379,9 +381,11 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
     if settings["impl"] == "sagebwd":
         block_m, block_n = settings["tiles"]
+        precision = AttentionPrecision(**settings.get("formats", {}))
         out, _ = sage_attention_triton(
-            q, k, v, is_causal=settings["causal"], block_m=block_m, block_n=block_n, with_lse=False
-        )
+            q, k, v, is_causal=settings["causal"], precision=precision, block_m=block_m, block_n=block_n,
+            with_lse=False,
+        )  # fmt: skip
     else:
         backward = "matched" if settings["matched"] else "dropin"
         precision = AttentionPrecision(mode="attn_qat", qat_backward=backward)
@@ -478,6 +482,13 @@ def main(argv: list[str] | None = None) -> int:
         help="SageBwd's kernels: the portable ones, the Hopper path's (kernels/hopper), or both (default)",
     )  # fmt: skip
     parser.add_argument("--attn-qat", action="store_true", help="also compile the Attn-QAT kernels")
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        default=[],
+        metavar="PRODUCT=FORMAT",
+        help="SageBwd's product formats for the calls, e.g. pv=fp8 ds=fp8 (default: the SageBwd defaults)",
+    )
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
     args = parser.parse_args(argv)
