@@ -71,7 +71,11 @@ PRECISIONS: dict[str, dict[str, Any]] = {
 #: bf16 values or INT8 codes (tests/test_triton_kernels.py uses the same on CUDA). Attn-QAT's O: a flipped E2M1 code
 #: of P moves by a whole FP4 step, so O differs more (measured on an H100 up to 2.1e-2 at N=1000-4096, GQA), still a
 #: tenth of the format's own error against float64 (rel_l2 0.19, accuracy-h200-20261121-triton-attn_qat.md).
-BOUNDS = {"O": 4e-3, "O_attn_qat": 3e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2, "ds_stats": 2e-3}
+#: FP8's O: Hopper's FP8 tensor-core products do not add up in full fp32 (the Hopper forward's P V also chains every key
+#: tile through the instruction's accumulator), against the reference's fp32 sums: measured on an H200 at N=1024,
+#: D=128, 8.0e-4 with P V in FP8 and 3.8e-3 with all five products, a tenth of the formats' own error against float64
+#: (0.034, 0.045).
+BOUNDS = {"O": 4e-3, "O_attn_qat": 3e-2, "O_fp8": 1e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2, "ds_stats": 2e-3}
 SEQS, HEAD_DIMS, HEADS = (1000, 4096, 8192), (64, 128), ((2, 2), (4, 2))
 #: Cosine to float64 of the SageBwd default (INT8 dS) on N(0, 1) inputs, N=4096, D=128 (issue #3's bars).
 ACCURACY_BARS = {"O": 0.999, "dV": 0.999, "dQ": 0.997, "dK": 0.997}
@@ -118,7 +122,11 @@ def agreement(name: str) -> list[dict[str, Any]]:
                     for tensor in got:
                         x, r = got[tensor].detach().double(), ref[tensor].detach().double()
                         rel = ((x - r).norm() / r.norm().clamp_min(1e-30)).item()
-                        bound = BOUNDS["O_attn_qat" if tensor == "O" and precision.mode == "attn_qat" else tensor]
+                        bound = BOUNDS[tensor]
+                        if tensor == "O" and precision.mode == "attn_qat":
+                            bound = BOUNDS["O_attn_qat"]
+                        elif tensor == "O" and precision.fp8_products:
+                            bound = BOUNDS["O_fp8"]
                         rows.append(
                             {"precision": name, "seq": seq, "head_dim": head_dim, "causal": causal, "heads": heads,
                              "kv_heads": kv_heads, "tensor": tensor, "rel_l2": rel, "bound": bound,
