@@ -31,6 +31,15 @@ used in the tables):
 
 Each with ``smooth_k`` True and False (``smooth_q`` False).
 
+``--mode formats`` adds FP8 (e4m3, ``AttentionPrecision``'s ``"fp8"``) to these settings, K-smoothing on and off:
+
+* ``only qk fp8``, ... ``only ds fp8``: ``all_bf16()`` with that one product FP8 (beside the INT8 ``only`` rows);
+* ``default, pv fp8``, ``default, ds fp8``, ``default, pv+ds fp8``: the SageBwd default with those products FP8;
+* ``fp8 fwd, int8 bwd``: qk and pv FP8, the backward's products as the default's (dv, ds INT8, dp bf16);
+* ``all fp8``: ``all_fp8()``, every product FP8 (dp included).
+
+Its summary adds a table of rel_l2 per setting and, per product alone, FP8's rel_l2 over INT8's.
+
 ``--mode attn_qat`` measures simulated NVFP4 attention (``AttentionPrecision(mode="attn_qat")``) instead, beside
 the ``bf16`` baseline and the ``sagebwd`` default (both with ``smooth_k``): ``attn_qat`` (Attn-QAT's matched
 backward) and ``attn_qat dropin`` (the drop-in backward). Its reference intermediates are Attn-QAT's (``P`` the
@@ -44,6 +53,7 @@ Example::
     python benchmarks/accuracy.py                      # default size on CPU, writes benchmarks/results/
     python benchmarks/accuracy.py --seq 512 --causal --out /tmp/acc.json
     python benchmarks/accuracy.py --mode attn_qat      # simulated NVFP4 against float64 (and bf16, SageBwd)
+    python benchmarks/accuracy.py --mode formats --seq 512 --causal   # INT8 and FP8 products side by side
 """
 
 from __future__ import annotations
@@ -76,10 +86,18 @@ SIGMAS: tuple[float, ...] = (1.0, 4.0, 10.0)
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = 10.0
 OUTLIER_SCALE = 3.0
-#: What the harness measures: SageBwd's products one at a time, or simulated NVFP4 (Attn-QAT).
-MODES: tuple[str, ...] = ("sagebwd", "attn_qat")
+#: What the harness measures: SageBwd's products one at a time (INT8; ``formats``: INT8 and FP8), or simulated
+#: NVFP4 (Attn-QAT).
+MODES: tuple[str, ...] = ("sagebwd", "attn_qat", "formats")
 #: K-smoothing settings measured per mode (attn_qat mode has no smoothing; its baselines keep SageBwd's default).
-SMOOTH_K: dict[str, tuple[bool, ...]] = {"sagebwd": (True, False), "attn_qat": (True,)}
+SMOOTH_K: dict[str, tuple[bool, ...]] = {"sagebwd": (True, False), "attn_qat": (True,), "formats": (True, False)}
+#: The result file's name tag and the markdown heading's subject, per mode.
+MODE_TAGS: dict[str, str] = {"sagebwd": "", "attn_qat": "-attn_qat", "formats": "-formats"}
+MODE_TITLES: dict[str, str] = {
+    "sagebwd": "SageBwd",
+    "attn_qat": "Attn-QAT (simulated NVFP4)",
+    "formats": "SageBwd, INT8 and FP8 products",
+}
 #: The tensors compared with the FP4 forward's own float64 gradient in attn_qat mode.
 FP4_GRADIENT_TENSORS: tuple[str, ...] = ("O", "dQ", "dK", "dV")
 
@@ -89,14 +107,17 @@ def settings(smooth_k: bool, mode: str = "sagebwd") -> list[tuple[str, Attention
 
     Args:
         smooth_k: K-smoothing on or off for every SageBwd setting.
-        mode: ``"sagebwd"`` (the products one at a time) or ``"attn_qat"`` (simulated NVFP4 beside the bf16
-            baseline and the SageBwd default).
+        mode: ``"sagebwd"`` (the products one at a time), ``"formats"`` (those, then :func:`fp8_settings`) or
+            ``"attn_qat"`` (simulated NVFP4 beside the bf16 baseline and the SageBwd default).
 
     Example::
 
         [label for label, _ in settings(True)][:3]   # ["bf16", "sagebwd", "all7"]
         [label for label, _ in settings(True, "attn_qat")]   # ["bf16", "sagebwd", "attn_qat", "attn_qat dropin"]
+        [label for label, _ in settings(True, "formats")][-1]   # "all fp8"
     """
+    if mode not in MODES:
+        raise ValueError(f"settings: mode must be one of {MODES}; received {mode!r}")
     bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
     if mode == "attn_qat":
         qat = AttentionPrecision(mode="attn_qat")
@@ -111,7 +132,29 @@ def settings(smooth_k: bool, mode: str = "sagebwd") -> list[tuple[str, Attention
         ("sagebwd", AttentionPrecision(smooth_k=smooth_k)),
         ("all7", AttentionPrecision.all_int8(smooth_k=smooth_k)),
     ]
-    return pairs + [(f"only {p}", bf16.replace(**{p: "int8"})) for p in PRODUCTS]
+    pairs += [(f"only {p}", bf16.replace(**{p: "int8"})) for p in PRODUCTS]
+    return pairs + (fp8_settings(smooth_k) if mode == "formats" else [])
+
+
+def fp8_settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
+    """The FP8 settings of ``--mode formats``, as ``(label, precision)`` pairs: each product alone in FP8 (the
+    rest bf16), then the mixes worth running (the INT8 default with pv, ds or both in FP8; the forward in FP8 with
+    the default's backward; every product in FP8).
+
+    Example::
+
+        dict(fp8_settings(True))["default, ds fp8"].short_name   # "sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k"
+    """
+    bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
+    default = AttentionPrecision(smooth_k=smooth_k)
+    pairs = [(f"only {p} fp8", bf16.replace(**{p: "fp8"})) for p in PRODUCTS]
+    return pairs + [
+        ("default, pv fp8", default.replace(pv="fp8")),
+        ("default, ds fp8", default.replace(ds="fp8")),
+        ("default, pv+ds fp8", default.replace(pv="fp8", ds="fp8")),
+        ("fp8 fwd, int8 bwd", default.replace(qk="fp8", pv="fp8")),
+        ("all fp8", AttentionPrecision.all_fp8(smooth_k=smooth_k)),
+    ]
 
 
 def input_kinds() -> list[str]:
@@ -430,8 +473,9 @@ def summarize(rows: list[dict]) -> list[str]:
     """
     if any("against" in row for row in rows):
         return summarize_attn_qat(rows)
+    formats = summarize_formats(rows) if any(row["label"] in FP8_LABELS for row in rows) else []
     if {row["path"] for row in rows} == {"triton"}:
-        return summarize_outputs(rows)
+        return summarize_outputs(rows) + formats
     lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
     ordering, dominant = {}, {}
     for kind in dict.fromkeys(row["inputs"] for row in rows):
@@ -449,6 +493,68 @@ def summarize(rows: list[dict]) -> list[str]:
         f"ds alone accounts for most (>50%) of the dQ and dK error for: {which(dominant, True)}; "
         f"not for: {which(dominant, False)}.",
     ]
+    return lines + formats
+
+
+#: The labels of :func:`fp8_settings` (the same for either smooth_k).
+FP8_LABELS: tuple[str, ...] = tuple(label for label, _ in fp8_settings(True))
+#: The tensor a product's error shows in first, in order of preference (the first one measured is used): the
+#: product's own result where it is an intermediate, else the first output it feeds.
+PRODUCT_TENSORS: dict[str, tuple[str, ...]] = {
+    "qk": ("P", "O"),
+    "pv": ("O",),
+    "dv": ("dV",),
+    "dp": ("dP", "dQ"),
+    "ds": ("dS", "dQ"),
+}
+
+
+def fp8_over_int8(table: dict[str, dict[str, dict]]) -> dict[str, tuple[str, float]]:
+    """Per product, ``(tensor, rel_l2 of "only <p> fp8" / rel_l2 of "only <p>")`` on the tensor of
+    :data:`PRODUCT_TENSORS` (NaN where either is missing or not finite, or INT8's is zero).
+
+    Args:
+        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``_lookup``) of a ``formats`` run.
+
+    Example::
+
+        fp8_over_int8(_lookup(rows, "normal sigma=1", True))["ds"]   # e.g. ("dS", 0.68)
+    """
+    ratios = {}
+    for product, candidates in PRODUCT_TENSORS.items():
+        int8, fp8 = table.get(f"only {product}", {}), table.get(f"only {product} fp8", {})
+        tensor = next((t for t in candidates if t in int8 and t in fp8), None)
+        if tensor is None:
+            continue
+        a, b = fp8[tensor]["rel_l2"], int8[tensor]["rel_l2"]
+        ratios[product] = (tensor, a / b if a is not None and b else math.nan)
+    return ratios
+
+
+def summarize_formats(rows: list[dict]) -> list[str]:
+    """Summary of a ``formats`` run (smooth_k=True): per input kind, rel_l2 of O, dS and the gradients under every
+    setting but ``all7`` and the INT8-alone rows' FP8 twins side by side, and FP8's rel_l2 over INT8's for each
+    product alone (on the tensor of :data:`PRODUCT_TENSORS`; below 1: FP8 is the more accurate).
+
+    Example::
+
+        print("\\n".join(summarize_formats(rows)))
+    """
+    lines = ["", "## FP8 (e4m3) against INT8, rel_l2 against float64 (smooth_k=True)", ""]
+    for kind in dict.fromkeys(row["inputs"] for row in rows):
+        table = _lookup(rows, kind, True)
+        present = {t for by_tensor in table.values() for t in by_tensor}
+        tensors = [t for t in ("O", "dS", "dQ", "dK", "dV") if t in present]
+        order = ["bf16", "sagebwd"]
+        for product in PRODUCTS:
+            order += [f"only {product}", f"only {product} fp8"]
+        order += [label for label in FP8_LABELS if not label.startswith("only ")]
+        lines += [f"### {kind}", "", "| setting | " + " | ".join(tensors) + " |", "|---|" + "---:|" * len(tensors)]
+        for label in (label for label in order if label in table):
+            lines.append(f"| {label} | " + " | ".join(_fmt(table[label][t]["rel_l2"], 5) for t in tensors) + " |")
+        ratios = fp8_over_int8(table)
+        text = ", ".join(f"{p} ({t}) {_fmt(r if math.isfinite(r) else None, 2)}" for p, (t, r) in ratios.items())
+        lines += ["", f"FP8 / INT8 rel_l2, each product alone: {text}.", ""]
     return lines
 
 
@@ -532,8 +638,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--mode",
         choices=MODES,
         default="sagebwd",
-        help="sagebwd: SageBwd's products one at a time; attn_qat: simulated NVFP4 (Attn-QAT, matched and drop-in "
-        "backward) beside the bf16 baseline and the SageBwd default",
+        help="sagebwd: SageBwd's products one at a time; formats: those, plus FP8 (e4m3) products alone and in "
+        "mixes; attn_qat: simulated NVFP4 (Attn-QAT, matched and drop-in backward) beside the bf16 baseline and the "
+        "SageBwd default",
     )
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     return parser.parse_args(argv)
@@ -620,7 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     rows = collect_rows(args)
     name, today = device_name(args.device), datetime.date.today()
-    tag = "-attn_qat" if args.mode == "attn_qat" else ""
+    tag = MODE_TAGS[args.mode]
     out = args.out or REPO / "benchmarks" / "results" / f"accuracy-{device_slug(name)}-{today:%Y%m%d}{tag}.json"
     result = {
         "kind": "accuracy",
@@ -635,7 +742,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_json(result))
-    what = "Attn-QAT (simulated NVFP4)" if args.mode == "attn_qat" else "SageBwd"
+    what = MODE_TITLES[args.mode]
     heading = (
         f"# Accuracy: {what} ({args.path}) vs float64\n\n{result['device']}, {result['date']}, commit "
         f"{result['commit']}\n\n`{result['command']}`\n\n"

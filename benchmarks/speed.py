@@ -10,12 +10,17 @@ One run does the whole check, in this order:
 3. peak memory of forward+backward above the inputs, per implementation;
 4. a table, last: our ratio to each backend.
 
+``--impl`` also takes the FP8 mixes of :data:`FP8_IMPLS` (``sage_fp8_pv``, ``sage_fp8_ds``, ``sage_fp8_pv_ds``,
+``sage_fp8``: SageBwd with those products in e4m3), timed as ``sage`` is; ``--check`` then also holds each one's
+Triton path to the reference with its precision, and the table gets a second part with their ratios.
+
 Writes ``benchmarks/results/speed-<device>-<date>.json`` (format: ../shared/RESULTS.md) and a ``.md`` table.
 
 Example::
 
     python benchmarks/speed.py                       # the full grid of issue #3
     python benchmarks/speed.py --seq 4096 --head-dim 128 --no-check
+    python benchmarks/speed.py --impl sage --impl sage_fp8_pv --impl sage_fp8 --impl sdpa_cudnn --impl sdpa_flash
 """
 
 from __future__ import annotations
@@ -45,7 +50,18 @@ from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 #: ``sage`` dispatches as a user's call does (the Hopper path where it applies); ``sage_portable`` keeps the
 #: portable kernels (``SAGE_LIGHTNING_HOPPER=off`` around the call), to set the two side by side.
-SAGE_IMPLS = ("sage", "sage_portable")
+#: SageBwd with products in FP8 (e4m3): the INT8 default with pv, ds or both in FP8, and every product in FP8. Each
+#: dispatches as ``sage`` does (the Hopper forward takes an FP8 pv; see ``hopper_forward_applies``).
+FP8_IMPLS: dict[str, AttentionPrecision] = {
+    "sage_fp8_pv": AttentionPrecision(pv="fp8"),
+    "sage_fp8_ds": AttentionPrecision(ds="fp8"),
+    "sage_fp8_pv_ds": AttentionPrecision(pv="fp8", ds="fp8"),
+    "sage_fp8": AttentionPrecision.all_fp8(),
+}
+SAGE_IMPLS = ("sage", "sage_portable", *FP8_IMPLS)
+#: The precision each SageBwd implementation runs.
+PRECISIONS: dict[str, AttentionPrecision] = {"sage": AttentionPrecision(), "sage_portable": AttentionPrecision(),
+                                             **FP8_IMPLS}  # fmt: skip
 PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
@@ -60,11 +76,33 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: 
     return {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[which] * forward
 
 
-def check(device: str) -> list[dict]:
-    """The Triton path against the reference at full sizes; one row per (shape, tensor) with ``rel_l2``.
+def check(device: str, impls: tuple[str, ...] = ("sage",)) -> list[dict]:
+    """The Triton path against the reference at full sizes; one row per (implementation, shape, tensor) with
+    ``rel_l2`` and the ``precision`` (its short name) both ran.
 
-    Agreement is to rounding (a few flipped bf16 values or INT8 codes), far below the INT8 error (~1e-2).
+    Agreement is to rounding (a few flipped bf16 values or INT8 codes), far below the INT8 error (~1e-2). FP8
+    products sum in fp32 in an order of their own, so their agreement is looser than INT8's exact sums.
+
+    Args:
+        device: ``"cuda"``.
+        impls: keys of :data:`PRECISIONS`, one precision checked per distinct short name (``sage_portable``
+            runs ``sage``'s).
+
+    Example::
+
+        rows = check("cuda", ("sage", "sage_fp8_pv"))
     """
+    rows, seen = [], set()
+    for impl in impls:
+        precision = PRECISIONS[impl]
+        if precision.short_name not in seen:
+            seen.add(precision.short_name)
+            rows += _check_precision(device, impl, precision)
+    return rows
+
+
+def _check_precision(device: str, impl: str, precision: AttentionPrecision) -> list[dict]:
+    """:func:`check`'s rows of one precision (the same draws for every precision: the generator is seeded here)."""
     rows = []
     gen = torch.Generator(device=device).manual_seed(0)
     for seq in (1000, 1040, 4096, 8192):  # 1000: keys not a multiple of 16 (portable forward); 1040: ragged tiles
@@ -78,13 +116,14 @@ def check(device: str) -> list[dict]:
                 for fn, into in ((sage_attention_triton, got), (sage_attention_reference, ref)):
                     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                     stats = torch.zeros(2, device=device)
-                    out, _ = fn(*leaves, is_causal=causal, precision=AttentionPrecision(), stats=stats)
+                    out, _ = fn(*leaves, is_causal=causal, precision=precision, stats=stats)
                     into.update(zip(("O", "dQ", "dK", "dV"), (out, *torch.autograd.grad(out, leaves, do)), strict=True))
                     into["ds_stats"] = stats
                 for name in got:
                     rows.append(
-                        {"seq": seq, "head_dim": head_dim, "causal": causal, "kv_heads": 2, "heads": 4,
-                         "tensor": name, "rel_l2": compare(got[name].detach(), ref[name].detach())[1]}
+                        {"impl": impl, "precision": precision.short_name, "seq": seq, "head_dim": head_dim,
+                         "causal": causal, "kv_heads": 2, "heads": 4, "tensor": name,
+                         "rel_l2": compare(got[name].detach(), ref[name].detach())[1]}
                     )  # fmt: skip
                 del q, k, v, do, got, ref
                 torch.cuda.empty_cache()
@@ -96,6 +135,13 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
     by SDPA."""
     if impl == "sage":
         return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
+    if impl in FP8_IMPLS:
+        precision = FP8_IMPLS[impl]
+
+        def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+            return sage_attention_triton(q, k, v, is_causal=causal, precision=precision, with_lse=False, **tiles)[0]
+
+        return fp8
     if impl == "sage_portable":
 
         def portable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -233,7 +279,64 @@ def autotuned_configs() -> dict[str, str]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory."""
+    """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory; then, where the
+    run timed any of :data:`FP8_IMPLS`, one row per FP8 implementation, shape and pass (:func:`fp8_table`).
+
+    An implementation the run did not time (or that refused a shape) leaves its cells ``nan`` or ``-``.
+
+    Example::
+
+        print(table(result["rows"]))
+    """
+    text = sage_table(rows) if any(r["impl"] == "sage" for r in rows) else ""
+    fp8 = fp8_table(rows)
+    return "\n\n".join(part for part in (text, fp8) if part)
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    """``a``'s TFLOPS over ``b``'s (``b``'s time over ``a``'s), or ``-`` where either is missing."""
+    return f"{a['tflops'] / b['tflops']:.2f}" if a and b and b["tflops"] else "-"
+
+
+def fp8_table(rows: list[dict]) -> str:
+    """Markdown: one row per (shape, pass, FP8 implementation) timed, with its TFLOPS, its ratio to flash, cuDNN and
+    the INT8 ``sage`` of the same run, and its peak memory (forward+backward); empty when no FP8 implementation ran.
+
+    Example::
+
+        print(fp8_table(result["rows"]))
+    """
+    index = {(r["impl"], r["pass"], r["seq"], r["head_dim"], r["causal"]): r for r in rows}
+    impls = [impl for impl in FP8_IMPLS if any(r["impl"] == impl for r in rows)]
+    if not impls:
+        return ""
+    lines = [
+        "FP8 mixes (" + "; ".join(f"{impl}: `{FP8_IMPLS[impl].short_name}`" for impl in impls) + "):",
+        "",
+        "| D | N | causal | pass | impl | TFLOPS | /flash | /cuDNN | /sage (INT8) | mem MiB |",
+        "|---:|---:|:---:|---|---|---:|---:|---:|---:|---:|",
+    ]
+    shapes = sorted({(r["head_dim"], r["seq"], r["causal"]) for r in rows if r["impl"] in impls})
+    for head_dim, seq, causal in shapes:
+        for which in PASSES:
+            key = (which, seq, head_dim, causal)
+            others = {impl: index.get((impl, *key)) for impl in ("sage", *BACKENDS)}
+            for impl in impls:
+                row = index.get((impl, *key))
+                if row is None:
+                    continue
+                mem = row.get("peak_mem_mb")
+                lines.append(
+                    f"| {head_dim} | {seq} | {'yes' if causal else 'no'} | {which} | {impl} | {row['tflops']:.0f} | "
+                    f"{_ratio(row, others['sdpa_flash'])} | {_ratio(row, others['sdpa_cudnn'])} | "
+                    f"{_ratio(row, others['sage'])} | {'-' if mem is None else f'{mem:.0f}'} |"
+                )
+    return "\n".join(lines)
+
+
+def sage_table(rows: list[dict]) -> str:
+    """Markdown: ``sage``'s TFLOPS per shape and pass beside flash's and cuDNN's, the ratios, peak memory, and
+    ``sage_portable``'s where the run timed it."""
     portable = any(r["impl"] == "sage_portable" for r in rows)
     lines = [
         "| D | N | causal | pass | sage TFLOPS | flash | cuDNN | sage/flash | sage/cuDNN | mem sage/flash/cuDNN MiB |"
@@ -271,7 +374,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument(
         "--impl", action="append", choices=(*SAGE_IMPLS, *BACKENDS),
-        help="repeatable; default sage and the SDPA backends (sage_portable: the portable kernels on Hopper too)",
+        help="repeatable; default sage and the SDPA backends (sage_portable: the portable kernels on Hopper too; "
+        "sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8: SageBwd with those products in FP8 e4m3, all of them "
+        "for sage_fp8)",
     )  # fmt: skip
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
@@ -285,16 +390,18 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/speed.py times CUDA kernels; no CUDA device is available.")
     start = time.perf_counter()
-    check_rows = check("cuda") if args.check else []
+    impls = tuple(args.impl or ("sage", *BACKENDS))
+    checked = ("sage", *(impl for impl in impls if impl in FP8_IMPLS))
+    check_rows = check("cuda", checked) if args.check else []
     for row in check_rows:
-        print(f"check N={row['seq']} D={row['head_dim']} causal={row['causal']} {row['tensor']}: "
+        print(f"check {row['impl']} N={row['seq']} D={row['head_dim']} causal={row['causal']} {row['tensor']}: "
               f"rel_l2 triton vs reference {row['rel_l2']:.2e}")  # fmt: skip
     rows = []
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for head_dim in args.head_dim or (64, 128):
         for seq in args.seq or (1024, 2048, 4096, 8192):
             for causal in causal_values:
-                for impl in args.impl or ("sage", *BACKENDS):
+                for impl in impls:
                     try:
                         rows += time_one(impl, args.tokens // seq, 2048 // head_dim, seq, head_dim, causal)
                     except RuntimeError as error:  # a backend that refuses a shape: say so, keep going
@@ -321,13 +428,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_json(result))
     text = table(rows)
-    worst = max((r["rel_l2"] for r in check_rows), default=float("nan"))
+    worst = {impl: max(r["rel_l2"] for r in check_rows if r["impl"] == impl) for impl in checked if check_rows}
     heading = (
         f"# Speed: SageBwd (Triton) vs SDPA flash and cuDNN\n\n{name}, {result['date']}, commit {result['commit']}"
         f"\n\n`{result['command']}`\n\nbf16, batch x seq = {args.tokens} tokens, heads = 2048 / head_dim; "
         f"TFLOPS from the median time (`triton.testing.do_bench`). Peak memory: forward+backward above the "
         f"inputs. Correctness check first: worst rel_l2 of Triton vs reference over {len(check_rows)} tensors: "
-        f"{worst:.2e}.\n\n"
+        f"{', '.join(f'{impl} {value:.2e}' for impl, value in worst.items()) or 'nan'}.\n\n"
     )
     parts_text = "\n".join(
         f"| {p['head_dim']} | {p['seq']} | {'yes' if p['causal'] else 'no'} | `{p['kernel'][:60]}` | "

@@ -131,3 +131,66 @@ def test_attn_qat_mode(tmp_path: Path, path: str) -> None:
     text = out.with_suffix(".md").read_text()
     assert text.startswith(f"# Accuracy: Attn-QAT (simulated NVFP4) ({path}) vs float64")
     assert "### cos: normal sigma=1, against fp4_float64" in text and "## Summary (simulated NVFP4)" in text
+
+
+def test_formats_settings() -> None:
+    """``--mode formats``: the INT8 settings of the default mode, then each product alone in FP8 and the mixes."""
+    for smooth_k in (True, False):
+        int8 = accuracy.settings(smooth_k)
+        pairs = accuracy.settings(smooth_k, "formats")
+        labels = [label for label, _ in pairs]
+        assert pairs[: len(int8)] == int8 and len(set(labels)) == len(labels)
+        assert len({precision.short_name for _, precision in pairs}) == len(pairs)  # each label its own numerics
+        assert labels[len(int8) :] == list(accuracy.FP8_LABELS)
+        by_label = dict(pairs)
+        for product in accuracy.PRODUCTS:
+            alone = by_label[f"only {product} fp8"]
+            assert alone.fp8_products == (product,) and alone.int8_products == ()
+        default = accuracy.AttentionPrecision(smooth_k=smooth_k)
+        assert by_label["default, pv fp8"] == default.replace(pv="fp8")
+        assert by_label["default, ds fp8"] == default.replace(ds="fp8")
+        assert by_label["default, pv+ds fp8"] == default.replace(pv="fp8", ds="fp8")
+        assert by_label["fp8 fwd, int8 bwd"] == default.replace(qk="fp8", pv="fp8")
+        assert by_label["all fp8"] == accuracy.AttentionPrecision.all_fp8(smooth_k=smooth_k)
+        assert all(precision.smooth_k == smooth_k for _, precision in pairs)
+    # The default mode (and attribution.py, which takes it) has no FP8 setting.
+    assert not any(precision.fp8_products for _, precision in accuracy.settings(True))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        accuracy.settings(True, "fp8")
+
+
+def test_formats_mode_rows_and_tables(tmp_path: Path) -> None:
+    out = tmp_path / "acc-formats.json"
+    argv = ["--seq", "96", "--head-dim", "32", "--causal", "--mode", "formats", "--inputs", "normal sigma=1"]
+    rows = accuracy.main([*argv, "--out", str(out)])["rows"]
+    n_settings = len(accuracy.settings(True, "formats"))
+    assert len(rows) == 2 * n_settings * len(accuracy.TENSORS)
+    assert all(set(row) == ROW_KEYS and row["cos"] is not None and row["rel_l2"] is not None for row in rows)
+    assert {row["label"] for row in rows} == {label for label, _ in accuracy.settings(True, "formats")}
+    assert len({(r["setting"], r["smooth_k"]) for r in rows}) == 2 * n_settings
+    text = out.with_suffix(".md").read_text()
+    assert text.startswith("# Accuracy: SageBwd, INT8 and FP8 products (reference) vs float64")
+    assert "## Summary (setting sagebwd, smooth_k=True)" in text  # the INT8 summary, as in the default mode
+    assert "## FP8 (e4m3) against INT8, rel_l2 against float64 (smooth_k=True)" in text
+    assert "FP8 / INT8 rel_l2, each product alone: qk (P) " in text and ", ds (dS) " in text
+    for label in accuracy.FP8_LABELS:
+        # cos and rel_l2 tables for smooth_k True and False, and the summary's table
+        assert text.count(f"| {label} |") == 5, label
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_ds_beats_int8_ds_on_normal_inputs(causal: bool) -> None:
+    """dS alone in FP8 (e4m3, per-tile scale) is more accurate than in INT8 on N(0, 1) inputs: the rounding of a
+    dS tile's many small entries is relative in e4m3, absolute in INT8. Over seeds 0-19 at this size the ratio
+    of rel_l2 (FP8 / INT8) was at most 0.91 for dS, dQ and dK, causal or not; seed 0 is what runs here.
+
+    (It does not hold for wider inputs: at N(0, 16) and with outlier channels FP8's dS error was the larger.)
+    """
+    argv = ["--seq", "128", "--head-dim", "32", *(["--causal"] if causal else [])]
+    inputs = accuracy.make_inputs("normal sigma=1", accuracy.parse_args(argv))
+    ref = accuracy.exact(inputs, causal)
+    by_label = dict(accuracy.settings(True, "formats"))
+    int8 = accuracy.measure(inputs, ref, by_label["only ds"], causal)
+    fp8 = accuracy.measure(inputs, ref, by_label["only ds fp8"], causal)
+    for tensor in ("dS", "dQ", "dK"):
+        assert fp8[tensor][1] < 0.95 * int8[tensor][1], (tensor, fp8[tensor], int8[tensor])
