@@ -315,12 +315,52 @@ def _quantize_rows_kernel(
 CODE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
+@triton.jit
+def _quantize_channels_fp8_kernel(
+    X,
+    OUT,
+    SCALE,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_xd,
+    HEADS,
+    SEQ,
+    HEAD_DIM,
+    BLOCK: tl.constexpr,
+    CHANNELS: tl.constexpr,
+):
+    """One program per (block of ``CHANNELS`` channels, batch x head): the channels' max over all ``SEQ`` rows, then
+    their e4m3 codes, stored ``[D, N]``. Two reads of the rows, one write of the codes."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HEADS
+    h = pid_bh % HEADS
+    cols = pid_c * CHANNELS + tl.arange(0, CHANNELS)
+    base = X + b * stride_xb + h * stride_xh + cols[None, :] * stride_xd
+    amax = tl.zeros([CHANNELS], dtype=tl.float32)
+    for start in range(0, SEQ, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+        x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
+        amax = _max_nan(amax, nan_max(tl.abs(x), axis=0))
+    scale = fp8_scale(amax)
+    tl.store(SCALE + pid_bh * HEAD_DIM + cols, scale, mask=cols < HEAD_DIM)
+    out = OUT + pid_bh * HEAD_DIM * SEQ + cols[:, None] * SEQ
+    for start in range(0, SEQ, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+        x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
+        codes = fp8_codes(x, scale[None, :], True)
+        tl.store(out + rows[None, :], tl.trans(codes), mask=tl.trans(valid))
+
+
 def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of ``x`` ``[B, H, N, D]`` with one scale per channel over all N rows (``max |x[b, h, :, c]| / 448``),
     stored ``[B, H, D, N]``: V for an FP8 ``O = P V``, whose per-channel scale factors out of the sum over keys.
 
-    The reference's numerics (:func:`..reference.quantize_fp8` over the keys), in PyTorch: one pass for the maxima,
-    one for the codes.
+    The reference's numerics (:func:`..reference.quantize_fp8` over the keys) bit for bit: IEEE division, round to
+    nearest even. One launch: each program reads its channels' rows twice (the max, then the codes).
 
     Args:
         x: the input, any strides, bf16/fp16/fp32.
@@ -332,11 +372,17 @@ def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         v_codes_t, v_scale = quantize_channels_fp8(v)
     """
-    x32 = x.to(torch.float32)
-    scale = x32.abs().amax(dim=2) / FP8_MAX.value
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = (x32 / scale[:, :, None, :]).to(torch.float8_e4m3fn)
-    return codes.transpose(2, 3).contiguous(), scale
+    batch, heads, seq, head_dim = x.shape
+    codes = torch.empty(batch, heads, head_dim, seq, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    channels = min(32, triton.next_power_of_2(head_dim))
+    if seq and batch * heads:
+        _quantize_channels_fp8_kernel[(triton.cdiv(head_dim, channels), batch * heads)](
+            x, codes, scale, *x.stride(), heads, seq, head_dim, BLOCK=128, CHANNELS=channels
+        )
+    elif batch * heads:
+        scale.fill_(1.0)
+    return codes, scale
 
 
 def quantize_rows(

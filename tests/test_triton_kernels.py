@@ -148,14 +148,20 @@ def test_quantize_rows_matches_reference_quantizer(fmt):
         assert torch.equal(scale, torch.ones_like(scale))
 
 
-def test_quantize_channels_fp8_matches_the_reference():
-    """V for an FP8 ``P V``: one scale per channel over all keys, the codes stored [D, N]."""
+@pytest.mark.parametrize(
+    "dtype, layout", [(torch.bfloat16, "contiguous"), (torch.float32, "model"), (torch.float16, "model")]
+)
+def test_quantize_channels_fp8_matches_the_reference(dtype, layout):
+    """V for an FP8 ``P V``: one scale per channel over all keys, the codes stored [D, N]; any strides (a model's
+    ``[B, N, H, D]`` memory) and input dtype."""
     gen = torch.Generator().manual_seed(2)
-    v = (torch.randn(2, 3, 100, 24, generator=gen) * 3).to(DEVICE, torch.bfloat16)
+    v = (torch.randn(2, 3, 300, 40, generator=gen) * 3).to(DEVICE, dtype)
     v[1, 2, :, 7] = 0  # an all-zero channel: scale 1, codes 0
+    if layout == "model":
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
     codes_t, scale = quantize_channels_fp8(v)
     ref_codes, ref_scale = quantize_fp8(v.float(), (2,))
-    assert codes_t.dtype == torch.float8_e4m3fn and codes_t.shape == (2, 3, 24, 100) and codes_t.is_contiguous()
+    assert codes_t.dtype == torch.float8_e4m3fn and codes_t.shape == (2, 3, 40, 300) and codes_t.is_contiguous()
     assert torch.equal(codes_t.float(), ref_codes.transpose(2, 3))
     assert torch.equal(scale, ref_scale[:, :, 0]) and scale[1, 2, 7] == 1
 
