@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
 from .hopper.gluon_dkdv_wg import gluon_dkdv_wg, gluon_dkdv_wg_applies
 from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
@@ -49,6 +48,7 @@ from .quant import (
     transpose_rows,
     tuning_configs,
 )
+from .tiles import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, load_tile, scores_tile
 from .qat_quant import quantize_p_rows
 from .quant import backward_preprocess, dot_precision, hp_dot, padded_head_dim, seq_bucket, to_dtype, tuning_configs
+from .tiles import LOG2E, load_tile, scores_tile
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key.

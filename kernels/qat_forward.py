@@ -5,7 +5,7 @@ It reads the NVFP4 values of Q, K and V (exact in the input dtype, written by
 :func:`~.qat_quant.quantize_qkv_triton`) and their per-(batch, head) FP32 scales, so every product runs in the
 input dtype with fp32 accumulation and the scales multiply its fp32 result. Per key tile:
 
-* ``S = (U_Q U_K^T) s_Q s_K tau log2(e)`` (base 2, :func:`~.forward.scores_tile`), ``P~ = exp2(S - m)``;
+* ``S = (U_Q U_K^T) s_Q s_K tau log2(e)`` (base 2, :func:`~.tiles.scores_tile`), ``P~ = exp2(S - m)``;
 * the row sum adds the unquantized ``P~``; ``P~`` is fake-quantized per row of the tile
   (:func:`~.qat_quant.quantize_p_rows`) and ``acc += (U_P U_V) s_P``;
 * with ``HIGH_PRECISION_OUT``, ``acc_hp += bf16(P~) U_V``: the output of the unquantized P, which the matched
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LOG2E, load_tile, scores_tile
 from .qat_quant import quantize_p_rows
 from .quant import dot_precision, hp_dot, padded_head_dim, seq_bucket, to_dtype, tuning_configs
+from .tiles import LOG2E, load_tile, scores_tile
 
 
 # Every constexpr that changes the code is in the key.

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..forward import LOG2E, key_range, scores_tile, tile_mask
 from ..quant import (
     _INTERPRETED,
     _ROUNDER,
@@ -42,6 +41,7 @@ from ..quant import (
     to_dtype,
     to_e4m3,
 )
+from ..tiles import LOG2E, key_range, scores_tile, tile_mask
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.

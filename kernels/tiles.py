@@ -1,0 +1,103 @@
+"""The tile helpers every attention kernel shares: loading a tile, recomputing S, the causal mask and key range.
+
+The portable forward and backward, the Hopper forward and the Attn-QAT kernels all take S from
+:func:`scores_tile`, so the backward recomputes exactly the forward's scores whatever the product formats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from .quant import hp_dot, int32_scaled, low_bit_dot
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def load_tile(BASE, offs, cols, stride, SEQ, HEAD_DIM):
+    """A ``[rows, D_PAD]`` tile of a ``[N, D]`` row-major matrix at ``BASE``; zeros past ``SEQ`` and ``HEAD_DIM``."""
+    return tl.load(
+        BASE + offs[:, None] * stride + cols[None, :],
+        mask=(offs[:, None] < SEQ) & (cols[None, :] < HEAD_DIM),
+        other=0.0,  # cast to the element type (0.0, not 0: the interpreter casts no int to fp8)
+    )
+
+
+@triton.jit
+def load_tile_t(BASE, offs, cols, SEQ, HEAD_DIM):
+    """A ``[D_PAD, rows]`` tile of a ``[D, N]`` matrix at ``BASE`` (an operand stored transposed); zeros outside."""
+    return tl.load(
+        BASE + cols[:, None] * SEQ + offs[None, :],
+        mask=(cols[:, None] < HEAD_DIM) & (offs[None, :] < SEQ),
+        other=0.0,
+    )
+
+
+@triton.jit
+def scores_tile(
+    q,
+    q_scale,
+    q_mean,
+    k,
+    k_scale,
+    offs_m,
+    offs_n,
+    SEQ_Q,
+    SEQ_K,
+    qk_scale,
+    CAUSAL: tl.constexpr,
+    QK_FMT: tl.constexpr,
+    SMOOTH_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr = True,
+):
+    """``S`` (base 2) of one tile from the quantized operands, and the mask of pairs that take no part
+    (``S = -inf`` there). Shared by the forward and both backward kernels, so the backward recomputes exactly
+    the forward's S: padded queries and keys are out, and with ``CAUSAL`` keys after their query. ``QK_FMT`` is the
+    product's format (``"int8"``, ``"fp8"`` or ``"bf16"``), which the operands' dtype must match.
+
+    ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
+    visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
+    """
+    if QK_FMT == "int8":
+        s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
+    elif QK_FMT == "fp8":
+        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
+    else:
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
+    if SMOOTH_Q:
+        # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
+        bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
+        s = s + bias[None, :]
+    if MASK:
+        invalid = tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL)
+        s = tl.where(invalid, float("-inf"), s)
+    else:
+        invalid = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
+    return s, invalid
+
+
+@triton.jit
+def tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL: tl.constexpr):
+    """The pairs of a tile that take no part: padded queries and keys, and with ``CAUSAL`` keys after their
+    query (top-left)."""
+    invalid = (offs_m[:, None] >= SEQ_Q) | (offs_n[None, :] >= SEQ_K)
+    if CAUSAL:
+        invalid = invalid | (offs_n[None, :] > offs_m[:, None])
+    return invalid
+
+
+@triton.jit
+def key_range(pid_m, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(hi, full_hi)`` for query tile ``pid_m``: it visits the key tiles below ``hi`` (top-left causal: keys after
+    its last query contribute exactly zero and are skipped), and those below ``full_hi`` need no mask (every key
+    exists and, with ``CAUSAL``, precedes every query of the tile)."""
+    hi = SEQ_K
+    full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
+        full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+    return hi, full_hi
