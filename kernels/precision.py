@@ -164,6 +164,18 @@ class AttentionPrecision:
         return cls(**base)
 
     @classmethod
+    def attn_qat(cls, backward: str = "matched") -> AttentionPrecision:
+        """Attn-QAT: simulated NVFP4 attention for quantization-aware training (``mode="attn_qat"``), with its
+        ``"matched"`` backward or the ``"dropin"`` baseline.
+
+        Example::
+
+            AttentionPrecision.attn_qat()                      # == AttentionPrecision(mode="attn_qat")
+            AttentionPrecision.attn_qat(backward="dropin").short_name   # "attn_qat:dropin"
+        """
+        return cls(mode="attn_qat", qat_backward=backward)
+
+    @classmethod
     def all_bf16(cls, **changes: object) -> AttentionPrecision:
         """SageBwd's tiling with every product in high precision (isolates one product at a time)."""
         base = dict.fromkeys(PRODUCTS, "bf16")

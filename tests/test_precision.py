@@ -47,6 +47,13 @@ def test_fp8_products_and_labels() -> None:
     assert len({p.short_name for p in (fp8_pv, AttentionPrecision(ds="fp8"), AttentionPrecision())}) == 3
 
 
+def test_attn_qat_preset() -> None:
+    assert AttentionPrecision.attn_qat() == AttentionPrecision(mode="attn_qat")
+    assert AttentionPrecision.attn_qat(backward="dropin") == AttentionPrecision(mode="attn_qat", qat_backward="dropin")
+    with pytest.raises(ValueError, match="qat_backward"):
+        AttentionPrecision.attn_qat(backward="drop-in")
+
+
 def test_attn_qat_mode_labels_and_ignored_fields() -> None:
     qat = AttentionPrecision(mode="attn_qat")
     assert qat.qat_backward == "matched" and qat.int8_products == () and qat.short_name == "attn_qat"
