@@ -225,7 +225,7 @@ def test_bad_values_are_refused_where_they_are_set() -> None:
     with pytest.raises(ValueError, match=r"fields \['bogus'\]"):
         layer.load_state_dict({"precision": {"bogus": 1}})
     with pytest.raises(ValueError, match=r"ds must be one of"):
-        layer.load_state_dict({"precision": {"ds": "fp8"}})
+        layer.load_state_dict({"precision": {"ds": "fp4"}})
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
