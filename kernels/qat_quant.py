@@ -19,23 +19,7 @@ import triton
 import triton.language as tl
 
 from .nvfp4 import nvfp4_tensor_scale
-from .quant import padded_head_dim, round_half_even
-
-
-@triton.jit
-def round_e4m3(v):
-    """``v >= 0`` (fp32) rounded to the nearest E4M3 value, ties to even, saturating at 448; NaN stays NaN.
-
-    The step of ``v``'s binade is ``2**(e - 3)`` (3 mantissa bits), with ``e`` at least -6 (E4M3's subnormals
-    share the step of its smallest normal binade). The step and its inverse are built from exponent bits, so
-    ``v * (1 / step)`` is exact (and below 16) without a division.
-    """
-    exponent = ((v.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
-    exponent = tl.minimum(tl.maximum(exponent, 127 - 6), 254)
-    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-    inverse_step = ((257 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): biased 254 - (e_b - 3)
-    rounded = round_half_even(v * inverse_step) * step
-    return tl.where(rounded > 448.0, 448.0, rounded)  # NaN > 448 is False: NaN stays
+from .quant import padded_head_dim, round_e4m3, round_half_even
 
 
 @triton.jit

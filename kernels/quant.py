@@ -31,9 +31,6 @@ MAX_PRODUCT_TERMS = 256
 
 #: The largest finite e4m3 value; FP8 scales are ``max|X| / 448``.
 FP8_MAX = tl.constexpr(448.0)
-#: Adding then subtracting 1.5 * 2**14 rounds an fp32 of magnitude below 2**13 to a multiple of 2**-9, the spacing
-#: of e4m3's subnormals (below 2**-6), ties to even.
-_FP8_SUBNORMAL_ROUNDER = tl.constexpr(24576.0)
 
 #: Triton reads ``TRITON_INTERPRET`` once, when it is imported; so do we (not on every launch).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -196,17 +193,28 @@ def fp8_scale(amax):
 
 
 @triton.jit
-def e4m3_round(x):
-    """fp32 ``x`` (``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, still fp32.
+def round_e4m3(v):
+    """``v >= 0`` (fp32) rounded to the nearest E4M3 value, ties to even, saturating at 448; NaN stays NaN.
 
-    Exact integer and float arithmetic: three mantissa bits kept (a carry into the exponent is the next binade's
-    value) for ``|x| >= 2**-6``, multiples of ``2**-9`` below. The GPU's conversion instruction rounds the same way;
-    Triton 3.9's interpreter does not (it drops the carry: 1.97 -> 1.0), so the codes below round here first there.
+    The step of ``v``'s binade is ``2**(e - 3)`` (3 mantissa bits), with ``e`` at least -6 (E4M3's subnormals
+    share the step of its smallest normal binade). The step and its inverse are built from exponent bits, so
+    ``v * (1 / step)`` is exact (and below 16) without a division.
     """
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
-    subnormal = (x + _FP8_SUBNORMAL_ROUNDER) - _FP8_SUBNORMAL_ROUNDER
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+    exponent = ((v.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+    exponent = tl.minimum(tl.maximum(exponent, 127 - 6), 254)
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((257 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e): biased 254 - (e_b - 3)
+    rounded = round_half_even(v * inverse_step) * step
+    return tl.where(rounded > 448.0, 448.0, rounded)  # NaN > 448 is False: NaN stays
+
+
+@triton.jit
+def e4m3_round(x):
+    """fp32 ``x`` (``|x| <= 448``) rounded to the nearest e4m3 value, ties to even, still fp32 (:func:`round_e4m3` of
+    its magnitude). The GPU's conversion instruction rounds the same way; Triton 3.9's interpreter does not (it drops
+    the carry into the exponent: 1.97 -> 1.0), so :func:`to_e4m3` rounds here first there."""
+    rounded = round_e4m3(tl.abs(x))
+    return tl.where(x < 0, -rounded, rounded)
 
 
 @triton.jit

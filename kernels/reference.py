@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from .nvfp4 import round_e4m3
 from .precision import AttentionPrecision
 
 INT8_MAX = 127.0
@@ -91,7 +92,8 @@ def quantize_int8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor,
 
 
 def fp8_round(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to the nearest e4m3 value (ties to even), kept in ``x``'s dtype; NaN stays NaN.
+    """``x`` rounded to the nearest e4m3 value (ties to even), kept in ``x``'s dtype; NaN stays NaN
+    (:func:`.nvfp4.round_e4m3`, which NVFP4's block scales use too).
 
     The callers scale ``x`` into [-448, 448] first, so nothing saturates.
 
@@ -99,7 +101,7 @@ def fp8_round(x: torch.Tensor) -> torch.Tensor:
 
         fp8_round(torch.tensor([1.06, 300.0]))   # tensor([1.0, 288.0])
     """
-    return x.to(torch.float8_e4m3fn).to(x.dtype)
+    return round_e4m3(x)
 
 
 def quantize_fp8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:

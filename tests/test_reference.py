@@ -108,6 +108,15 @@ def test_quantize_fp8_properties(seed: int) -> None:
     assert not torch.isfinite(codes[1, 1] * scale[1, 1]).all() and torch.isfinite(codes[1, 0] * scale[1, 0]).all()
 
 
+def test_fp8_round_agrees_with_torchs_cast_at_every_boundary() -> None:
+    """Every e4m3 value, each midpoint between neighbours (a tie) and the floats just either side of it."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, mid.nextafter(torch.tensor(math.inf)), mid.nextafter(torch.tensor(-math.inf))])
+    assert torch.equal(fp8_round(x), x.to(torch.float8_e4m3fn).float())
+
+
 def test_fp8_round_is_torchs_e4m3_cast_ties_to_even() -> None:
     assert fp8_round(torch.tensor([1.0625, 1.1875, 300.0, 448.0, -0.0009765625 * 1.5])).tolist() == [
         1.0,  # the tie 1 + 1/16 goes to the even neighbour 1.0
