@@ -12,10 +12,11 @@ from .qat_reference import attn_qat_reference
 from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
 
 try:  # Triton is a Linux dependency; elsewhere every call takes the reference.
+    from .hopper.dispatch import _capability
     from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
     from .qat_ops import attn_qat_triton
 except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    MAX_TRITON_HEAD_DIM, sage_attention_triton, attn_qat_triton = 0, None, None
+    MAX_TRITON_HEAD_DIM, sage_attention_triton, attn_qat_triton, _capability = 0, None, None, None
 
 #: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
 #: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
@@ -198,12 +199,32 @@ def sage_attention(
             out, _ = attn_qat_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision)
         return out
     if _uses_triton(q):
+        _check_fp8_device(q, precision)
         out, _ = sage_attention_triton(
             q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats, with_lse=False
         )
     else:
         out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     return out
+
+
+#: The oldest compute capability with FP8 (e4m3) tensor cores: Ada (8.9) and Hopper (9.0).
+FP8_CAPABILITY = (8, 9)
+
+
+def _check_fp8_device(q: torch.Tensor, precision: AttentionPrecision) -> None:
+    """Refuse FP8 products on a GPU without FP8 tensor cores, naming the products and what works."""
+    if not (precision.fp8_products and q.is_cuda):
+        return
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    capability = _capability(index)
+    if capability < FP8_CAPABILITY:
+        fields = ", ".join(f"{name}='fp8'" for name in precision.fp8_products)
+        raise ValueError(
+            f"sage_attention: precision {fields} needs FP8 tensor cores (compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer: Ada, Hopper); {q.device} is "
+            f"{capability[0]}.{capability[1]}. Use 'int8' or 'bf16' for those products on this GPU."
+        )
 
 
 def _uses_triton(q: torch.Tensor) -> bool:

@@ -122,3 +122,22 @@ def test_query_with_no_tokens_cannot_ask_for_gradients() -> None:
     q, k, v = qkv(n=0)
     with pytest.raises(ValueError, match="seq=0 with requires_grad"):
         sage_attention(q.requires_grad_(), k, v)
+
+
+def test_fp8_products_on_a_gpu_without_fp8_tensor_cores_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A100 (8.0) has no FP8 tensor cores: an FP8 product is refused by name, with what works; 8.9 and 9.0 pass,
+    and INT8 or bf16 precisions are not checked at all."""
+    from types import SimpleNamespace
+
+    from sage_lightning.kernels import interface
+
+    q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(interface, "_capability", lambda index: capability["value"])
+    with pytest.raises(ValueError) as info:
+        interface._check_fp8_device(q, AttentionPrecision(pv="fp8", ds="fp8"))
+    for piece in ("pv='fp8', ds='fp8'", "8.9", "8.0", "'int8' or 'bf16'"):
+        assert piece in str(info.value)
+    interface._check_fp8_device(q, AttentionPrecision())  # no FP8 product: nothing to check
+    for capability["value"] in ((8, 9), (9, 0)):
+        interface._check_fp8_device(q, AttentionPrecision.all_fp8())
