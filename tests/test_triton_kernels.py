@@ -290,12 +290,14 @@ def test_sage_attention_routes_to_triton_when_asked():
         use_backend("cuda")
 
 
-def test_torch_compile_has_no_graph_break():
-    """The custom ops trace into one graph (fake implementations) and give the eager results."""
+@pytest.mark.parametrize("precision", [AttentionPrecision(), AttentionPrecision.all_fp8()], ids=["int8", "fp8"])
+def test_torch_compile_has_no_graph_break(precision):
+    """The custom ops trace into one graph (fake implementations, FP8 codes' dtype included) and give the eager
+    results."""
     q, k, v, do = _inputs((1, 2, 64, 16), (1, 1, 64, 16), torch.bfloat16, seed=7)
 
     def attention(q, k, v):
-        return sage_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(16))
+        return sage_attention(q, k, v, is_causal=True, scale=1 / math.sqrt(16), precision=precision)
 
     torch._dynamo.reset()
     with use_backend("triton"):
