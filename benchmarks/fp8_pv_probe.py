@@ -17,8 +17,9 @@ and tiles, the same online softmax in base 2, the same TMA descriptors and autot
 It reports O's relative L2 error against float64 attention for the shipped INT8 forward and the probe, over inputs
 that stress each format (normal; K with outlier channels; V with outlier channels; sharp attention), and the time of
 the forward kernel alone (operands quantized beforehand, the same for both), of the whole SageBwd forward call and
-of SDPA's cuDNN forward, interleaved in one process. Nothing dispatches to the probe's kernel and no GPU record
-carries it: it is input for issue 15, not a shipped path.
+of SDPA's cuDNN forward, interleaved in one process. The probe's own kernel of device run 13 has since become the
+Hopper forward's ``pv="fp8"`` path (issue 15), which the probe now calls: the figures of
+``results/speed-h200-20261126-fp8-pv-probe.md`` are of that kernel before it shipped.
 
 Run on the device (Triton 3.6), from the project root after ``pip install -e .``::
 
@@ -44,86 +45,17 @@ if "--compile-only" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from sage_lightning.kernels.forward import LOG2E, key_range, tile_mask  # noqa: E402
-from sage_lightning.kernels.hopper.forward import _configs, hopper_forward  # noqa: E402
-from sage_lightning.kernels.quant import _ROUNDER, _ROUNDER_BITS, output_like, quantize_rows, seq_bucket  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+from sage_lightning.kernels.hopper.forward import hopper_forward  # noqa: E402
+from sage_lightning.kernels.quant import FP8_MAX, output_like, quantize_channels_fp8, quantize_rows  # noqa: E402
 
 #: e4m3's largest finite value: ``P~ <= 1`` maps to at most this, ``V``'s per-channel max to this.
-E4M3_MAX = tl.constexpr(448.0)
-
-
-@triton.autotune(configs=_configs(), key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "BLOCK_N"])
-@triton.jit
-def _fp8_pv_kernel(
-    desc_q,
-    desc_k,
-    desc_vt,
-    desc_o,
-    Q_SCALE,
-    K_SCALE,
-    V_SCALE,
-    HEADS,
-    GROUP,
-    SEQ_Q,
-    SEQ_K,
-    SEQ_BUCKET,
-    HEADS_BUCKET,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    Q_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """The Hopper forward's loop (no Q-smoothing, no lse) with ``P V`` in e4m3, accumulated in fp32 by the MMA."""
-    if CAUSAL:
-        pid_bh = tl.program_id(0)
-        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-    b = pid_bh // HEADS
-    kv_bh = b * (HEADS // GROUP) + (pid_bh % HEADS) // GROUP
-    q_block = pid_m * BLOCK_M // Q_BLOCK
-    k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    q = desc_q.load([pid_bh, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-    q_scale = tl.load(Q_SCALE + pid_bh * tl.cdiv(SEQ_Q, Q_BLOCK) + q_block)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi, full_hi = key_range(pid_m, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        tile = start_n // BLOCK_N
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = desc_k.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
-        x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
-        a = q_scale * k_scale * qk_scale
-        if start_n >= full_hi:
-            x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
-        m_new = tl.maximum(m_i, tl.max(x, axis=1) * a)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(x * a - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = desc_vt.load([kv_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
-        acc = tl.dot((p * E4M3_MAX).to(tl.float8e4nv), tl.trans(vt), acc * alpha[:, None])
-        m_i = m_new
-    v_scale = tl.load(V_SCALE + kv_bh * HEAD_DIM + cols)
-    out = acc * (v_scale / E4M3_MAX)[None, :] / l_i[:, None]
-    desc_o.store([b, pid_bh % HEADS, pid_m * BLOCK_M, 0], out.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+E4M3_MAX = FP8_MAX
 
 
 def quantize_v_fp8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """V ``[B, H, N, D]`` as e4m3 ``[B, H, D, N]`` with one fp32 scale per channel ``[B, H, D]`` (max |V| / 448)."""
-    vt = v.float().transpose(-1, -2)
-    scale = vt.abs().amax(dim=-1).div(E4M3_MAX.value)
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return (vt / scale[..., None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+    """V ``[B, H, N, D]`` as e4m3 ``[B, H, D, N]`` with one fp32 scale per channel ``[B, H, D]`` (max |V| / 448): the
+    shipped :func:`sage_lightning.kernels.quant.quantize_channels_fp8`."""
+    return quantize_channels_fp8(v)
 
 
 def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 128, block_n: int = 64) -> dict:
@@ -138,25 +70,10 @@ def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_m: int = 1
 
 
 def fp8_pv_forward(x: dict, *, is_causal: bool, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """O of the probe's kernel from :func:`operands`."""
-    q_op, k_op, v8 = x["q_op"], x["k_op"], x["v8"]
-    batch, heads, seq_q, head_dim = q_op.shape
-    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
-    blocks = [1, 1, 1]
-    desc_q = TensorDescriptor.from_tensor(q_op.view(batch * heads, seq_q, head_dim), blocks)
-    desc_k = TensorDescriptor.from_tensor(k_op.view(batch * kv_heads, seq_k, head_dim), blocks)
-    desc_vt = TensorDescriptor.from_tensor(v8.view(batch * kv_heads, head_dim, seq_k), blocks)
-    desc_o = TensorDescriptor.from_tensor(out, [1, 1, 1, 1])
-
-    def grid(meta: dict) -> tuple[int, int]:
-        tiles = triton.cdiv(seq_q, meta["BLOCK_M"])
-        return (batch * heads, tiles) if is_causal else (tiles, batch * heads)
-
-    _fp8_pv_kernel[grid](
-        desc_q, desc_k, desc_vt, desc_o, x["q_scale"], x["k_scale"], x["v8_scale"], heads, heads // kv_heads,
-        seq_q, seq_k, seq_bucket(max(seq_q, seq_k)), seq_bucket(batch * heads), scale * LOG2E,
-        HEAD_DIM=head_dim, Q_BLOCK=x["block_m"], BLOCK_N=x["block_n"], CAUSAL=is_causal,
+    """O of the shipped Hopper forward with ``pv="fp8"`` from :func:`operands` (the probe's kernel, shipped since)."""
+    out, _ = hopper_forward(
+        x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], x["v8"], x["v8_scale"], out_dtype=out_dtype,
+        is_causal=is_causal, scale=scale, block_m=x["block_m"], block_n=x["block_n"], pv="fp8",
     )  # fmt: skip
     return out
 
@@ -184,8 +101,8 @@ def inputs(kind: str, shape: tuple[int, int, int, int], seed: int = 0) -> tuple[
 
 
 def compile_only() -> int:
-    """Compile the probe's kernel for sm_90 offline (D=64 and 128, causal or not) and print ``sm90_compile``'s table
-    of it: registers, spills, shared memory and the hot loop's instructions."""
+    """Compile the Hopper forward's FP8 ``P V`` for sm_90 offline (D=64 and 128, causal or not) and print
+    ``sm90_compile``'s table of it: registers, spills, shared memory and the hot loop's instructions."""
     failures = 0
     for head_dim in (128, 64):
         shape = (1, 2, 1024, head_dim)
@@ -199,7 +116,11 @@ def compile_only() -> int:
                 failures += 1
                 print(f"{offline._CASE['name']}: {type(error).__name__}: {error}"[:4000])
     offline.report_gluon_compile(
-        f"Triton {triton.__version__}, sm_90 offline", None, False, case_width=26, skip=("_quantize_rows_kernel",)
+        f"Triton {triton.__version__}, sm_90 offline",
+        None,
+        False,
+        case_width=26,
+        skip=("_quantize_rows_kernel", "_quantize_channels_fp8_kernel"),
     )
     return 1 if failures else 0
 
