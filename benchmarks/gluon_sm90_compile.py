@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         assert gb.gluon_dkdv_applies(
                             x["grad_out"], x["q_op"], None, x["k_op"], is_causal=causal, block_m=128, block_n=64,
-                            qk_int8=True, dv_int8=True, dp_int8=False, ds_int8=True,
+                            qk="int8", dv="int8", dp="bf16", ds="int8",
                         )  # fmt: skip
                         operands = (
                             x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],

@@ -432,13 +432,9 @@ def backward(
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
                               dv="int8", dp="bf16", ds="int8")
     """
-    formats = dict(qk_int8=qk == "int8", dv_int8=dv == "int8", dp_int8=dp == "int8", ds_int8=ds == "int8")
     tiles = dict(is_causal=is_causal, block_m=block_m, block_n=block_n)
-    # The Gluon kernels serve INT8 formats only; any FP8 product takes the portable kernels.
-    no_fp8 = "fp8" not in (qk, dv, dp, ds)
-    gluon_kv = no_fp8 and gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, **formats)
-    gluon_q = no_fp8 and gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk_int8=qk == "int8",
-                                          dp_int8=dp == "int8", ds_int8=ds == "int8")  # fmt: skip
+    gluon_kv = gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dv=dv, dp=dp, ds=ds)
+    gluon_q = gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dp=dp, ds=ds)
     if gluon_kv or gluon_q:
         # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
         # usually a [B, N, H, D] view).

@@ -70,8 +70,7 @@ def _sagebwd_forward(
     # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q)}  # fmt: skip
-    if hopper_forward_applies(q_op, k_op, qk_int8=qk == "int8", pv_int8=pv == "int8", pv_fp8=pv == "fp8", scale=scale,
-                              block_m=block_m, block_n=block_n):  # fmt: skip
+    if hopper_forward_applies(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n):
         out, lse = hopper_forward(*operands, **tiles, pv=pv)
     else:
         out, lse = forward(*operands, **tiles, qk=qk, pv=pv)

@@ -20,7 +20,7 @@ def _applies(causal: bool = False, **overrides: object) -> bool:
     with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
     formats."""
     grad_out, q_op, q_mean, k_op = meta_backward(overrides)
-    args = dict(block_m=128, block_n=64, qk_int8=True, dv_int8=True, dp_int8=False, ds_int8=True)
+    args = dict(block_m=128, block_n=64, qk="int8", dv="int8", dp="bf16", ds="int8")
     return gb.gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
 
 
@@ -67,10 +67,12 @@ def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch)
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"dp_int8": True},
-        {"dv_int8": False},
-        {"ds_int8": False},
-        {"qk_int8": False},
+        {"dp": "int8"},
+        {"dp": "fp8"},
+        {"ds": "fp8"},
+        {"dv": "bf16"},
+        {"ds": "bf16"},
+        {"qk": "bf16"},
         {"q_mean": torch.zeros(1)},
         {"dtype": torch.float16},
         {"head_dim": 96},

@@ -116,7 +116,7 @@ def test_hopper_forward_propagates_nan(hopper_calls):
 def _applies(**overrides: object) -> bool:
     q = torch.zeros(1, 2, 128, 128, dtype=torch.int8)
     k = torch.zeros(1, 2, 128, 128, dtype=torch.int8)
-    args = dict(qk_int8=True, pv_int8=True, scale=0.125, block_m=128, block_n=64)
+    args = dict(qk="int8", pv="int8", scale=0.125, block_m=128, block_n=64)
     if "head_dim" in overrides:
         q = q[..., : overrides.pop("head_dim")]
     if "seq_k" in overrides:
@@ -128,15 +128,15 @@ def test_dispatch_serves_the_default_precision_when_forced(monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "force")
     assert _applies()
     assert _applies(head_dim=64, block_n=128)
-    assert _applies(pv_int8=False, pv_fp8=True)  # FP8 P V
-    assert not _applies(qk_int8=False, pv_int8=False, pv_fp8=True)  # FP8 or bf16 QK: the portable forward
+    assert _applies(pv="fp8")  # FP8 P V
+    assert not _applies(qk="fp8", pv="fp8")  # FP8 or bf16 QK: the portable forward
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"pv_int8": False},
-        {"qk_int8": False},
+        {"pv": "bf16"},
+        {"qk": "bf16"},
         {"head_dim": 96},
         {"seq_k": 100},  # V^'s transposed rows would not be 16-byte aligned for the copy engine
         {"scale": -0.125},

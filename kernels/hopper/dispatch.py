@@ -66,10 +66,9 @@ def hopper_forward_applies(
     q_op: torch.Tensor,
     k_op: torch.Tensor,
     *,
-    qk_int8: bool,
-    pv_int8: bool,
+    qk: str,
+    pv: str,
     scale: float,
-    pv_fp8: bool = False,
     block_m: int,
     block_n: int,
 ) -> bool:
@@ -82,21 +81,19 @@ def hopper_forward_applies(
 
     Args:
         q_op, k_op: the quantized Q'^ ``[B, Hq, N, D]`` and K'^ ``[B, Hkv, Nk, D]``.
-        qk_int8, pv_int8, scale, block_m, block_n: whether ``qk`` and ``pv`` are INT8, and the rest as
-            :func:`..forward.forward`.
-        pv_fp8: whether ``pv`` is FP8.
+        qk, pv, scale, block_m, block_n: the products' formats and the rest as :func:`..forward.forward`.
 
     Example::
 
-        if hopper_forward_applies(q_op, k_op, qk_int8=True, pv_int8=True, scale=0.125, block_m=128, block_n=64):
+        if hopper_forward_applies(q_op, k_op, qk="int8", pv="int8", scale=0.125, block_m=128, block_n=64):
             out, lse2 = hopper_forward(...)
     """
     setting = choice()
     if setting == "off" or (setting == "auto" and not verified_here(q_op.device)):
         return False
     return (
-        qk_int8
-        and (pv_int8 or pv_fp8)
+        qk == "int8"
+        and pv in ("int8", "fp8")
         and q_op.shape[-1] in HEAD_DIMS
         and k_op.shape[2] % 16 == 0
         and scale > 0

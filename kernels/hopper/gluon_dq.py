@@ -414,9 +414,9 @@ def gluon_dq_applies(
     is_causal: bool,
     block_m: int,
     block_n: int,
-    qk_int8: bool,
-    dp_int8: bool,
-    ds_int8: bool,
+    qk: str,
+    dp: str,
+    ds: str,
 ) -> bool:
     """Whether :func:`gluon_dq` computes this backward's dQ instead of ``_dq_kernel``.
 
@@ -432,12 +432,12 @@ def gluon_dq_applies(
         grad_out: dO ``[B, Hq, N, D]``.
         q_op, q_mean, k_op: the forward's Q'^, its smoothing mean (``None`` without), K'^.
         is_causal, block_m, block_n: as the forward.
-        qk_int8, dp_int8, ds_int8: the products' formats.
+        qk, dp, ds: the products' formats (it serves ``"int8"`` ones with ``dp="bf16"``).
 
     Example::
 
-        if gluon_dq_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk_int8=True,
-                            dp_int8=False, ds_int8=True):
+        if gluon_dq_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk="int8",
+                            dp="bf16", ds="int8"):
             dq = gluon_dq(...)
     """
     choice = dispatch.env_choice(ENV, CHOICES, DEFAULT)
@@ -452,9 +452,8 @@ def gluon_dq_applies(
             return False
     seq_q, head_dim, seq_k = q_op.shape[2], q_op.shape[3], k_op.shape[2]
     return (
-        qk_int8
-        and ds_int8
-        and not dp_int8
+        qk == ds == "int8"
+        and dp == "bf16"
         and q_mean is None
         and grad_out.dtype == torch.bfloat16
         and head_dim in HEAD_DIMS
