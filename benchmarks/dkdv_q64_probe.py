@@ -51,7 +51,6 @@ if "--compile-only" in sys.argv:
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper.gluon_backward import (  # noqa: E402
     BLOCK_N,
     LOAD_REGS,
@@ -64,6 +63,7 @@ from sage_lightning.kernels.hopper.gluon_backward import (  # noqa: E402
 )
 from sage_lightning.kernels.hopper.gluon_dkdv_wg import WG_MAXNREG, _wg_loader  # noqa: E402
 from sage_lightning.kernels.hopper.gluon_dq import _transpose_k  # noqa: E402
+from sage_lightning.kernels.tiles import LOG2E  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402

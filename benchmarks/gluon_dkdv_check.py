@@ -33,7 +33,6 @@ import triton  # noqa: E402
 from device_check import Watchdog, banner, check_parser, compare, crossover_row, finish, rel_l2  # noqa: E402
 from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 from sage_lightning.kernels import backward as bwd  # noqa: E402
-from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_backward as gb  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg  # noqa: E402
 from sage_lightning.kernels.ops import sagebwd_forward  # noqa: E402
@@ -45,6 +44,7 @@ from sage_lightning.kernels.quant import (
     transpose_rows,
 )  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
+from sage_lightning.kernels.tiles import LOG2E  # noqa: E402
 
 #: (batch, q heads, kv heads, queries, keys, head dim, run the reference)
 SHAPES = [

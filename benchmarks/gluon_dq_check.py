@@ -38,11 +38,11 @@ import triton  # noqa: E402
 from device_check import banner, check_parser, crossover_row, finish, header  # noqa: E402
 from gluon_dkdv_check import CROSSOVER, Watchdog, compare, inputs, rel_l2  # noqa: E402  (dK/dV: force)
 from sage_lightning.kernels import backward as bwd  # noqa: E402
-from sage_lightning.kernels.forward import LOG2E  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dq as gq  # noqa: E402
 from sage_lightning.kernels.hopper import gluon_dq_wg as gqw  # noqa: E402
 from sage_lightning.kernels.quant import dot_precision, padded_head_dim, seq_bucket, transpose_rows  # noqa: E402
 from sage_lightning.kernels.reference import sage_attention_reference  # noqa: E402
+from sage_lightning.kernels.tiles import LOG2E  # noqa: E402
 
 #: (batch, q heads, kv heads, queries, keys, head dim, run the reference)
 SHAPES = [

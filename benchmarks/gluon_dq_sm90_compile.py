@@ -32,8 +32,8 @@ VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "
 def _portable(x: dict, causal: bool) -> None:
     """``backward()``'s ``_dq_kernel`` launch (every autotuning candidate is compiled)."""
     from sage_lightning.kernels import backward as bwd
-    from sage_lightning.kernels.forward import LOG2E
     from sage_lightning.kernels.quant import dot_precision, padded_head_dim, seq_bucket
+    from sage_lightning.kernels.tiles import LOG2E
 
     q_op, k_op, do = x["q_op"], x["k_op"], x["grad_out"]
     batch, heads, seq_q, head_dim = q_op.shape

@@ -133,15 +133,12 @@ def _check_precision(device: str, impl: str, precision: AttentionPrecision) -> l
 def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
     """``attention(q, k, v, causal)`` of one implementation; ``tiles`` (``block_m``, ``block_n``) are sage's, unused
     by SDPA."""
-    if impl == "sage":
-        return lambda q, k, v, causal: sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
-    if impl in FP8_IMPLS:
-        precision = FP8_IMPLS[impl]
-
-        def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-            return sage_attention_triton(q, k, v, is_causal=causal, precision=precision, with_lse=False, **tiles)[0]
-
-        return fp8
+    if impl == "sage" or impl in FP8_IMPLS:
+        # sage keeps the default precision (no argument); an FP8 implementation passes its own.
+        precision = {"precision": FP8_IMPLS[impl]} if impl in FP8_IMPLS else {}
+        return lambda q, k, v, causal: sage_attention_triton(
+            q, k, v, is_causal=causal, **precision, with_lse=False, **tiles
+        )[0]
     if impl == "sage_portable":
 
         def portable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:

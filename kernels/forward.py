@@ -28,7 +28,7 @@ from .quant import (
 )
 from .tiles import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
 
-__all__ = ["LOG2E", "forward"]
+__all__ = ["forward"]
 
 
 @triton.jit

@@ -21,12 +21,13 @@ import triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backward import backward
-from .forward import LOG2E, forward
+from .forward import forward
 from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
 from .quant import CODE_DTYPES, MAX_PRODUCT_TERMS, output_like, quantize_channels_fp8, quantize_rows
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
+from .tiles import LOG2E
 
 #: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
 #: other head dims are padded to the next power of two inside the kernel.

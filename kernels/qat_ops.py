@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .forward import LOG2E
 from .precision import AttentionPrecision
 from .qat_backward import qat_backward
 from .qat_forward import qat_forward
 from .qat_quant import quantize_qkv_triton
 from .reference import DEFAULT_BLOCK_N, softmax_scale
+from .tiles import LOG2E
 
 #: Query tile of the Attn-QAT kernels. It changes no result (P's quantization rows are per query, the key tile
 #: sets them); 64 rather than SageBwd's 128 because the forward carries two fp32 output accumulators (O and O_hp)

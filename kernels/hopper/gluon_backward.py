@@ -39,7 +39,7 @@ import math
 import torch
 import triton.language as tl
 
-from ..forward import LOG2E
+from ..tiles import LOG2E
 from . import dispatch
 
 try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernel.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import LOG2E
+from ..tiles import LOG2E
 from . import dispatch
 from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc, _rows_desc
 

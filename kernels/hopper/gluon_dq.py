@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from ..forward import LOG2E
+from ..tiles import LOG2E
 from . import dispatch
 from .gluon_backward import GLUON_TRITON, HAVE_GLUON, WS_MAXNREG, _desc
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..forward import LOG2E
+from ..tiles import LOG2E
 from . import dispatch
 from .gluon_backward import HAVE_GLUON, _desc
 from .gluon_dkdv_wg import WG_MAXNREG
