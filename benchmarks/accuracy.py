@@ -73,7 +73,6 @@ from pathlib import Path
 
 import torch
 from sage_lightning.kernels import PRODUCTS, AttentionPrecision
-from sage_lightning.kernels.qat_reference import attn_qat_intermediates
 from sage_lightning.kernels.reference import exact_attention, sage_attention_intermediates
 
 REPO = Path(__file__).resolve().parent.parent
@@ -257,16 +256,15 @@ def measure(
     """
     if path == "triton":
         from sage_lightning.kernels.ops import sage_attention_triton
-        from sage_lightning.kernels.qat_ops import attn_qat_triton
 
         q, k, v = (inputs[name].detach().requires_grad_() for name in ("q", "k", "v"))
-        run = attn_qat_triton if precision.mode == "attn_qat" else sage_attention_triton
-        out, lse = run(q, k, v, is_causal=causal, precision=precision)
+        out, lse = sage_attention_triton(q, k, v, is_causal=causal, precision=precision)
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), inputs["do"])
         got = {"O": out, "lse": lse, "dQ": dq, "dK": dk, "dV": dv}
         return {name: compare(got[name], ref[name]) for name in OUTPUT_TENSORS if name in ref}
-    intermediates = attn_qat_intermediates if precision.mode == "attn_qat" else sage_attention_intermediates
-    got = intermediates(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision)
+    got = sage_attention_intermediates(
+        inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal, precision=precision
+    )
     return {name: compare(got[name], ref[name]) for name in TENSORS if name in ref}
 
 
@@ -280,7 +278,9 @@ def fp4_gradient(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, tor
         own = fp4_gradient(make_inputs("normal sigma=1", parse_args([])), causal=False)
     """
     f64 = {name: t.to(torch.float64) for name, t in inputs.items()}
-    got = attn_qat_intermediates(f64["q"], f64["k"], f64["v"], f64["do"], is_causal=causal)
+    got = sage_attention_intermediates(
+        f64["q"], f64["k"], f64["v"], f64["do"], is_causal=causal, precision=AttentionPrecision.attn_qat()
+    )
     return {name: got[name] for name in FP4_GRADIENT_TENSORS}
 
 

@@ -373,7 +373,6 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     """Call one entry point forward and backward on CPU tensors (their values are never read on a device)."""
     from sage_lightning.kernels import AttentionPrecision
     from sage_lightning.kernels.ops import sage_attention_triton
-    from sage_lightning.kernels.qat_ops import attn_qat_triton
 
     # The Hopper path is taken only on a verified GPU; here it is forced (or switched off) for the call.
     os.environ[HOPPER_ENV] = {"hopper": "force", "portable": "off"}[settings.get("path", "portable")]
@@ -388,8 +387,8 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
         )  # fmt: skip
     else:
         backward = "matched" if settings["matched"] else "dropin"
-        precision = AttentionPrecision(mode="attn_qat", qat_backward=backward)
-        out, _ = attn_qat_triton(q, k, v, is_causal=settings["causal"], precision=precision, with_lse=False)
+        precision = AttentionPrecision.attn_qat(backward=backward)
+        out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], precision=precision, with_lse=False)
     out.backward(torch.randn_like(out))
 
 

@@ -1,4 +1,5 @@
-"""Triton backward of SageBwd: dK and dV in one kernel, dQ in another, S recomputed from the saved Q'^, K'^.
+"""Triton backward of SageBwd and Attn-QAT: dK and dV in one kernel, dQ in another, S recomputed from the saved
+Q'^, K'^.
 
 Both kernels walk the same ``BLOCK_M x BLOCK_N`` tiles the forward used and recompute each tile's ``S``,
 ``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`),
@@ -10,6 +11,12 @@ so the two see the same dS and its INT8 codes. Per tile (as the reference):
 * ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS (INT8 or FP8; where dS and
   Q'^, K'^ differ in format, both are cast to the input dtype, which holds every code exactly);
 * Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
+
+Simulated NVFP4 (Attn-QAT): ``dv="nvfp4"`` re-quantizes P per row of the tile as the forward did
+(:func:`.quant.quantize_p_rows`; the dK/dV program's key block is the forward's key tile) and multiplies it in the
+input dtype; ``dp="nvfp4"`` is dO (input dtype) against V's NVFP4 values and their scale. Q'^ and K'^ are then the
+NVFP4 values of Q and K with their per-head scales, and ``dS`` runs in ``"bf16"`` against them. The drop-in backward
+is every product in ``"bf16"`` from q, k, v themselves with scale 1.
 
 The dK/dV program owns one key block of a kv head and loops over every query head of its group, so GQA
 gradients are summed without repeating K or V. The dS statistics (``STATS``) are accumulated by the dK/dV
@@ -40,6 +47,7 @@ from .quant import (
     low_bit_dot,
     nan_max,
     padded_head_dim,
+    quantize_p_rows,
     quantize_rows,
     round_half_even,
     seq_bucket,
@@ -97,6 +105,8 @@ def _tile_gradients(
         dp = int32_scaled(tl.dot(do_dp, tl.trans(v)), do_scale * v_scale)
     elif DP_FMT == "fp8":
         dp = low_bit_dot(do_dp, tl.trans(v), DOT_PRECISION) * (do_scale * v_scale)
+    elif DP_FMT == "nvfp4":
+        dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION) * v_scale  # dO in the input dtype, V's NVFP4 values
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     return p, p * (dp - delta[:, None])
@@ -202,14 +212,14 @@ def _dkdv_kernel(
                 other=0.0,
             )
             do_scale = 1.0
-            if DP_FMT != "bf16":
+            if DP_FMT == "int8" or DP_FMT == "fp8":
                 do_scale = tl.load(DO_SCALE + bh * m_blocks + m_block)
             do_t_scale = 1.0
-            if DV_FMT != "bf16":
+            if DV_FMT == "int8" or DV_FMT == "fp8":
                 do_t_scale = tl.load(DO_T_SCALE + bh * m_blocks + m_block)
             lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
-            if DP_FMT != "bf16":
+            if DP_FMT == "int8" or DP_FMT == "fp8":
                 do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
                 p, ds = _tile_gradients(
                     q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
@@ -232,6 +242,11 @@ def _dkdv_kernel(
                 # dO^ read as stored [D, N]: the 8-bit product wants the summed-over queries contiguous.
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
                 dv += int32_scaled(tl.dot(tl.trans(p_codes), tl.trans(do_t)), p_scale[:, None] * do_t_scale)
+            elif DV_FMT == "nvfp4":
+                # P re-quantized per row of the tile, as the forward quantized it, in the input dtype.
+                p_values, p_scale = quantize_p_rows(p, BLOCK_M, BLOCK_N)
+                p_dv = to_dtype(p_values * p_scale[:, None], io_dtype, DOT_PRECISION)
+                dv += hp_dot(tl.trans(p_dv), do, DOT_PRECISION)
             else:
                 dv += hp_dot(tl.trans(to_dtype(p, io_dtype, DOT_PRECISION)), do, DOT_PRECISION)
             if WITH_STATS:
@@ -336,7 +351,7 @@ def _dq_kernel(
         other=0.0,
     )
     do_scale = 1.0
-    if DP_FMT != "bf16":
+    if DP_FMT == "int8" or DP_FMT == "fp8":
         do = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
         do_scale = tl.load(DO_SCALE + bh * m_blocks + pid_m)
     lse = tl.load(LSE + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
@@ -399,6 +414,7 @@ def backward(
     lse: torch.Tensor,
     stats: torch.Tensor | None,
     *,
+    v_scale: torch.Tensor | None = None,
     is_causal: bool,
     scale: float,
     block_m: int,
@@ -420,11 +436,14 @@ def backward(
         out: the forward's O, for ``delta`` (:func:`.quant.backward_preprocess`).
         q_op, q_scale, q_mean, k_op, k_scale: the forward's saved operands (``q_mean`` ``None`` without
             Q-smoothing).
-        v: V itself; its codes are made here when ``dp`` is ``"int8"`` or ``"fp8"``.
+        v: V itself; its codes are made here when ``dp`` is ``"int8"`` or ``"fp8"``. For ``dp="nvfp4"``, V's NVFP4
+            values ``[B, Hkv, Nk, D]`` contiguous, with ``v_scale``.
+        v_scale: V's NVFP4 scale per key block ``[B, Hkv, Nk / BLOCK_N]`` (``dp="nvfp4"`` only).
         lse: the forward's internal logsumexp (base 2).
         stats: fp32 ``(2,)`` buffer the dS statistics are added to, or ``None`` (nothing computed).
         is_causal, scale, block_m, block_n: as the forward.
-        qk, dv, dp, ds: the products' formats (``"int8"``, ``"fp8"`` or ``"bf16"``); ``qk`` must be the forward's.
+        qk, dv, dp, ds: the products' formats (``"int8"``, ``"fp8"``, ``"bf16"`` or ``"nvfp4"``, which ``ds`` does not
+            take); ``qk`` must be the forward's.
 
     Example::
 
@@ -454,6 +473,8 @@ def backward(
         do_codes_t, do_t_scale, _ = quantize_rows(grad_out, block_m, fmt="fp8", transposed=True)
     if dp in LOW_BIT_FORMATS:
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, fmt=dp)
+    elif dp == "nvfp4":
+        v_dp, v_dp_scale = v, v_scale
     else:
         v_dp, v_dp_scale = v.contiguous(), None
     batch, heads, seq_q, head_dim = q_op.shape

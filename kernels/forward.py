@@ -1,9 +1,16 @@
-"""Triton forward of SageBwd: INT8 or FP8 ``Q'^ K'^T`` and ``P^ V^`` with an online softmax over key tiles.
+"""Triton forward of SageBwd and Attn-QAT: ``Q'^ K'^T`` and ``P^ V^`` in INT8, FP8, bf16 or simulated NVFP4 with an
+online softmax over key tiles.
 
 One program per (query tile of ``BLOCK_M`` rows, batch x query head); the kv head is ``query head // group``,
 so grouped-query attention reads the shared K and V without repeating them. Scores are kept in base 2
 (``tau * log2(e)`` folded into the dequantization scale) so the softmax uses ``exp2``. The stored logsumexp is
 the internal one, of the smoothed scores and in base 2: the backward recomputes ``P = exp2(S - lse)`` from it.
+
+NVFP4 (Attn-QAT): Q, K and V arrive as their NVFP4 values (exact in the input dtype) with one scale per (batch,
+head), expanded per block, so ``qk="nvfp4"`` is the 16-bit product against those scales; ``pv="nvfp4"`` quantizes
+``P~`` per row of the tile in registers (:func:`.quant.quantize_p_rows`) and multiplies V's values in the input dtype.
+The row sum adds the unquantized ``P~``; with ``HIGH_PRECISION_OUT`` a second accumulator adds ``bf16(P~) V``, the
+output of the unquantized P, which Attn-QAT's backward reads for ``delta``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from .quant import (
     int32_scaled,
     low_bit_dot,
     padded_head_dim,
+    quantize_p_rows,
     seq_bucket,
     to_dtype,
     to_e4m3,
@@ -34,6 +42,7 @@ __all__ = ["forward"]
 @triton.jit
 def _forward_tile(
     acc,
+    acc_hp,
     l_i,
     m_i,
     q,
@@ -53,14 +62,17 @@ def _forward_tile(
     HEAD_DIM,
     qk_scale,
     full_hi,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     QK_FMT: tl.constexpr,
     PV_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
+    HIGH_PRECISION_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile of the forward's online softmax: returns the updated ``(acc, l_i, m_i)``.
+    """One key tile of the forward's online softmax: returns the updated ``(acc, acc_hp, l_i, m_i)`` (``acc_hp``
+    changes only with ``HIGH_PRECISION_OUT``).
 
     Tiles from ``full_hi`` on (the causal diagonal, a last tile past ``SEQ_K``) are masked here; the earlier
     ones need no mask for any stored row (a padded query row, which is never stored, goes unmasked there).
@@ -97,17 +109,28 @@ def _forward_tile(
         p_codes = int8_codes(p, p_scale[:, None])
         v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
         pv = int32_scaled(tl.dot(p_codes, tl.trans(v_t)), p_scale[:, None] * v_scale)
+    elif PV_FMT == "nvfp4":
+        # P per row of the tile (values of exp2(S - tilemax), whatever the running max) against V's NVFP4 values;
+        # both are exact in the input dtype. V's scale is applied at the end.
+        v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
+        p_values, p_scale = quantize_p_rows(p, BLOCK_M, BLOCK_N)
+        pv = hp_dot(p_values.to(v.dtype), v, DOT_PRECISION) * p_scale[:, None]
+        if HIGH_PRECISION_OUT:
+            acc_hp = acc_hp * alpha[:, None] + hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
     else:
         v = load_tile(v_base, offs_n, cols, HEAD_DIM, SEQ_K, HEAD_DIM)
         pv = hp_dot(to_dtype(p, v.dtype, DOT_PRECISION), v, DOT_PRECISION)
-    return acc * alpha[:, None] + pv, l_i, m_new
+    return acc * alpha[:, None] + pv, acc_hp, l_i, m_new
 
 
 # Every constexpr that changes the code is in the key: a tuning found for one variant (say without Q-smoothing)
 # may not fit another in shared memory.
 @triton.autotune(
     configs=tuning_configs(((8, 2), (8, 3), (4, 3))),
-    key=["HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "CAUSAL", "QK_FMT", "PV_FMT", "SMOOTH_Q", "DOT_PRECISION"],
+    key=[
+        *("HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "BLOCK_M", "CAUSAL"),
+        *("QK_FMT", "PV_FMT", "SMOOTH_Q", "HIGH_PRECISION_OUT", "DOT_PRECISION"),
+    ],
 )
 @triton.jit
 def _forward_kernel(
@@ -119,6 +142,7 @@ def _forward_kernel(
     V_OP,
     V_SCALE,
     OUT,
+    OUT_HP,
     LSE,
     stride_ob,
     stride_oh,
@@ -138,6 +162,7 @@ def _forward_kernel(
     QK_FMT: tl.constexpr,
     PV_FMT: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
+    HIGH_PRECISION_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -159,24 +184,31 @@ def _forward_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    acc_hp = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)  # left unchanged (and unused) without HIGH_PRECISION_OUT
     hi, full_hi = key_range(pid_m, SEQ_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, hi, BLOCK_N):
         # One loop: the mask's compares and selects run only in the tiles that need them (a branch the whole
         # program takes alike), which keeps one software-pipelined loop.
-        acc, l_i, m_i = _forward_tile(
-            acc, l_i, m_i, q, q_scale, q_mean, k_base, v_base, K_SCALE, V_SCALE, kv_bh, k_blocks, start_n, offs_m,
-            cols, SEQ_Q, SEQ_K, HEAD_DIM, qk_scale, full_hi, BLOCK_N, CAUSAL, QK_FMT, PV_FMT, SMOOTH_Q, DOT_PRECISION,
+        acc, acc_hp, l_i, m_i = _forward_tile(
+            acc, acc_hp, l_i, m_i, q, q_scale, q_mean, k_base, v_base, K_SCALE, V_SCALE, kv_bh, k_blocks, start_n,
+            offs_m, cols, SEQ_Q, SEQ_K, HEAD_DIM, qk_scale, full_hi, BLOCK_M, BLOCK_N, CAUSAL, QK_FMT, PV_FMT,
+            SMOOTH_Q, HIGH_PRECISION_OUT, DOT_PRECISION,
         )  # fmt: skip
     out = acc / l_i[:, None]
     if PV_FMT == "fp8":
         # V's per-channel scales and P's 1 / 448.
         v_scale = tl.load(V_SCALE + kv_bh * HEAD_DIM + cols, mask=cols < HEAD_DIM, other=0.0)
         out = out * (v_scale / FP8_MAX)[None, :]
-    tl.store(
-        OUT + b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :],
-        to_dtype(out, OUT.dtype.element_ty, DOT_PRECISION),
-        mask=(offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM),
-    )
+    elif PV_FMT == "nvfp4":
+        # V's one scale per head (stored per key block, every block alike).
+        out = out * tl.load(V_SCALE + kv_bh * k_blocks)
+    out_offsets = b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :]
+    valid = (offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM)
+    tl.store(OUT + out_offsets, to_dtype(out, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
+    if HIGH_PRECISION_OUT:
+        # O_hp in O's layout, with V's scale (HIGH_PRECISION_OUT comes with pv="nvfp4").
+        out_hp = acc_hp / l_i[:, None] * tl.load(V_SCALE + kv_bh * k_blocks)
+        tl.store(OUT_HP + out_offsets, to_dtype(out_hp, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
     tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
 
 
@@ -197,6 +229,7 @@ def forward(
     qk: str,
     pv: str,
     out: torch.Tensor | None = None,
+    out_hp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on quantized operands (see :func:`.quant.quantize_rows`).
 
@@ -205,15 +238,18 @@ def forward(
             Q-smoothing, the block means ``[B, Hq, N / BLOCK_M, D]``.
         k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and ``[B, Hkv, Nk / BLOCK_N]``.
         v_op, v_scale: V^ ``[B, Hkv, D, Nk]`` and its scales (``[B, Hkv, Nk / BLOCK_N]`` for INT8, per channel
-            ``[B, Hkv, D]`` for FP8: :func:`.quant.quantize_channels_fp8`), or V ``[B, Hkv, Nk, D]`` when ``pv`` is
-            high precision.
+            ``[B, Hkv, D]`` for FP8: :func:`.quant.quantize_channels_fp8`); V's NVFP4 values ``[B, Hkv, Nk, D]``
+            with its scale per key block ``[B, Hkv, Nk / BLOCK_N]`` for ``"nvfp4"``; or V ``[B, Hkv, Nk, D]`` when
+            ``pv`` is high precision.
         out_dtype: dtype of O (the input dtype).
         is_causal: top-left causal mask.
         scale: softmax scale ``tau``.
         block_m, block_n: tile sizes; they must be the quantization blocks of the operands.
-        qk, pv: the products' formats (``"int8"``, ``"fp8"`` or ``"bf16"``), matching the operands' dtypes.
+        qk, pv: the products' formats (``"int8"``, ``"fp8"``, ``"bf16"`` or ``"nvfp4"``), matching the operands.
         out: where O is written (``[B, Hq, N, D]`` of ``out_dtype``, any strides with the last dim contiguous, e.g.
             :func:`.quant.output_like` of q); a contiguous one is made when ``None``.
+        out_hp: where O_hp, the output of the unquantized P, is written (like ``out``; only with ``pv="nvfp4"``),
+            or ``None`` for none.
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]`` (fp32, base 2, smoothed scores).
@@ -239,6 +275,7 @@ def forward(
         v_op,
         v_scale,
         out,
+        out_hp if out_hp is not None else out,
         lse,
         *out.stride()[:3],
         heads,
@@ -256,6 +293,7 @@ def forward(
         QK_FMT=qk,
         PV_FMT=pv,
         SMOOTH_Q=q_mean is not None,
+        HIGH_PRECISION_OUT=out_hp is not None,
         DOT_PRECISION=dot_precision(out_dtype),
     )
     return out, lse

@@ -8,15 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from .precision import AttentionPrecision
-from .qat_reference import attn_qat_reference
 from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
 
 try:  # Triton is a Linux dependency; elsewhere every call takes the reference.
     from .hopper.dispatch import _capability
     from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
-    from .qat_ops import attn_qat_triton
 except ImportError:  # pragma: no cover - exercised only where triton is not installed
-    MAX_TRITON_HEAD_DIM, sage_attention_triton, attn_qat_triton, _capability = 0, None, None, None
+    MAX_TRITON_HEAD_DIM, sage_attention_triton, _capability = 0, None, None
 
 #: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
 #: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
@@ -194,9 +192,11 @@ def sage_attention(
         return q.new_empty(q.shape)
     if precision.mode == "attn_qat":
         if _uses_triton(q):
-            out, _ = attn_qat_triton(q, k, v, is_causal=is_causal, scale=scale, precision=precision, with_lse=False)
+            out, _ = sage_attention_triton(
+                q, k, v, is_causal=is_causal, scale=scale, precision=precision, with_lse=False
+            )
         else:
-            out, _ = attn_qat_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision)
+            out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision)
         return out
     if _uses_triton(q):
         _check_fp8_device(q, precision)

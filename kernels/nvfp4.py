@@ -21,7 +21,8 @@ saturate). NVFP4 therefore carries an FP32 scale per tensor, ``s = amax / (6 * 4
 (:func:`nvfp4_tensor_scale`), which maps the tensor's largest block scale to 448 exactly, so every tensor,
 however small or large, keeps 3-bit-mantissa block scales (blocks more than ``2**-9 / 448``, about 5e-6,
 below the tensor's max still underflow, as they do in hardware). The attention uses it: per (batch, head)
-for Q, K and V, per row of a key tile for P (:mod:`.qat_reference`).
+for Q, K and V (:func:`quantize_qkv`), per row of a key tile for P (:func:`quantize_p_tile`), in
+:mod:`.reference`.
 
 Non-finite values: a NaN in a block makes its scale NaN and so every value of the block; an infinity in a
 tensor makes its second-level scale infinite and the tensor NaN. (With ``s = 1`` an infinity saturates to
@@ -54,6 +55,8 @@ __all__ = [
     "fake_quantize_nvfp4",
     "nvfp4_quantize",
     "nvfp4_tensor_scale",
+    "quantize_p_tile",
+    "quantize_qkv",
     "round_e2m1",
     "round_e4m3",
 ]
@@ -169,3 +172,50 @@ def fake_quantize_nvfp4(x: torch.Tensor, tensor_scale: torch.Tensor | float | No
     """
     values, _ = nvfp4_quantize(x, tensor_scale)
     return values if tensor_scale is None else values * tensor_scale
+
+
+def quantize_qkv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of Q, K or V ``[B, H, N, D]`` along the head dim, one FP32 scale per (batch, head).
+
+    Computed in fp32 whatever ``x``'s dtype (the second-level scale is an FP32 number, as the kernels compute
+    it): a bf16 tensor and its float64 copy quantize to the same values. That matters more than it seems:
+    16-bit inputs put many values exactly on E2M1 rounding ties, which a division carried out in another
+    precision would break the other way.
+
+    Args:
+        x: ``[B, H, N, D]``, any float dtype.
+
+    Returns:
+        ``(values, scale)``: values ``[B, H, N, D]`` (exact in bf16 and fp16) and ``scale`` ``[B, H, 1, 1]``,
+        both in fp32 (fp64 for fp64 ``x``, holding the same numbers); ``x ~= values * scale``.
+
+    Example::
+
+        u_q, s_q = quantize_qkv(q)
+    """
+    x32 = x.to(torch.float32)
+    scale = nvfp4_tensor_scale(x32, dims=(-2, -1))
+    values, _ = nvfp4_quantize(x32, scale)
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return values.to(dtype), scale.to(dtype)
+
+
+def quantize_p_tile(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of a tile of probabilities ``[..., rows, keys]`` along the keys, one FP32 scale per row.
+
+    The row scale is ``rowmax / (6 * 448)`` (1 for a row of zeros), so the row's largest block gets the block
+    scale 448 and its max the value 6: the values depend only on the row's shape, not on its normalisation.
+
+    Args:
+        p: non-negative probabilities (unnormalised or normalised), keys a multiple of 16.
+
+    Returns:
+        ``(values, row_scale)``; ``p ~= values * row_scale``, ``row_scale`` shaped ``[..., rows, 1]``.
+
+    Example::
+
+        values, row_scale = quantize_p_tile(torch.rand(128, 64))
+    """
+    row_scale = nvfp4_tensor_scale(p, dims=(-1,))
+    values, _ = nvfp4_quantize(p, row_scale)
+    return values, row_scale

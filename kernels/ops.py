@@ -25,7 +25,14 @@ from .forward import forward
 from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
 from .precision import AttentionPrecision
-from .quant import CODE_DTYPES, MAX_PRODUCT_TERMS, output_like, quantize_channels_fp8, quantize_rows
+from .quant import (
+    CODE_DTYPES,
+    MAX_PRODUCT_TERMS,
+    output_like,
+    quantize_channels_fp8,
+    quantize_heads_nvfp4,
+    quantize_rows,
+)
 from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 from .tiles import LOG2E
 
@@ -190,6 +197,146 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, 
 torch.library.register_autograd("sage_lightning::sagebwd_forward", _backward, setup_context=_setup_context)
 
 
+#: Query tile of Attn-QAT's launches. It changes no result (Q's NVFP4 scale is per head, and P's quantization rows
+#: are per query within the key tile); 64 rather than SageBwd's 128 because the forward carries two fp32 output
+#: accumulators (O and O_hp) and quantizes P in registers.
+QAT_BLOCK_M = 64
+
+
+def _per_block(scale: torch.Tensor, seq: int, block: int) -> torch.Tensor:
+    """A per-(batch, head) scale ``[B, H]`` as the kernels read scales: one per block of ``block`` rows."""
+    return scale[:, :, None].expand(-1, -1, triton.cdiv(seq, block)).contiguous()
+
+
+@torch.library.custom_op("sage_lightning::attn_qat_forward", mutates_args=())
+def attn_qat_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    matched: bool,
+    block_m: int,
+    block_n: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """Attn-QAT's forward: the SageBwd kernels with ``qk`` and ``pv`` in ``"nvfp4"``. Returns
+    ``(O, lse2, O_hp, U_Q, s_Q, U_K, s_K, U_V, s_V)``: the NVFP4 values of Q, K, V (the input dtype, contiguous)
+    with their scales per block (``[B, H, blocks]``); ``O_hp`` (the output of the unquantized P) only when
+    ``matched`` (empty otherwise); ``lse2`` base 2, of the quantized scores.
+    """
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    q_values, q_scale = quantize_heads_nvfp4(q)
+    k_values, k_scale = quantize_heads_nvfp4(k)
+    v_values, v_scale = quantize_heads_nvfp4(v)
+    q_scale = _per_block(q_scale, seq_q, block_m)
+    k_scale, v_scale = _per_block(k_scale, seq_k, block_n), _per_block(v_scale, seq_k, block_n)
+    out = output_like(q)
+    out_hp = torch.empty_like(out) if matched else None
+    out, lse = forward(
+        q_values, q_scale, None, k_values, k_scale, v_values, v_scale, out_dtype=q.dtype, is_causal=is_causal,
+        scale=scale, block_m=block_m, block_n=block_n, qk="nvfp4", pv="nvfp4", out=out, out_hp=out_hp,
+    )  # fmt: skip
+    out_hp = out_hp if out_hp is not None else q.new_empty(_EMPTY)
+    return out, lse, out_hp, q_values, q_scale, k_values, k_scale, v_values, v_scale
+
+
+@attn_qat_forward.register_fake
+def _attn_qat_forward_fake(q, k, v, is_causal, scale, matched, block_m, block_n):  # noqa: ANN001, ANN202
+    batch, heads, seq_q, _ = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    f32 = torch.float32
+    m_blocks, n_blocks = triton.cdiv(seq_q, block_m), triton.cdiv(seq_k, block_n)
+    return (
+        output_like(q),
+        q.new_empty((batch, heads, seq_q), dtype=f32),
+        output_like(q) if matched else q.new_empty(_EMPTY),
+        q.new_empty(q.shape),
+        q.new_empty((batch, heads, m_blocks), dtype=f32),
+        k.new_empty(k.shape),
+        k.new_empty((batch, kv_heads, n_blocks), dtype=f32),
+        v.new_empty(v.shape),
+        v.new_empty((batch, kv_heads, n_blocks), dtype=f32),
+    )
+
+
+@torch.library.custom_op("sage_lightning::attn_qat_backward", mutates_args=())
+def attn_qat_backward(
+    grad_out: torch.Tensor,
+    out_for_delta: torch.Tensor,
+    lse: torch.Tensor,
+    q_op: torch.Tensor,
+    q_scale: torch.Tensor,
+    k_op: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_op: torch.Tensor,
+    v_scale: torch.Tensor,
+    is_causal: bool,
+    scale: float,
+    matched: bool,
+    block_m: int,
+    block_n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attn-QAT's backward, ``(dQ, dK, dV)``: the SageBwd kernels with ``qk``, ``dv``, ``dp`` in ``"nvfp4"`` and ``ds``
+    in ``"bf16"`` from the NVFP4 values (``matched``), or every product in ``"bf16"`` from q, k, v with scale 1 (the
+    drop-in backward). ``out_for_delta`` is O_hp (matched) or O."""
+    formats = ("nvfp4", "nvfp4", "nvfp4", "bf16") if matched else ("bf16",) * 4
+    return backward(
+        grad_out, out_for_delta, q_op, q_scale, None, k_op, k_scale, v_op, lse, None, v_scale=v_scale,
+        is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n,
+        **dict(zip(("qk", "dv", "dp", "ds"), formats, strict=True)),
+    )  # fmt: skip
+
+
+@attn_qat_backward.register_fake
+def _attn_qat_backward_fake(grad_out, out_for_delta, lse, q_op, q_scale, k_op, k_scale, v_op, v_scale, is_causal,
+                            scale, matched, block_m, block_n):  # fmt: skip  # noqa: ANN001, ANN202
+    return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(v_op.shape)
+
+
+def _attn_qat_setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    q, k, v, is_causal, scale, matched, block_m, block_n = inputs
+    out, lse, out_hp, q_values, q_scale, k_values, k_scale, v_values, v_scale = output
+    if matched:
+        # Matching recomputation: the backward's S and P come from the forward's NVFP4 values, not from q and k.
+        ctx.save_for_backward(out_hp, lse, q_values, q_scale, k_values, k_scale, v_values, v_scale)
+    else:
+        # FlashAttention's backward: the inputs themselves (scale 1), the forward's O and logsumexp.
+        q_ones, k_ones = torch.ones_like(q_scale), torch.ones_like(k_scale)
+        ctx.save_for_backward(out, lse, q, q_ones, k, k_ones, v, k_ones)
+    ctx.config = (is_causal, scale, matched, block_m, block_n)
+    ctx.mark_non_differentiable(lse, out_hp, q_values, q_scale, k_values, k_scale, v_values, v_scale)
+    # The backward reads only O's gradient: no zero gradients for the other eight outputs.
+    ctx.set_materialize_grads(False)
+
+
+def _attn_qat_gradients(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor | None, *_unused: torch.Tensor | None
+) -> tuple:
+    if grad_out is None:  # gradients are not materialized: O took no part in what is derived
+        return (None,) * 8
+    out_for_delta, lse, q_op, q_scale, k_op, k_scale, v_op, v_scale = ctx.saved_tensors
+    q_op, k_op, v_op = (t.contiguous() for t in (q_op, k_op, v_op))  # the drop-in's inputs may have any strides
+    dq, dk, dv = attn_qat_backward(
+        grad_out, out_for_delta, lse, q_op, q_scale, k_op, k_scale, v_op, v_scale, *ctx.config
+    )
+    return (dq, dk, dv) + (None,) * 5
+
+
+torch.library.register_autograd(
+    "sage_lightning::attn_qat_forward", _attn_qat_gradients, setup_context=_attn_qat_setup_context
+)
+
+
 class _SageBwd(torch.autograd.Function):
     """The same forward and backward as the two operators, for eager calls: ``torch.library``'s dispatch of a
     Python operator costs the host about 0.2 ms per forward and 0.3 ms per backward (measured on an H100 host at
@@ -222,11 +369,11 @@ def sage_attention_triton(
     scale: float | None = None,
     precision: AttentionPrecision | None = None,
     stats: torch.Tensor | None = None,
-    block_m: int = DEFAULT_BLOCK_M,
+    block_m: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     with_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """SageBwd through the Triton kernels, differentiable; returns ``(O, logsumexp)`` like the reference.
+    """SageBwd or Attn-QAT through the Triton kernels, differentiable; returns ``(O, logsumexp)`` like the reference.
 
     Callers normally use :func:`sage_lightning.kernels.sage_attention`, which checks arguments and routes
     CUDA tensors here. This function trusts its arguments (SDPA layout, ``Hq % Hkv == 0``, bf16/fp16/fp32,
@@ -234,8 +381,11 @@ def sage_attention_triton(
     under ``TRITON_INTERPRET=1``.
 
     Args:
-        q, k, v, is_causal, scale, precision, stats: as :func:`sage_lightning.kernels.sage_attention`.
-        block_m, block_n: the tiles, which are also the quantization blocks (powers of two, 16 to 256).
+        q, k, v, is_causal, scale, precision, stats: as :func:`sage_lightning.kernels.sage_attention` (``stats`` is
+            SageBwd's: a ``mode="attn_qat"`` precision adds nothing to it).
+        block_m, block_n: the tiles, which are also SageBwd's quantization blocks (powers of two, 16 to 256);
+            ``block_m`` ``None`` is 128 (SageBwd) or 64 (Attn-QAT, where it changes no result); Attn-QAT's
+            ``block_n`` sets P's quantization rows.
         with_lse: also compute SDPA's logsumexp (one more pass over q); ``False`` returns ``None`` for it.
 
     Returns:
@@ -245,14 +395,19 @@ def sage_attention_triton(
 
         out, lse = sage_attention_triton(q, k, v, is_causal=True)
     """
+    precision = AttentionPrecision() if precision is None else precision
+    if block_m is None:
+        block_m = QAT_BLOCK_M if precision.mode == "attn_qat" else DEFAULT_BLOCK_M
     for name, tile in (("block_m", block_m), ("block_n", block_n)):
         if not (isinstance(tile, int) and 16 <= tile <= MAX_PRODUCT_TERMS and tile & (tile - 1) == 0):
             raise ValueError(
                 f"{name} must be a power of two from 16 to {MAX_PRODUCT_TERMS} (an INT8 product sums over a tile, "
                 f"exact in fp32 up to that); received {tile!r}"
             )
-    precision = AttentionPrecision() if precision is None else precision
     tau = softmax_scale(q.shape[-1], scale)
+    if precision.mode == "attn_qat":
+        out, lse2, *_ = attn_qat_forward(q, k, v, is_causal, tau, precision.high_precision_out, block_m, block_n)
+        return out, (lse2.detach() / LOG2E if with_lse else None)
     attention = sagebwd_forward if _traced(q) else _SageBwd.apply
     out, lse2, *_ = attention(
         q, k, v, stats, is_causal, tau, precision.qk, precision.pv, precision.dv, precision.dp, precision.ds,

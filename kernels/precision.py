@@ -17,6 +17,12 @@ PRODUCTS: tuple[str, ...] = ("qk", "pv", "dv", "dp", "ds")
 FORMATS: tuple[str, ...] = ("int8", "fp8", "bf16")
 #: The 8-bit formats, whose operands are quantized codes with scales.
 LOW_BIT_FORMATS: tuple[str, ...] = ("int8", "fp8")
+#: Every format the kernels and the reference compute: :data:`FORMATS` and ``"nvfp4"``, simulated NVFP4 (E2M1 values
+#: in blocks of 16 with E4M3 block scales and an FP32 scale per (batch, head), or per row of a key tile for P; the
+#: values are exact in the input's 16-bit type, so the products run in it with fp32 accumulation). A layer runs NVFP4
+#: through the Attn-QAT preset (:meth:`AttentionPrecision.attn_qat`), whose formats :attr:`AttentionPrecision.formats`
+#: lists.
+KERNEL_FORMATS: tuple[str, ...] = (*FORMATS, "nvfp4")
 #: Modes of an attention layer. ``"sagebwd"`` is INT8 attention (the product formats below), ``"attn_qat"``
 #: simulated NVFP4 attention for quantization-aware training (``docs/how-it-works.md``), ``"full"`` plain
 #: full-precision attention (the last rung of the controller's ladder).
@@ -124,6 +130,43 @@ class AttentionPrecision:
         if self.mode != "sagebwd":
             return ()
         return tuple(name for name in PRODUCTS if getattr(self, name) == "fp8")
+
+    @property
+    def formats(self) -> dict[str, str]:
+        """The format each product runs in, as the kernels and the reference read it (``{"qk": ..., "ds": ...}``).
+
+        ``"sagebwd"``: the product fields. ``"attn_qat"``: Attn-QAT's NVFP4 set, ``qk``, ``pv`` and ``dp`` in
+        ``"nvfp4"`` and ``ds`` in ``"bf16"`` (the score gradient against K's and Q's NVFP4 values); ``dv`` is
+        ``"nvfp4"`` (P re-quantized as the forward quantized it) for the matched backward and ``"bf16"`` for the
+        drop-in one, whose backward products all run on the unquantized inputs
+        (:attr:`backward_from_inputs`). ``"full"``: ``"bf16"`` throughout.
+
+        Example::
+
+            AttentionPrecision.attn_qat().formats
+            # {'qk': 'nvfp4', 'pv': 'nvfp4', 'dv': 'nvfp4', 'dp': 'nvfp4', 'ds': 'bf16'}
+        """
+        if self.mode == "sagebwd":
+            return {name: getattr(self, name) for name in PRODUCTS}
+        if self.mode == "attn_qat":
+            if self.backward_from_inputs:
+                return {"qk": "nvfp4", "pv": "nvfp4", "dv": "bf16", "dp": "bf16", "ds": "bf16"}
+            return {"qk": "nvfp4", "pv": "nvfp4", "dv": "nvfp4", "dp": "nvfp4", "ds": "bf16"}
+        return dict.fromkeys(PRODUCTS, "bf16")
+
+    @property
+    def backward_from_inputs(self) -> bool:
+        """Whether the backward recomputes S from the unquantized q, k, v in the input dtype rather than from the
+        forward's operands: Attn-QAT's drop-in baseline (``qat_backward="dropin"``), FlashAttention's backward fed
+        the NVFP4 forward's O and logsumexp."""
+        return self.mode == "attn_qat" and self.qat_backward == "dropin"
+
+    @property
+    def high_precision_out(self) -> bool:
+        """Whether the forward also computes ``O_hp``, the output of the unquantized P, for the backward's
+        ``delta = rowsum(dO * O_hp)`` (Attn-QAT's matched backward: ``rowsum(dO * O)`` with the NVFP4 P's O is not
+        the softmax gradient's own term)."""
+        return self.mode == "attn_qat" and self.qat_backward == "matched"
 
     @property
     def short_name(self) -> str:

@@ -1,4 +1,4 @@
-"""SageBwd in plain PyTorch: the oracle for the Triton kernels and the path every CPU caller takes.
+"""SageBwd and Attn-QAT in plain PyTorch: the oracle for the Triton kernels and the path every CPU caller takes.
 
 The numerics follow the design tile by tile (``BLOCK_M`` queries x ``BLOCK_N`` keys):
 
@@ -25,6 +25,27 @@ A product in ``"fp8"`` takes e4m3 codes (kept as floats likewise) with ``s = max
 INT8, except two: ``O = P V`` codes V per channel over all keys of its head and P as ``e4m3(448 P~)`` against the
 running max (one scale, ``1 / 448``), so the tile products add up as they are; and dV's P is ``e4m3(448 P)``
 (P is at most 1). FP8 products are summed in fp32 (the tensor cores accumulate them in fp32 too), not exactly.
+
+``"nvfp4"`` is Attn-QAT's (``mode="attn_qat"``; :attr:`.AttentionPrecision.formats`), simulated NVFP4
+(:mod:`.nvfp4`): the values are exact in the input dtype, so an NVFP4 product runs in it with fp32 accumulation
+and its FP32 scales are applied to the result. No smoothing. Forward:
+
+* ``Q, K, V`` quantized along the head dim, one FP32 scale per (batch, head), computed in fp32
+  (:func:`.nvfp4.quantize_qkv`): ``Q ~= U_Q s_Q``; ``S = tau (U_Q U_K^T) s_Q s_K``;
+* ``P~ = exp(S - m)`` against the running max; the row sum ``l`` adds up the unquantized ``P~``; ``P~``
+  quantized along the keys with one FP32 scale per row of the tile, ``rowmax(P~) / (6 * 448)``
+  (:func:`.nvfp4.quantize_p_tile`), so its values do not depend on the running max and the backward's P,
+  normalised differently, quantizes to the same values;
+* ``O = sum_tiles U_P U_V s_P / l * s_V``; with :attr:`.AttentionPrecision.high_precision_out` also
+  ``O_hp = sum_tiles bf16(P~) U_V / l * s_V`` (the unquantized P) for the backward.
+
+Backward, matched (Attn-QAT: straight-through to q, k, v and P): S and P recomputed from ``U_Q, U_K`` and their
+scales; ``dV += bf16(fq(P))^T bf16(dO)`` with P re-quantized as the forward did; ``dP = (bf16(dO) U_V^T) s_V``;
+``delta = rowsum(dO * O_hp)`` (``rowsum(P * dP)``, the softmax gradient's own term);
+``dQ += tau bf16(dS) (U_K s_K)``, ``dK += tau bf16(dS)^T (U_Q s_Q)``. Drop-in
+(:attr:`.AttentionPrecision.backward_from_inputs`, the baseline the Attn-QAT paper finds unstable):
+FlashAttention's backward from q, k, v themselves with every product in the input dtype, fed the NVFP4
+forward's O (for delta) and logsumexp. "bf16" is the input dtype (fp16 inputs run in fp16, fp32 in fp32).
 """
 
 from __future__ import annotations
@@ -35,8 +56,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from .nvfp4 import round_e4m3
-from .precision import AttentionPrecision
+from .nvfp4 import NVFP4_BLOCK, quantize_p_tile, quantize_qkv, round_e4m3
+from .precision import PRODUCTS, AttentionPrecision
 
 INT8_MAX = 127.0
 #: The largest finite e4m3 value: FP8 codes are ``X / s`` with ``s = max|X| / 448``, rounded to e4m3.
@@ -132,7 +153,11 @@ def quantize_fp8(x: torch.Tensor, dims: tuple[int, ...]) -> tuple[torch.Tensor, 
 def _operand(
     x: torch.Tensor, fmt: str, dims: tuple[int, ...], io_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product operand in ``fmt``: INT8 or FP8 codes and scales, or ``x`` rounded to the input dtype (scale 1)."""
+    """A product operand in ``fmt``: INT8 or FP8 codes and scales, or ``x`` rounded to the input dtype (scale 1).
+
+    ``"nvfp4"`` gives the latter too: it is the operand of an NVFP4 product that is not quantized (dO); Q, K, V
+    and P take their own quantizers (:func:`_nvfp4_keys`, :func:`_nvfp4_rows`, :func:`.nvfp4.quantize_p_tile`).
+    """
     if fmt == "int8":
         return quantize_int8(x, dims)
     if fmt == "fp8":
@@ -140,7 +165,20 @@ def _operand(
     shape = list(x.shape)
     for dim in dims:
         shape[dim] = 1
-    return x.to(io_dtype).to(x.dtype), x.new_ones(shape)
+    return _to_io(x, io_dtype), x.new_ones(shape)
+
+
+def _to_io(x: torch.Tensor, io_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to the input dtype, kept in its own (an operand of a 16-bit product)."""
+    return x.to(io_dtype).to(x.dtype)
+
+
+def _formats(precision: AttentionPrecision) -> dict[str, str]:
+    """The format of each product: :attr:`.AttentionPrecision.formats`, except ``mode="full"`` (which
+    ``sage_attention`` serves with SDPA, not with this reference): the SageBwd fields, as they are."""
+    if precision.mode == "full":
+        return {name: getattr(precision, name) for name in PRODUCTS}
+    return precision.formats
 
 
 @dataclass
@@ -227,16 +265,53 @@ class _Geometry:
 class _Saved:
     """What the backward needs: the quantized Q'^, K'^ with scales, the means, V, O and logsumexp."""
 
-    q_op: torch.Tensor  # [B, Hkv, R, D] codes (or high-precision values) of Q'
-    q_scale: torch.Tensor  # [B, Hkv, R / BLOCK_M, 1] one per row block
+    q_op: torch.Tensor  # [B, Hkv, R, D] codes (or high-precision or NVFP4 values) of Q'
+    q_scale: torch.Tensor  # [B, Hkv, R / BLOCK_M, 1] one per row block (NVFP4: its query head's)
     k_op: torch.Tensor  # [B, Hkv, padded Nk, D] codes of K'
     k_scale: torch.Tensor  # [B, Hkv, key tiles, 1]
     q_mean: torch.Tensor | None  # [B, Hkv, R / BLOCK_M, D] Q-smoothing means
     k_mean: torch.Tensor | None  # [B, Hkv, 1, D] K-smoothing means
 
 
+def _nvfp4_keys(x: torch.Tensor, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of K or V ``[B, Hkv, Nk, D]`` (:func:`.nvfp4.quantize_qkv`) in key tiles: values
+    ``[B, Hkv, key tiles, BLOCK_N, D]`` (padded keys zero) and the (batch, head) scale repeated per tile,
+    ``[B, Hkv, key tiles, 1, 1]``."""
+    values, scale = quantize_qkv(x)
+    tiles = geo.to_keys(values).reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
+    return tiles, scale[:, :, None].expand(-1, -1, geo.key_tiles, 1, 1).to(geo.compute_dtype)
+
+
+def _nvfp4_rows(q: torch.Tensor, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 of Q ``[B, Hq, N, D]`` (:func:`.nvfp4.quantize_qkv`) in the rows layout: values ``[B, Hkv, R, D]`` and
+    the (batch, query head) scale per row block ``[B, Hkv, R / BLOCK_M, 1]`` (a row block lies in one head)."""
+    values, scale = quantize_qkv(q)
+    per_block = scale.reshape(geo.batch, geo.kv_heads, geo.group, 1).repeat_interleave(geo.padded_q // geo.block_m, 2)
+    return geo.to_rows(values), per_block.to(geo.compute_dtype)
+
+
+def _from_inputs(q: torch.Tensor, k: torch.Tensor, geo: _Geometry) -> _Saved:
+    """The operands of a backward that recomputes S from q and k themselves (scale 1, no means):
+    :attr:`.AttentionPrecision.backward_from_inputs`."""
+    q_rows, k_keys = geo.to_rows(q), geo.to_keys(k)
+    q_scale = q_rows.new_ones(geo.batch, geo.kv_heads, geo.row_blocks, 1)
+    k_scale = k_keys.new_ones(geo.batch, geo.kv_heads, geo.key_tiles, 1)
+    return _Saved(q_op=q_rows, q_scale=q_scale, k_op=k_keys, k_scale=k_scale, q_mean=None, k_mean=None)
+
+
 def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: AttentionPrecision) -> _Saved:
-    """Smoothing and quantization of Q and K (the forward's first stage)."""
+    """Smoothing and quantization of Q and K (the forward's first stage); NVFP4 (Attn-QAT) has no smoothing."""
+    if _formats(precision)["qk"] == "nvfp4":
+        q_op, q_scale = _nvfp4_rows(q, geo)
+        k_tiles, k_scale = _nvfp4_keys(k, geo)
+        return _Saved(
+            q_op=q_op,
+            q_scale=q_scale,
+            k_op=k_tiles.reshape(geo.batch, geo.kv_heads, geo.padded_k, geo.head_dim),
+            k_scale=k_scale.reshape(geo.batch, geo.kv_heads, geo.key_tiles, 1),
+            q_mean=None,
+            k_mean=None,
+        )
     qr = geo.to_rows(q)  # padded rows are zero
     kr = geo.to_keys(k)
     k_mean = None
@@ -252,9 +327,10 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
         valid = valid.reshape(geo.row_blocks, geo.block_m, 1).to(geo.compute_dtype)
         q_mean = q_blocks.sum(dim=3) / valid.sum(dim=1)  # mean over the valid rows of each block
         q_blocks = (q_blocks - q_mean[:, :, :, None, :]) * valid
-    q_op, q_scale = _operand(q_blocks, precision.qk, (-2, -1), geo.io_dtype)
+    fmt = _formats(precision)["qk"]
+    q_op, q_scale = _operand(q_blocks, fmt, (-2, -1), geo.io_dtype)
     k_tiles = kr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
-    k_op, k_scale = _operand(k_tiles, precision.qk, (-2, -1), geo.io_dtype)
+    k_op, k_scale = _operand(k_tiles, fmt, (-2, -1), geo.io_dtype)
     return _Saved(
         q_op=q_op.reshape(qr.shape),
         q_scale=q_scale.reshape(geo.batch, geo.kv_heads, geo.row_blocks, 1),
@@ -290,21 +366,31 @@ def _forward(
     geo: _Geometry,
     precision: AttentionPrecision,
     record: dict[str, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax over key tiles. Returns O ``[B, Hkv, R, D]`` and logsumexp ``[B, Hkv, R]``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Online softmax over key tiles. Returns O ``[B, Hkv, R, D]``, logsumexp ``[B, Hkv, R]`` and O_hp (the output of
+    the unquantized P, ``[B, Hkv, R, D]``) where :attr:`.AttentionPrecision.high_precision_out` asks for it or an
+    NVFP4 ``pv`` is recorded, else ``None``."""
+    fmt = _formats(precision)["pv"]
     vr = geo.to_keys(v)
     v_tiles = vr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
-    if precision.pv == "fp8":
+    out_scale = None  # a scale of O's channels applied after the sum over tiles
+    if fmt == "fp8":
         # V per channel over all keys of its head: the scale factors out of the sum over keys, so O accumulates the
         # FP8 products of every tile as they are and is scaled once at the end (the tensor core accumulates in fp32).
         v_op, v_scale = quantize_fp8(v_tiles, (2, 3))  # v_scale [B, Hkv, 1, 1, D]
         v_scale = v_scale[:, :, 0]  # [B, Hkv, 1, D]: per channel, for every tile
+    elif fmt == "nvfp4":
+        # One FP32 scale per (batch, head): applied to O once, after the sum over tiles.
+        v_op, v_scale = _nvfp4_keys(v, geo)
+        out_scale = v_scale[:, :, 0]  # [B, Hkv, 1, 1]
     else:
-        v_op, v_scale = _operand(v_tiles, precision.pv, (-2, -1), geo.io_dtype)
+        v_op, v_scale = _operand(v_tiles, fmt, (-2, -1), geo.io_dtype)
     shape = (geo.batch, geo.kv_heads, geo.rows)
     row_max = torch.full(shape, -math.inf, dtype=geo.compute_dtype, device=v.device)
     row_sum = torch.zeros(shape, dtype=geo.compute_dtype, device=v.device)
     acc = torch.zeros(*shape, geo.head_dim, dtype=geo.compute_dtype, device=v.device)
+    keep_hp = fmt == "nvfp4" and (precision.high_precision_out or record is not None)
+    acc_hp = torch.zeros_like(acc) if keep_hp else None
     tiles_p, tiles_max = [], []
     for tile in range(geo.key_tiles):
         s, _ = _scores(saved, geo, tile)
@@ -313,21 +399,31 @@ def _forward(
         safe_max = torch.where(new_max == -math.inf, torch.zeros_like(new_max), new_max)
         p = torch.exp(s - safe_max[..., None])
         alpha = torch.exp(row_max - safe_max)
-        row_sum = row_sum * alpha + p.sum(dim=-1)
-        if precision.pv == "fp8":
+        row_sum = row_sum * alpha + p.sum(dim=-1)  # the unquantized P: lse normalises the backward's P exactly
+        if fmt == "fp8":
             # P~ = exp(S - m) against the running max is in [0, 1]: e4m3 of 448 P~, one scale 1 / 448 for all.
             p_op, p_scale = fp8_round(p * FP8_MAX), 1.0 / FP8_MAX
             pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale)
+        elif fmt == "nvfp4":
+            # P per row of the tile, s_P = rowmax(P~) / 2688: the values do not depend on the running max.
+            p_op, p_scale = quantize_p_tile(p)
+            pv = (p_op @ v_op[:, :, tile]) * p_scale
         else:
             # P per row of the tile: s_P = rowmax(P~) / 127, so the codes do not depend on the running max.
-            p_op, p_scale = _operand(p, precision.pv, (-1,), geo.io_dtype)
+            p_op, p_scale = _operand(p, fmt, (-1,), geo.io_dtype)
             pv = (p_op @ v_op[:, :, tile]) * (p_scale * v_scale[:, :, tile])
         acc = acc * alpha[..., None] + pv
+        if acc_hp is not None:
+            acc_hp = acc_hp * alpha[..., None] + _to_io(p, geo.io_dtype) @ v_op[:, :, tile]
         row_max = new_max
         if record is not None:
             tiles_p.append(p_op * p_scale)
             tiles_max.append(safe_max)
     out = acc / row_sum[..., None]
+    out_hp = None if acc_hp is None else acc_hp / row_sum[..., None]
+    if out_scale is not None:
+        out = out * out_scale
+        out_hp = None if out_hp is None else out_hp * out_scale
     lse = row_max + torch.log(row_sum)
     if record is not None:
         # The probabilities the PV product used, renormalised to the final max and sum.
@@ -335,7 +431,7 @@ def _forward(
             p * torch.exp(m - row_max)[..., None] / row_sum[..., None] for p, m in zip(tiles_p, tiles_max, strict=True)
         ]
         record["P"] = torch.cat(norm, dim=-1)[..., : geo.seq_k]
-    return out, lse
+    return out, lse, out_hp
 
 
 def _backward(
@@ -349,18 +445,27 @@ def _backward(
     stats: torch.Tensor | None = None,
     record: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ ``[B, Hkv, R, D]``, dK and dV ``[B, Hkv, padded Nk, D]`` from dO and the saved forward."""
+    """dQ ``[B, Hkv, R, D]``, dK and dV ``[B, Hkv, padded Nk, D]`` from dO and the saved forward.
+
+    ``out`` is the O that ``delta = rowsum(dO * O)`` takes: the stored O, or O_hp for
+    :attr:`.AttentionPrecision.high_precision_out`. ``saved`` holds the operands S is recomputed from (the forward's,
+    or q and k themselves for :attr:`.AttentionPrecision.backward_from_inputs`); ``v`` is the input V.
+    """
+    formats = _formats(precision)
     tau = geo.scale
     b, h, bm, nb, d = geo.batch, geo.kv_heads, geo.block_m, geo.block_n, geo.head_dim
     do_r = geo.to_rows(do)
-    delta = (do_r * geo.to_rows(out)).sum(dim=-1)  # rowsum(dO * O) with the stored O
+    delta = (do_r * geo.to_rows(out)).sum(dim=-1)  # rowsum(dO * O) with the stored O (or O_hp)
     do_blocks = geo.row_blocks_view(do_r)
-    do_dv, do_dv_scale = _operand(do_blocks, precision.dv, (-2, -1), geo.io_dtype)
-    do_dp, do_dp_scale = _operand(do_blocks, precision.dp, (-2, -1), geo.io_dtype)
+    do_dv, do_dv_scale = _operand(do_blocks, formats["dv"], (-2, -1), geo.io_dtype)
+    do_dp, do_dp_scale = _operand(do_blocks, formats["dp"], (-2, -1), geo.io_dtype)
     do_dp = do_dp.reshape(do_r.shape)
     do_dp_scale = geo.expand_rows(do_dp_scale.reshape(b, h, geo.row_blocks, 1))
-    vr = geo.to_keys(v)
-    v_dp, v_dp_scale = _operand(vr.reshape(b, h, geo.key_tiles, nb, d), precision.dp, (-2, -1), geo.io_dtype)
+    if formats["dp"] == "nvfp4":
+        v_dp, v_dp_scale = _nvfp4_keys(v, geo)  # V's values and scale, as the forward quantized them
+    else:
+        vr = geo.to_keys(v)
+        v_dp, v_dp_scale = _operand(vr.reshape(b, h, geo.key_tiles, nb, d), formats["dp"], (-2, -1), geo.io_dtype)
     q_blocks = geo.row_blocks_view(saved.q_op)
     q_scale_blocks = saved.q_scale[..., None]  # [B, Hkv, R / BM, 1, 1]
 
@@ -381,13 +486,18 @@ def _backward(
         # dtype. Per column rather than per tile: a key that few queries attend to keeps its resolution
         # (dV cosine 0.99886 -> 0.9998 at N=4096, D=128; docs/how-it-works.md).
         p_blocks = p.reshape(b, h, geo.row_blocks, bm, nb)
-        if precision.dv == "fp8":
+        if formats["dv"] == "fp8":
             # P = exp(S - lse) is in [0, 1]: e4m3 of 448 P, one scale 1 / 448 (e4m3 keeps a key's small
             # probabilities to 3 significant bits down to 2**-6 / 448 without a per-column scale).
             p_op = fp8_round(p_blocks * FP8_MAX)
             p_scale = p_blocks.new_full((b, h, geo.row_blocks, 1, nb), 1.0 / FP8_MAX)
+        elif formats["dv"] == "nvfp4":
+            # P re-quantized exactly as the forward quantized it (per row of the tile: the same values whatever
+            # the normalisation), then as an operand in the input dtype.
+            p_values, p_row_scale = quantize_p_tile(p_blocks)
+            p_op, p_scale = _operand(p_values * p_row_scale, "bf16", (-2,), geo.io_dtype)
         else:
-            p_op, p_scale = _operand(p_blocks, precision.dv, (-2,), geo.io_dtype)
+            p_op, p_scale = _operand(p_blocks, formats["dv"], (-2,), geo.io_dtype)
         dv_parts = (p_op.transpose(-1, -2) @ do_dv) * (p_scale.transpose(-1, -2) * do_dv_scale)
         dv[:, :, keys] = dv_parts.sum(dim=2)
 
@@ -396,11 +506,11 @@ def _backward(
         ds = p * (dp - delta[..., None])
 
         ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
-        ds_op, ds_op_scale = _operand(ds_blocks, precision.ds, (-2, -1), geo.io_dtype)
+        ds_op, ds_op_scale = _operand(ds_blocks, formats["ds"], (-2, -1), geo.io_dtype)
         if stats is not None:
             # Measured for the INT8 quantizer whatever ds runs in, so the controller can see the error
             # it would return to before it steps dS back down from bf16.
-            ds_codes, ds_scale = (ds_op, ds_op_scale) if precision.ds == "int8" else quantize_int8(ds_blocks, (-2, -1))
+            ds_codes, ds_scale = (ds_op, ds_op_scale) if formats["ds"] == "int8" else quantize_int8(ds_blocks, (-2, -1))
             err2 = err2 + (ds_blocks - ds_codes * ds_scale).square().sum()
             norm2 = norm2 + ds_blocks.square().sum()
 
@@ -408,6 +518,7 @@ def _backward(
         k_scale = saved.k_scale[:, :, tile, None]
         dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
         dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
+        # Per row block, so each block's Q scale (its query head's, for NVFP4 under GQA) applies to its own part.
         dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
         dk[:, :, keys] = dk_parts.sum(dim=2) * tau
 
@@ -417,7 +528,8 @@ def _backward(
             dk[:, :, keys] += (col_sums.transpose(-1, -2) @ saved.q_mean) * tau
         if record is not None:
             tiles["dP"].append(dp.masked_fill(invalid, 0.0))
-            tiles["dS"].append((ds_op * ds_op_scale).reshape(ds.shape))
+            # dS as the dQ/dK products used it; Attn-QAT's before its rounding to the input dtype.
+            tiles["dS"].append(ds if precision.mode == "attn_qat" else (ds_op * ds_op_scale).reshape(ds.shape))
     # No K-smoothing term rowsum(dS) x kbar in dQ: the forward computed S from K', so this is the gradient of
     # what ran. The term is zero in exact arithmetic, and in practice rowsum(dS) = dO . (P V - O) carries the
     # PV quantization error, which kbar would amplify (measured: dQ rel_l2 0.0072 -> 0.040 with PV alone in
@@ -438,6 +550,7 @@ def _geometry(
     scale: float | None,
     block_m: int,
     block_n: int,
+    precision: AttentionPrecision,
 ) -> _Geometry:
     batch, q_heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -447,6 +560,11 @@ def _geometry(
                 f"sage_attention reference: {name}={value} is over {MAX_EXACT_CONTRACTION}, the longest "
                 "contraction whose int8 products the reference sums exactly in fp32."
             )
+    if "nvfp4" in _formats(precision).values() and block_n % NVFP4_BLOCK:
+        raise ValueError(
+            f"attn_qat reference: block_n must be a multiple of {NVFP4_BLOCK} (P is quantized in blocks of "
+            f"{NVFP4_BLOCK} keys within a key tile); received {block_n}."
+        )
     return _Geometry(
         batch=batch,
         kv_heads=kv_heads,
@@ -521,14 +639,22 @@ class _SageAttentionFunction(torch.autograd.Function):
         block_m: int,
         block_n: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        geo = _geometry(q, k, is_causal, scale, block_m, block_n)
+        geo = _geometry(q, k, is_causal, scale, block_m, block_n, precision)
         saved = _prepare(q, k, geo, precision)
-        out_rows, lse_rows = _forward(v, saved, geo, precision)
+        out_rows, lse_rows, out_hp_rows = _forward(v, saved, geo, precision)
         out = geo.from_rows(out_rows).to(q.dtype)
         ctx.geo, ctx.precision, ctx.stats = geo, precision, stats
         ctx.has_means = (saved.q_mean is not None, saved.k_mean is not None)
-        means = [m for m in (saved.q_mean, saved.k_mean) if m is not None]
-        ctx.save_for_backward(saved.q_op, saved.q_scale, saved.k_op, saved.k_scale, v, out, lse_rows, *means)
+        if precision.backward_from_inputs:
+            # FlashAttention's backward keeps the inputs themselves, the output and the logsumexp.
+            ctx.save_for_backward(q, k, v, out, lse_rows)
+        else:
+            # O_hp stored in the input dtype, as the kernel stores it.
+            out_for_delta = geo.from_rows(out_hp_rows).to(q.dtype) if precision.high_precision_out else out
+            means = [m for m in (saved.q_mean, saved.k_mean) if m is not None]
+            ctx.save_for_backward(
+                saved.q_op, saved.q_scale, saved.k_op, saved.k_scale, v, out_for_delta, lse_rows, *means
+            )
         lse = _public_lse(q, lse_rows, saved, geo)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -538,12 +664,16 @@ class _SageAttentionFunction(torch.autograd.Function):
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, _grad_lse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q_op, q_scale, k_op, k_scale, v, out, lse_rows, *means = ctx.saved_tensors
-        has_q_mean, has_k_mean = ctx.has_means
-        q_mean = means.pop(0) if has_q_mean else None
-        k_mean = means.pop(0) if has_k_mean else None
         geo: _Geometry = ctx.geo
-        saved = _Saved(q_op, q_scale, k_op, k_scale, q_mean, k_mean)
+        if ctx.precision.backward_from_inputs:
+            q, k, v, out, lse_rows = ctx.saved_tensors
+            saved = _from_inputs(q, k, geo)
+        else:
+            q_op, q_scale, k_op, k_scale, v, out, lse_rows, *means = ctx.saved_tensors
+            has_q_mean, has_k_mean = ctx.has_means
+            q_mean = means.pop(0) if has_q_mean else None
+            k_mean = means.pop(0) if has_k_mean else None
+            saved = _Saved(q_op, q_scale, k_op, k_scale, q_mean, k_mean)
         dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, ctx.precision, ctx.stats)
         dq = geo.from_rows(dq).to(geo.io_dtype)
         dk = dk[:, :, : geo.seq_k].to(geo.io_dtype)
@@ -563,7 +693,7 @@ def sage_attention_reference(
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SageBwd attention in plain PyTorch, differentiable; returns ``(O, logsumexp)``.
+    """SageBwd or Attn-QAT attention in plain PyTorch, differentiable; returns ``(O, logsumexp)``.
 
     Callers normally use :func:`sage_lightning.kernels.sage_attention`, which checks its arguments and
     picks the path; this function trusts them (shapes as SDPA, ``Hq % Hkv == 0``, one float dtype,
@@ -575,15 +705,23 @@ def sage_attention_reference(
         v: ``[B, Hkv, Nk, D]``.
         is_causal: top-left aligned causal mask, as SDPA's ``is_causal``.
         scale: softmax scale; ``1 / sqrt(D)`` when ``None``.
-        precision: the numerics; SageBwd defaults when ``None``.
+        precision: the numerics; SageBwd defaults when ``None``. ``mode="attn_qat"`` runs simulated NVFP4
+            (:attr:`.AttentionPrecision.formats`), with the matched or the drop-in backward.
         stats: optional fp32 tensor of 2 elements; the backward adds ``sum (dS - deq(psi(dS)))^2`` and
-            ``sum dS^2`` into it.
-        block_m: query tile; the quantization block of Q' and dO.
-        block_n: key tile; the quantization block of K' and V.
+            ``sum dS^2`` into it. Ignored in ``mode="attn_qat"`` (no INT8 dS to measure), as
+            :func:`sage_lightning.kernels.sage_attention` ignores it.
+        block_m: query tile; the quantization block of Q' and dO (Attn-QAT: the rows processed at a time, which
+            changes its result only by fp32 summation order).
+        block_n: key tile; the quantization block of K' and V (Attn-QAT: a multiple of 16, P is quantized with
+            one scale per row of each key tile).
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` in the input dtype and the row logsumexp ``[B, Hq, N]`` in fp32 (fp64 for
-        fp64 inputs).
+        fp64 inputs); Attn-QAT's is of the quantized scores.
+
+    Raises:
+        ValueError: a tile or head dim over :data:`MAX_EXACT_CONTRACTION`, or (Attn-QAT) ``block_n`` not a
+            multiple of 16.
 
     Example::
 
@@ -592,8 +730,11 @@ def sage_attention_reference(
         v = torch.randn(1, 2, 100, 64, dtype=torch.bfloat16, requires_grad=True)
         out, lse = sage_attention_reference(q, k, v, is_causal=True)
         out.sum().backward()
+        qat_out, _ = sage_attention_reference(q, k, v, is_causal=True, precision=AttentionPrecision.attn_qat())
     """
     precision = AttentionPrecision() if precision is None else precision
+    if precision.mode == "attn_qat":
+        stats = None
     return _SageAttentionFunction.apply(q, k, v, is_causal, scale, precision, stats, block_m, block_n)
 
 
@@ -609,11 +750,11 @@ def sage_attention_intermediates(
     block_m: int = DEFAULT_BLOCK_M,
     block_n: int = DEFAULT_BLOCK_N,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of one SageBwd forward and backward, for error attribution.
+    """Every tensor of one SageBwd or Attn-QAT forward and backward, for error attribution.
 
     The same code as :func:`sage_attention_reference`, with the ``[N, Nk]`` matrices kept: ``P`` (the
-    normalised probabilities the PV product used), ``dP``, ``dS`` (as the dQ/dK products used it).
-    Meant for small shapes: it holds three ``B x Hq x N x Nk`` matrices.
+    normalised probabilities the PV product used), ``dP``, ``dS`` (as the dQ/dK products used it; Attn-QAT's
+    before its rounding to the input dtype). Meant for small shapes: it holds three ``B x Hq x N x Nk`` matrices.
 
     Args:
         q, k, v: as :func:`sage_attention_reference`.
@@ -622,20 +763,27 @@ def sage_attention_intermediates(
 
     Returns:
         A dict with ``O, lse, delta, P, dP, dS, dQ, dK, dV`` in the compute dtype (fp32, fp64 for fp64
-        inputs), each shaped like its counterpart in :func:`exact_attention`.
+        inputs), each shaped like its counterpart in :func:`exact_attention`. Attn-QAT adds ``O_hp``, the output
+        of the unquantized P; its ``delta`` is the backward's (from O_hp when matched, from O for the drop-in
+        backward).
 
     Example::
 
         parts = sage_attention_intermediates(q, k, v, torch.randn_like(q))
         parts["dS"].shape   # [B, Hq, N, Nk]
+        qat = sage_attention_intermediates(q, k, v, torch.randn_like(q), precision=AttentionPrecision.attn_qat())
+        qat["O_hp"].shape   # [B, Hq, N, D]
     """
     precision = AttentionPrecision() if precision is None else precision
-    geo = _geometry(q, k, is_causal, scale, block_m, block_n)
+    geo = _geometry(q, k, is_causal, scale, block_m, block_n, precision)
     saved = _prepare(q, k, geo, precision)
     record: dict[str, torch.Tensor] = {}
-    out_rows, lse_rows = _forward(v, saved, geo, precision, record=record)
+    out_rows, lse_rows, out_hp_rows = _forward(v, saved, geo, precision, record=record)
     out = geo.from_rows(out_rows).to(q.dtype)  # stored in the input dtype, as the kernel stores it
-    dq, dk, dv = _backward(grad_out, out, lse_rows, v, saved, geo, precision, record=record)
+    out_hp = None if out_hp_rows is None else geo.from_rows(out_hp_rows).to(q.dtype)
+    out_for_delta = out_hp if precision.high_precision_out else out
+    backward_saved = _from_inputs(q, k, geo) if precision.backward_from_inputs else saved
+    dq, dk, dv = _backward(grad_out, out_for_delta, lse_rows, v, backward_saved, geo, precision, record=record)
     result = {
         "O": out.to(geo.compute_dtype),
         "lse": _public_lse(q, lse_rows, saved, geo),
@@ -643,6 +791,8 @@ def sage_attention_intermediates(
         "dK": dk[:, :, : geo.seq_k],
         "dV": dv[:, :, : geo.seq_k],
     }
+    if out_hp is not None:
+        result["O_hp"] = out_hp.to(geo.compute_dtype)
     result["delta"] = geo.from_rows(record["delta"][..., None])[..., 0]
     for name in ("P", "dP", "dS"):
         result[name] = geo.from_rows(record[name])

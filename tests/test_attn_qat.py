@@ -17,14 +17,13 @@ import triton
 import triton.language as tl
 from qat_formula import attn_qat_formula, dropin_backward, nvfp4_qkv
 from recording_ctx import RecordingCtx
-from sage_lightning.kernels import use_backend
-from sage_lightning.kernels.nvfp4 import round_e2m1, round_e4m3
-from sage_lightning.kernels.qat_ops import attn_qat_triton
-from sage_lightning.kernels.qat_quant import quantize_qkv_triton
-from sage_lightning.kernels.qat_quant import round_e2m1 as triton_round_e2m1
-from sage_lightning.kernels.qat_quant import round_e4m3 as triton_round_e4m3
-from sage_lightning.kernels.qat_reference import attn_qat_intermediates, attn_qat_reference, quantize_qkv
-from sage_lightning.kernels.reference import exact_attention
+from sage_lightning.kernels import ops, use_backend
+from sage_lightning.kernels.nvfp4 import quantize_qkv, round_e2m1, round_e4m3
+from sage_lightning.kernels.ops import sage_attention_triton
+from sage_lightning.kernels.quant import quantize_heads_nvfp4
+from sage_lightning.kernels.quant import round_e2m1 as triton_round_e2m1
+from sage_lightning.kernels.quant import round_e4m3 as triton_round_e4m3
+from sage_lightning.kernels.reference import exact_attention, sage_attention_intermediates, sage_attention_reference
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers, sage_attention
@@ -80,7 +79,7 @@ def test_matched_reference_is_the_straight_through_gradient_of_the_fp4_forward(
     quantizers are straight-through, gradients included: matching recomputation, delta from O_hp, dV from P
     re-quantized as the forward did."""
     q, k, v, do = make_inputs((batch, hq, n, d), (batch, hkv, nk, d), torch.float64, seed=n + nk)
-    out, lse, grads = run(attn_qat_reference, q, k, v, do, is_causal=causal, precision=QAT, block_n=block_n)
+    out, lse, grads = run(sage_attention_reference, q, k, v, do, is_causal=causal, precision=QAT, block_n=block_n)
     formula = attn_qat_formula(q, k, v, is_causal=causal, scale=None, block_n=block_n)
     assert rel_l2(out, formula) < 1e-10
     for g, ref in zip(grads, torch.autograd.grad(formula, (q, k, v), do), strict=True):
@@ -96,8 +95,10 @@ def test_matched_reference_is_the_straight_through_gradient_of_the_fp4_forward(
 @pytest.mark.parametrize("batch, hq, hkv, n, nk, d, causal, block_n", SHAPES[:2])
 def test_dropin_reference_is_flash_attention_backward_fed_the_fp4_forward(batch, hq, hkv, n, nk, d, causal, block_n):
     q, k, v, do = make_inputs((batch, hq, n, d), (batch, hkv, nk, d), torch.float64, seed=n)
-    out, lse, grads = run(attn_qat_reference, q, k, v, do, is_causal=causal, precision=DROPIN, block_n=block_n)
-    matched_out, matched_lse, matched_grads = run(attn_qat_reference, q, k, v, do, is_causal=causal, block_n=block_n)
+    out, lse, grads = run(sage_attention_reference, q, k, v, do, is_causal=causal, precision=DROPIN, block_n=block_n)
+    matched_out, matched_lse, matched_grads = run(
+        sage_attention_reference, q, k, v, do, is_causal=causal, precision=QAT, block_n=block_n
+    )
     assert torch.equal(out, matched_out) and torch.equal(lse, matched_lse)  # the same FP4 forward
     expected = dropin_backward(q.detach(), k.detach(), v.detach(), out, lse, do, is_causal=causal, scale=None)
     for g, ref, matched in zip(grads, expected, matched_grads, strict=True):
@@ -118,8 +119,8 @@ def test_qkv_quantize_alike_in_every_precision() -> None:
 def test_intermediates_are_the_reference_run() -> None:
     q, k, v, do = make_inputs((1, 2, 90, 32), (1, 1, 90, 32), torch.float64, seed=1)
     for precision in (QAT, DROPIN):
-        out, lse, grads = run(attn_qat_reference, q, k, v, do, is_causal=True, precision=precision)
-        parts = attn_qat_intermediates(q, k, v, do, is_causal=True, precision=precision)
+        out, lse, grads = run(sage_attention_reference, q, k, v, do, is_causal=True, precision=precision)
+        parts = sage_attention_intermediates(q, k, v, do, is_causal=True, precision=precision)
         assert torch.equal(parts["O"], out) and torch.equal(parts["lse"], lse)
         for name, g in zip(("dQ", "dK", "dV"), grads, strict=True):
             assert torch.allclose(parts[name], g, rtol=0, atol=1e-12), name
@@ -137,7 +138,7 @@ def test_sage_attention_runs_attn_qat_on_cpu_within_fp4_accuracy(dtype: torch.dt
     q, k, v, do = make_inputs((1, 4, 130, 64), (1, 2, 130, 64), dtype, seed=2)
     out = sage_attention(q, k, v, is_causal=True, precision=QAT)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    ref_out, _, ref_grads = run(attn_qat_reference, q, k, v, do, is_causal=True, precision=QAT)
+    ref_out, _, ref_grads = run(sage_attention_reference, q, k, v, do, is_causal=True, precision=QAT)
     assert out.dtype == dtype and torch.equal(out, ref_out)
     assert all(g.dtype == dtype and torch.equal(g, r) for g, r in zip(grads, ref_grads, strict=True))
     exact = exact_attention(q, k, v, do, is_causal=True)
@@ -155,8 +156,8 @@ def test_scale_argument_and_stats_left_alone() -> None:
     out = sage_attention(q, k, v, scale=0.3, precision=QAT, stats=stats)
     out.backward(do)
     assert torch.equal(stats, torch.zeros(2))  # no INT8 dS in attn_qat mode: nothing to measure
-    assert torch.equal(out, attn_qat_reference(q, k, v, scale=0.3)[0])
-    assert rel_l2(out, attn_qat_reference(q, k, v)[0]) > 1e-3
+    assert torch.equal(out, sage_attention_reference(q, k, v, scale=0.3, precision=QAT)[0])
+    assert rel_l2(out, sage_attention_reference(q, k, v, precision=QAT)[0]) > 1e-3
 
 
 def test_what_the_backward_keeps() -> None:
@@ -165,7 +166,7 @@ def test_what_the_backward_keeps() -> None:
     for precision, keeps_inputs in ((QAT, False), (DROPIN, True)):
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
-            out, _ = attn_qat_reference(q, k, v, precision=precision)
+            out, _ = sage_attention_reference(q, k, v, precision=precision)
         assert any(t is q for t in saved) is keeps_inputs and any(t is k for t in saved) is keeps_inputs
         assert any(t is out for t in saved) is keeps_inputs  # O_hp instead of O for the matched backward
 
@@ -185,7 +186,7 @@ def test_non_finite_input_gives_non_finite_output(where: str) -> None:
 def test_block_n_must_hold_whole_quantization_blocks() -> None:
     q = torch.randn(1, 1, 8, 16)
     with pytest.raises(ValueError, match="block_n must be a multiple of 16 .*; received 24"):
-        attn_qat_reference(q, q, q, block_n=24)
+        sage_attention_reference(q, q, q, precision=QAT, block_n=24)
 
 
 # --- the Triton kernels against the reference ----------------------------------------------------------------
@@ -215,8 +216,8 @@ TRITON_CASES = [
 def test_triton_matches_reference(batch, hq, hkv, n, nk, d, causal, precision, dtype):
     q, k, v, do = make_inputs((batch, hq, n, d), (batch, hkv, nk, d), dtype, seed=n + d, device=DEVICE)
     kw = dict(is_causal=causal, precision=precision)
-    out, lse, grads = run(attn_qat_triton, q, k, v, do, **kw)
-    ref_out, ref_lse, ref_grads = run(attn_qat_reference, q, k, v, do, **kw)
+    out, lse, grads = run(sage_attention_triton, q, k, v, do, **kw)
+    ref_out, ref_lse, ref_grads = run(sage_attention_reference, q, k, v, do, **kw)
     assert out.dtype == dtype and out.shape == q.shape and all(g.dtype == dtype for g in grads)
     assert rel_l2(out, ref_out) < OUT_BOUND
     assert rel_l2(lse, ref_lse) < LSE_BOUND
@@ -264,12 +265,12 @@ def test_triton_quantizer_equals_the_reference_bit_for_bit(dtype: torch.dtype) -
     x[1, 2] *= 1e-3  # another (batch, head): its own second-level scale
     # E2M1 ties, where the scales allow it.
     x[0, 1, 5, :4] = torch.tensor([0.75, 1.25, -2.5, 5.0], device=DEVICE) * x[0, 1].abs().amax() / 6
-    values, scale = quantize_qkv_triton(x.transpose(1, 2).contiguous().transpose(1, 2))  # any strides
+    values, scale = quantize_heads_nvfp4(x.transpose(1, 2).contiguous().transpose(1, 2))  # any strides
     ref_values, ref_scale = quantize_qkv(x)
     assert values.dtype == dtype and values.is_contiguous()
     assert torch.equal(values.float(), ref_values.float()) and torch.equal(scale, ref_scale.reshape(2, 3))
     x[1, 0, 7, 3] = float("nan")
-    values, _ = quantize_qkv_triton(x)
+    values, _ = quantize_heads_nvfp4(x)
     assert values[1, 0].isnan().all() and values[0].isfinite().all()
 
 
@@ -282,7 +283,7 @@ def test_triton_results_are_quantized_and_routed() -> None:
         full_grads = torch.autograd.grad(
             sage_attention(q, k, v, is_causal=True, precision=QAT.replace(mode="full")), (q, k, v), do
         )
-    assert torch.equal(out, attn_qat_triton(q, k, v, is_causal=True)[0])
+    assert torch.equal(out, sage_attention_triton(q, k, v, is_causal=True, precision=QAT)[0])
     assert rel_l2(grads[0], full_grads[0]) > 0.05  # FP4: a kernel that ran in bf16 would be far closer
     with pytest.raises(ValueError, match="qat_backward must be one of"):
         AttentionPrecision(mode="attn_qat", qat_backward="naive")
@@ -294,7 +295,7 @@ def test_triton_backward_keeps_nvfp4_values_not_q_and_k() -> None:
     for precision, keeps_inputs in ((QAT, False), (DROPIN, True)):
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t) or t, lambda t: t):
-            attn_qat_triton(q, k, v, precision=precision)
+            sage_attention_triton(q, k, v, precision=precision)
         assert any(t is q for t in saved) is keeps_inputs and any(t is k for t in saved) is keeps_inputs
 
 
@@ -324,8 +325,8 @@ def test_triton_under_torch_compile_has_no_graph_break() -> None:
 def test_triton_matches_reference_at_full_size(n: int, d: int, causal: bool, precision: AttentionPrecision) -> None:
     q, k, v, do = make_inputs((2, 8, n, d), (2, 2, n, d), torch.bfloat16, seed=n + d, device=DEVICE)
     kw = dict(is_causal=causal, precision=precision)
-    out, _, grads = run(attn_qat_triton, q, k, v, do, **kw)
-    ref_out, _, ref_grads = run(attn_qat_reference, q, k, v, do, **kw)
+    out, _, grads = run(sage_attention_triton, q, k, v, do, **kw)
+    ref_out, _, ref_grads = run(sage_attention_reference, q, k, v, do, **kw)
     assert rel_l2(out, ref_out) < OUT_BOUND
     for g, ref in zip(grads, ref_grads, strict=True):
         assert rel_l2(g, ref) < GRAD_BOUND
@@ -398,9 +399,7 @@ def test_trainer_fits_with_attn_qat_and_the_controller_falls_a_layer_back_to_ful
 def test_the_backward_is_not_handed_zero_gradients_of_the_other_outputs():
     """Attn-QAT's operator returns O and eight non-differentiable tensors (O in fp32 among them); its autograd
     formula switches the gradients' materialization off, so autograd allocates no zeros for them per backward."""
-    from sage_lightning.kernels import qat_ops
-
     ctx = RecordingCtx()
     x = torch.zeros(1)
-    qat_ops._setup_context(ctx, (x, x, x, True, 0.1, True, 128, 64), (x,) * 9)
+    ops._attn_qat_setup_context(ctx, (x, x, x, True, 0.1, True, 128, 64), (x,) * 9)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 8) in ctx.calls

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 from sage_lightning.kernels import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
+from sage_lightning.kernels.precision import KERNEL_FORMATS
 
 
 def test_defaults_are_sagebwd() -> None:
@@ -52,6 +53,25 @@ def test_attn_qat_preset() -> None:
     assert AttentionPrecision.attn_qat(backward="dropin") == AttentionPrecision(mode="attn_qat", qat_backward="dropin")
     with pytest.raises(ValueError, match="qat_backward"):
         AttentionPrecision.attn_qat(backward="drop-in")
+
+
+def test_formats_are_what_the_kernels_run() -> None:
+    """``formats`` is the one view the kernels and the reference read: the fields in SageBwd mode, Attn-QAT's NVFP4
+    set in attn_qat mode whatever SageBwd's fields hold, bf16 for full precision."""
+    fp8_pv = AttentionPrecision(pv="fp8", ds="bf16")
+    assert fp8_pv.formats == {"qk": "int8", "pv": "fp8", "dv": "int8", "dp": "bf16", "ds": "bf16"}
+    matched = AttentionPrecision.attn_qat().replace(qk="fp8", ds="int8")  # SageBwd's fields do not run in attn_qat
+    assert matched.formats == {"qk": "nvfp4", "pv": "nvfp4", "dv": "nvfp4", "dp": "nvfp4", "ds": "bf16"}
+    assert matched.high_precision_out and not matched.backward_from_inputs
+    dropin = AttentionPrecision.attn_qat(backward="dropin")
+    assert dropin.formats == {"qk": "nvfp4", "pv": "nvfp4", "dv": "bf16", "dp": "bf16", "ds": "bf16"}
+    assert dropin.backward_from_inputs and not dropin.high_precision_out
+    assert AttentionPrecision(mode="full").formats == dict.fromkeys(PRODUCTS, "bf16")
+    # The drop-in flag belongs to attn_qat mode only.
+    assert not AttentionPrecision(qat_backward="dropin").backward_from_inputs
+    assert set(KERNEL_FORMATS) == {*FORMATS, "nvfp4"}
+    for precision in (fp8_pv, matched, dropin, AttentionPrecision.all_fp8()):
+        assert set(precision.formats.values()) <= set(KERNEL_FORMATS) and list(precision.formats) == list(PRODUCTS)
 
 
 def test_attn_qat_mode_labels_and_ignored_fields() -> None:
