@@ -47,3 +47,9 @@ def test_summary_flags_ranks_that_disagree_and_compares_speed_with_one_gpu(tmp_p
 def test_a_run_that_wrote_nothing_is_reported(tmp_path) -> None:
     summary = multi_gpu.summarize(tmp_path, ["fsdp"])
     assert "no rank wrote a record" in summary["runs"]["fsdp"]["error"]
+
+
+def test_result_files_are_named_by_the_gpu_model() -> None:
+    """The comparison's file name takes the GPU model, not the last word of its name ("HBM3" on an H100 80GB HBM3)."""
+    assert multi_gpu.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert multi_gpu.device_slug("NVIDIA H200") == "h200"
