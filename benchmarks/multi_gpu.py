@@ -34,7 +34,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pretrain_compare  # noqa: E402  (benchmarks/ is a folder of scripts)
-from accuracy import _versions, device_slug  # noqa: E402
+from accuracy import _commit, _versions, device_slug  # noqa: E402
 from pretrain_compare import TextDataModule, TokensPerSecond  # noqa: E402
 
 from sage_lightning import AdaptivePrecision, attention_layers  # noqa: E402
@@ -213,13 +213,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{run}: exit {status} (log: {args.out_dir / f'{run}.log'})", flush=True)
     summary = summarize(args.out_dir, args.runs)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    arguments = argv or sys.argv[1:]
+    today = datetime.date.today()
     header = dict(
-        kind="multi-gpu", device=device, date=f"{datetime.date.today():%Y-%m-%d}", commit=os.environ.get("GIT_COMMIT"),
-        command=" ".join(["python benchmarks/multi_gpu.py", *arguments]), versions=_versions(),
+        kind="multi-gpu", device=device, date=f"{today:%Y-%m-%d}", commit=_commit(),
+        command=" ".join(["python benchmarks/multi_gpu.py", *(argv or sys.argv[1:])]), versions=_versions(),
     )  # fmt: skip
-    summary = {**header, **summary, "argv": arguments}
-    stamp = f"{device_slug(device)}-{datetime.date.today():%Y%m%d}"
+    summary = {**header, **summary}
+    stamp = f"{device_slug(device)}-{today:%Y%m%d}"
     (args.out_dir / f"multi-gpu-{stamp}.json").write_text(json.dumps(summary, indent=1))
     text = markdown(summary, device)
     (args.out_dir / f"multi-gpu-{stamp}.md").write_text(text)

@@ -379,16 +379,12 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     shape = (1, heads, seq, settings["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
     if settings["impl"] == "sagebwd":
-        block_m, block_n = settings["tiles"]
         precision = AttentionPrecision(**settings.get("formats", {}))
-        out, _ = sage_attention_triton(
-            q, k, v, is_causal=settings["causal"], precision=precision, block_m=block_m, block_n=block_n,
-            with_lse=False,
-        )  # fmt: skip
-    else:
-        backward = "matched" if settings["matched"] else "dropin"
-        precision = AttentionPrecision.attn_qat(backward=backward)
-        out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], precision=precision, with_lse=False)
+        tiles = dict(zip(("block_m", "block_n"), settings["tiles"], strict=True))
+    else:  # Attn-QAT: its own tiles (sage_attention_triton's defaults for the preset)
+        precision = AttentionPrecision.attn_qat(backward="matched" if settings["matched"] else "dropin")
+        tiles = {}
+    out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], precision=precision, with_lse=False, **tiles)
     out.backward(torch.randn_like(out))
 
 

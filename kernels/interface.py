@@ -190,14 +190,7 @@ def sage_attention(
         )
     if q.shape[2] == 0:
         return q.new_empty(q.shape)
-    if precision.mode == "attn_qat":
-        if _uses_triton(q):
-            out, _ = sage_attention_triton(
-                q, k, v, is_causal=is_causal, scale=scale, precision=precision, with_lse=False
-            )
-        else:
-            out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision)
-        return out
+    # SageBwd and Attn-QAT alike: both paths read the precision's formats, and both ignore stats in attn_qat mode.
     if _uses_triton(q):
         _check_fp8_device(q, precision)
         out, _ = sage_attention_triton(

@@ -286,14 +286,18 @@ def attn_qat_backward(
     block_m: int,
     block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attn-QAT's backward, ``(dQ, dK, dV)``: the SageBwd kernels with ``qk``, ``dv``, ``dp`` in ``"nvfp4"`` and ``ds``
-    in ``"bf16"`` from the NVFP4 values (``matched``), or every product in ``"bf16"`` from q, k, v with scale 1 (the
-    drop-in backward). ``out_for_delta`` is O_hp (matched) or O."""
-    formats = ("nvfp4", "nvfp4", "nvfp4", "bf16") if matched else ("bf16",) * 4
+    """Attn-QAT's backward, ``(dQ, dK, dV)``: the SageBwd kernels in the formats of
+    :meth:`AttentionPrecision.attn_qat`'s backward (``dv``, ``dp`` in ``"nvfp4"`` and ``ds`` in ``"bf16"`` from the
+    NVFP4 values when ``matched``; every product in ``"bf16"`` from q, k, v with scale 1 for the drop-in backward).
+    ``out_for_delta`` is O_hp (matched) or O."""
+    precision = AttentionPrecision.attn_qat(backward="matched" if matched else "dropin")
+    formats = precision.formats
+    # The drop-in backward recomputes S from the unquantized inputs: the forward's NVFP4 Q K is not its product.
+    qk = "bf16" if precision.backward_from_inputs else formats["qk"]
     return backward(
         grad_out, out_for_delta, q_op, q_scale, None, k_op, k_scale, v_op, lse, None, v_scale=v_scale,
         is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n,
-        **dict(zip(("qk", "dv", "dp", "ds"), formats, strict=True)),
+        qk=qk, dv=formats["dv"], dp=formats["dp"], ds=formats["ds"],
     )  # fmt: skip
 
 

@@ -22,35 +22,26 @@ from corpus import TextDataModule  # noqa: E402
 ROW_FIELDS = {"run", "attention", "tokens_per_step", "qk_norm", "seed", "step", "tokens_seen", "train_loss"}
 
 
+def _tiny_run(tmp_path: Path, *args: str) -> list[str]:
+    """``pretrain_compare.py`` arguments for a short CPU run of the tiny config (two layers, 300 KB of text, writing
+    into ``tmp_path``) whose controller measures dS on every step against thresholds below any error, then
+    ``args``."""
+    settings = (
+        "data.max_bytes=300000",
+        "model.config.n_layers=2",
+        "adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
+        "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
+        "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
+    )
+    sets = [item for setting in settings for item in ("--set", setting)]
+    return ["--config", str(REPO / "examples/configs/tiny.yaml"), "--out-dir", str(tmp_path), *sets, *args]
+
+
 def test_sage_against_full_writes_the_training_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = pretrain_compare.main(
-        [
-            "--config",
-            str(REPO / "examples/configs/tiny.yaml"),
-            "--max-steps",
-            "6",
-            "--tag",
-            "tiny",
-            "--out-dir",
-            str(tmp_path),
-            "--set",
-            "data.max_bytes=300000",
-            "--set",
-            "model.config.n_layers=2",
-            "--set",
-            "trainer.log_every_n_steps=2",
-            "--set",
-            "trainer.val_check_interval=3",
-            "--set",
-            "adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
-            "--set",
-            "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
-            "--set",
-            "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
-            "--save-checkpoint",
-            "full",
-        ]
+        _tiny_run(tmp_path, "--max-steps", "6", "--tag", "tiny", "--set", "trainer.log_every_n_steps=2")
+        + ["--set", "trainer.val_check_interval=3", "--save-checkpoint", "full"]
     )
     (written,) = tmp_path.glob("training-cpu-*-tiny.json")
     assert json.loads(written.read_text()) == json.loads(json.dumps(result))
@@ -160,32 +151,8 @@ def test_fp8_runs_parse_like_sage_and_bad_names_say_what_works() -> None:
 def test_an_fp8_run_trains_and_records_its_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = pretrain_compare.main(
-        [
-            "--config",
-            str(REPO / "examples/configs/tiny.yaml"),
-            "--runs",
-            "sage_fp8_pv_ds:controller=on",
-            "--max-steps",
-            "3",
-            "--tag",
-            "fp8",
-            "--out-dir",
-            str(tmp_path),
-            "--set",
-            "data.max_bytes=300000",
-            "--set",
-            "model.config.n_layers=2",
-            "--set",
-            "trainer.log_every_n_steps=1",
-            "--set",
-            "trainer.limit_val_batches=0",
-            "--set",
-            "adaptive_precision.init_args.config.ds_stats_every_n_steps=1",
-            "--set",
-            "adaptive_precision.init_args.config.ds_rel_err_high=0.0001",
-            "--set",
-            "adaptive_precision.init_args.config.ds_rel_err_low=0.00005",
-        ]
+        _tiny_run(tmp_path, "--runs", "sage_fp8_pv_ds:controller=on", "--max-steps", "3", "--tag", "fp8")
+        + ["--set", "trainer.log_every_n_steps=1", "--set", "trainer.limit_val_batches=0"]
     )
     (summary,) = result["summary"]
     assert summary["run"] == "sage_fp8_pv_ds-controller" and summary["attention"] == "sage_fp8_pv_ds"
