@@ -46,10 +46,12 @@ from sage_lightning.signals import (
     HEAD_FIELDS,
     LAYER_FIELDS,
     VERDICT_LAG,
+    HostCopies,
     SignalLayout,
     StepRecord,
     count_tokens,
     reduce,
+    squared_grad_norm,
 )
 from sage_lightning.snapshots import Snapshots
 
@@ -279,6 +281,10 @@ class AdaptivePrecision(Callback):
         # Steps whose verdict is on its way (check_before_step=False), oldest first: at most VERDICT_LAG.
         self._pending: deque[StepRecord] = deque()
         self._verdict_waits = 0
+        self._copies = HostCopies()
+        # The layers' precisions as the last step ran them, and how many ran low-bit: recounted only when a
+        # precision changed (the count walks every product of every layer).
+        self._ran: tuple[tuple[AttentionPrecision, ...], int] = ((), 0)
 
     # ---------------------------------------------------------------------------------------------- reading
 
@@ -446,16 +452,23 @@ class AdaptivePrecision(Callback):
             # The snapshot's copies must read the parameters before this step writes them.
             self._snapshots.wait_before_write(trainer.strategy.root_device)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        collecting = self._request.ds_stats or self._discard_stats
+        packed, grad_norm2, short_head = self._pack(trainer, pl_module, scaler)
+        precisions = tuple(layer.precision for layer in self._layers.values())
+        if precisions != self._ran[0]:
+            self._ran = (precisions, sum(self._runs_low_bit(name) for name in self._layers))
         step = StepRecord(
             step=trainer.global_step,
-            packed=self._pack(trainer, pl_module, scaler),
+            packed=packed,
             request=self._request,
             grad_scaler=scaler is not None,
-            ran_int8=sum(self._runs_low_bit(name) for name in self._layers),
-            precisions=tuple(layer.precision for layer in self._layers.values()),
+            ran_int8=self._ran[1],
+            precisions=precisions,
+            short_head=short_head,
         )
-        for layer in self._layers.values():
-            layer.collect_stats = False
+        if collecting:
+            for layer in self._layers.values():
+                layer.collect_stats = False
         self._window_open = False
         if self._check_first:
             outcome = self._conclude(trainer, pl_module, step, applied=False)
@@ -464,11 +477,11 @@ class AdaptivePrecision(Callback):
         if scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
             # Fused optimizers skip a step on the device when told so (as a GradScaler tells them): a step with
             # non-finite gradients is skipped without waiting for its verdict.
-            # A 0-dim float32 flag, as GradScaler hands it (fused Adam/AdamW subtract it from their 0-dim steps).
-            grad_norm2 = step.packed[HEAD_FIELDS.index("grad_norm2")]
-            optimizer.found_inf = (~torch.isfinite(grad_norm2)).to(torch.float32).reshape(())
+            # A 0-dim float32 flag, as GradScaler hands it (fused Adam/AdamW subtract it from their 0-dim steps):
+            # 0 * norm^2 is 0 for a finite norm and NaN for an infinite or NaN one, which becomes 1.
+            optimizer.found_inf = grad_norm2.mul(0.0).nan_to_num_(nan=1.0).float()
             step.skipped_on_device = True
-        step.start_copy()
+        step.start_copy(self._copies)
         self._pending.append(step)
         self._last_action = "pending"
         # The verdicts due now: a fixed lag, the same on every rank whatever its device's pace, so every rank
@@ -608,13 +621,30 @@ class AdaptivePrecision(Callback):
         self._window_tokens = 0
         self._window_open = True
 
-    def _pack(self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any) -> torch.Tensor:
-        """The step's raw signals in one float64 vector on the device, summed across ranks (one all-reduce)."""
-        loss_sum = None
-        if self._loss_sum is not None:
-            loss_sum = self._loss_sum.to(torch.float64) * trainer.accumulate_grad_batches
+    def _pack(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, bool] | None]:
+        """The step's raw signals on the device, summed across ranks (one all-reduce); the squared gradient norm
+        on the device, summed across ranks where there are several (so every rank skips a non-finite step alike);
+        and, for a short vector (:meth:`SignalLayout.pack_short`: one process, nothing optional measured), the host
+        numbers it leaves out."""
+        loss_sum = self._loss_sum
+        if loss_sum is not None:
+            if trainer.accumulate_grad_batches != 1:
+                loss_sum = loss_sum * trainer.accumulate_grad_batches
             if scaler is not None:
-                loss_sum = loss_sum / scaler.get_scale()
+                # The scale as a device tensor: GradScaler.get_scale() reads it on the host, a sync per step.
+                scale = getattr(scaler, "_scale", None)
+                loss_sum = loss_sum / (scale.reshape(()) if isinstance(scale, torch.Tensor) else scaler.get_scale())
+        device = trainer.strategy.root_device
+        grads = [grad for parameter in self._parameters if (grad := parameter.grad) is not None]
+        grad_norm2 = squared_grad_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
+        nonfinite = take_nonfinite_flags(list(self._layers.values()), device)
+        measures = self._request.ds_stats or self._discard_stats or self._request.probe
+        if trainer.world_size == 1 and not measures:
+            # The usual step: only what the device holds goes to the host; no reduction on one process.
+            short = self._layout.pack_short(loss_sum, grad_norm2 if grads else None, nonfinite)
+            return short, grad_norm2, (self._micro_batches, self._window_tokens, bool(grads))
         ds_sums = qk_sums = None
         if self._request.ds_stats or self._discard_stats:
             # The sums stay on the device: no host sync for them, on this step or any.
@@ -623,19 +653,19 @@ class AdaptivePrecision(Callback):
             if self._discard_stats:
                 ds_sums, qk_sums, self._discard_stats = None, None, False
         probes = [layer.take_probe() for layer in self._layers.values()] if self._request.probe else None
-        device = trainer.strategy.root_device
         packed = self._layout.pack(
             device,
             loss_sum=loss_sum,
             micro_batches=self._micro_batches,
             tokens=self._window_tokens,
-            grads=[p.grad for p in self._parameters if p.grad is not None],
+            grad_norm2=grad_norm2 if grads else None,
             ds_sums=ds_sums,
             qk_sums=qk_sums,
             probes=probes,
-            nonfinite=take_nonfinite_flags(list(self._layers.values()), device),
+            nonfinite=nonfinite,
         )
-        return reduce(trainer, packed)
+        total = reduce(trainer, packed)
+        return total, total[HEAD_FIELDS.index("grad_norm2")], None
 
     def _signals(self, trainer: pl.Trainer, record: StepRecord, total: list[float]) -> StepSignals:
         """The policy's view of one step, from the reduced vector."""

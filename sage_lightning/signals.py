@@ -4,6 +4,11 @@ with one all-reduce, unpacked into the policy's :class:`~sage_lightning.policy.S
 Raw sums travel, divisions happen after the reduction: the loss sum and the micro-batch count, the dS error and
 norm sums, flags (any rank's counts), probe metrics summed with the count of ranks that probed.
 
+Most steps measure nothing optional: in one process such a step packs only what the device holds (the loss sum,
+the squared gradient norm and the layers' non-finite flags: :meth:`SignalLayout.pack_short`, three operators) and
+keeps its host numbers (micro-batches, tokens) on the host; :meth:`StepRecord.host_values` widens it to the full
+layout. The per-step host time is the controller's cost on a host-bound step (``docs/controller.md``, Overhead).
+
 Without the check before each step, the reduced vector goes to the host on its own: :meth:`StepRecord.start_copy`
 copies it into pinned host memory without waiting and records a CUDA event after the copy; the controller reads it
 :data:`VERDICT_LAG` optimizer steps later, when the event has (almost always) completed, so the read waits for
@@ -39,9 +44,41 @@ LAYER_FIELDS: tuple[str, ...] = (
     *(f"{tensor}_{metric}" for tensor in PROBE_TENSORS for metric in ("cos", "rel_l2")),
     "nonfinite",
 )
+#: Offsets in a layer's row of the counts that say something optional was measured there, and of its flag.
+_MEASURED = tuple(LAYER_FIELDS.index(name) for name in ("ranks_with_ds", "qk_rows_q", "qk_rows_k", "ranks_with_probe"))
+_NONFINITE = LAYER_FIELDS.index("nonfinite")
+#: A layer with nothing measured, shared (frozen), flagged or not.
+_QUIET, _FLAGGED = LayerSignals(), LayerSignals(nonfinite=True)
 #: How many optimizer steps after its own a step's signals are read without the check before each step: the signals
 #: of step ``t`` decide at step ``t + VERDICT_LAG``, on every rank and every device (``docs/controller.md``, Overhead).
 VERDICT_LAG = 2
+
+
+def squared_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The gradients' squared L2 norm as a float32 scalar on their device, without a host sync: one multi-tensor
+    norm (in float32 whatever the gradients' dtype), a stack and a dot product, so the host's cost does not grow
+    with per-tensor operators. Gradients that are not plain tensors on one device (DTensor shards, a model split
+    over devices) take :func:`torch.nn.utils.get_total_norm`, on the first gradient's device.
+
+    A non-finite gradient gives a non-finite result (so does a norm past float32's range, about 1.8e19).
+
+    Args:
+        grads: the gradients, at least one.
+
+    Example::
+
+        squared_grad_norm([torch.ones(3), torch.ones(1)])   # tensor(4.)
+    """
+    if all(type(grad) is torch.Tensor for grad in grads):
+        norms = torch._foreach_norm(list(grads), 2.0, dtype=torch.float32)
+        try:
+            stacked = torch.stack(norms)
+        except RuntimeError:  # gradients on several devices
+            pass
+        else:
+            return torch.dot(stacked, stacked)
+    total = torch.nn.utils.get_total_norm(list(grads))
+    return total.to(device=grads[0].device, dtype=torch.float32).square()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +108,7 @@ class SignalLayout:
         loss_sum: torch.Tensor | None,
         micro_batches: int,
         tokens: int,
-        grads: Sequence[torch.Tensor],
+        grad_norm2: torch.Tensor | None,
         ds_sums: Sequence[torch.Tensor | None] | None,
         qk_sums: Sequence[torch.Tensor | None] | None,
         probes: Sequence[Mapping[str, Mapping[str, float]] | None] | None,
@@ -85,7 +122,8 @@ class SignalLayout:
                 scalar), ``None`` when none returned a loss.
             micro_batches: the micro-batches that returned a loss.
             tokens: the step's tokens on this rank.
-            grads: the gradients about to be applied.
+            grad_norm2: the squared norm of the gradients about to be applied (:func:`squared_grad_norm`), ``None``
+                when there are none.
             ds_sums: per layer, ``[err2, norm2]`` on the device (``None`` where nothing was measured); ``None`` when
                 the dS statistics were not asked for.
             qk_sums: per layer, the forward health's four sums on the device
@@ -98,13 +136,14 @@ class SignalLayout:
 
             layout = SignalLayout(("attn",))
             packed = layout.pack(torch.device("cpu"), loss_sum=torch.tensor(2.0), micro_batches=1, tokens=64,
-                                 grads=[torch.ones(3)], ds_sums=None, qk_sums=None, probes=None)
+                                 grad_norm2=torch.tensor(3.0), ds_sums=None, qk_sums=None, probes=None)
             layout.unpack(packed.tolist())[0]["loss"]   # 2.0
         """
         zero = torch.zeros((), device=device, dtype=torch.float64)
         loss = zero if loss_sum is None else loss_sum.to(device=device, dtype=torch.float64)
-        grad_norm2 = torch.nn.utils.get_total_norm(list(grads)).to(device, torch.float64).square() if grads else zero
-        head = torch.stack([loss, zero + micro_batches, zero + tokens, grad_norm2, zero + (1.0 if grads else 0.0)])
+        has_grads = grad_norm2 is not None
+        norm2 = grad_norm2.to(device, torch.float64) if has_grads else zero
+        head = torch.stack([loss, zero + micro_batches, zero + tokens, norm2, zero + (1.0 if has_grads else 0.0)])
         count = len(self.layers)
         if ds_sums is not None:
             none = torch.zeros(2, dtype=torch.float32, device=device)
@@ -133,6 +172,30 @@ class SignalLayout:
             flags = nonfinite.to(device=device, dtype=torch.float64).reshape(count, 1)
         return torch.cat([head, torch.cat([sums, has_ds, qk, rest, flags], dim=1).flatten()])
 
+    def pack_short(
+        self, loss_sum: torch.Tensor | None, grad_norm2: torch.Tensor | None, nonfinite: torch.Tensor
+    ) -> torch.Tensor:
+        """A step that measured nothing optional, in one process: only what the device holds, as one float32
+        vector ``[loss_sum, grad_norm2, nonfinite...]`` (a stack and a concatenation); the host numbers stay with
+        the :class:`StepRecord` and :func:`widen` puts both in the full layout.
+
+        Args:
+            loss_sum: as :meth:`pack`'s, a float32 device scalar, or ``None``.
+            grad_norm2: as :meth:`pack`'s, or ``None``.
+            nonfinite: per layer, the non-finite flags (:func:`~sage_lightning.layer.take_nonfinite_flags`).
+
+        Example::
+
+            layout = SignalLayout(("attn",))
+            short = layout.pack_short(torch.tensor(2.0), torch.tensor(9.0), torch.tensor([False]))
+            layout.unpack(widen(short.tolist(), micro_batches=1, tokens=64, has_grads=True))[0]["grad_norm"]   # 3.0
+        """
+        if loss_sum is None or grad_norm2 is None:
+            zero = torch.zeros((), dtype=torch.float32, device=nonfinite.device)
+            loss_sum = zero if loss_sum is None else loss_sum
+            grad_norm2 = zero if grad_norm2 is None else grad_norm2
+        return torch.cat([torch.stack([loss_sum.float(), grad_norm2]), nonfinite])
+
     def unpack(
         self, total: Sequence[float], *, sharded_grads: bool = False
     ) -> tuple[dict[str, float], dict[str, LayerSignals]]:
@@ -153,6 +216,9 @@ class SignalLayout:
         layers: dict[str, LayerSignals] = {}
         for i, name in enumerate(self.layers):
             start = len(HEAD_FIELDS) + i * len(LAYER_FIELDS)
+            if not any(total[start + offset] for offset in _MEASURED):  # the usual step: nothing optional measured
+                layers[name] = _FLAGGED if total[start + _NONFINITE] > 0 else _QUIET
+                continue
             row = dict(zip(LAYER_FIELDS, total[start : start + len(LAYER_FIELDS)], strict=True))
             ds_rel_err = None
             if row["ranks_with_ds"] > 0:
@@ -186,11 +252,65 @@ def reduce(trainer: pl.Trainer, values: torch.Tensor) -> torch.Tensor:
     return trainer.strategy.reduce(values, reduce_op="sum")
 
 
+def widen(short: Sequence[float], *, micro_batches: int, tokens: int, has_grads: bool) -> list[float]:
+    """A :meth:`SignalLayout.pack_short` vector, read on the host, in the full layout (what
+    :meth:`SignalLayout.unpack` reads and a checkpoint keeps): the host numbers in the head, zeros for what was not
+    measured, each layer's flag at its place.
+
+    Args:
+        short: ``[loss_sum, grad_norm2, nonfinite...]`` as host numbers.
+        micro_batches: the micro-batches that returned a loss.
+        tokens: the step's tokens.
+        has_grads: whether the step had gradients.
+
+    Example::
+
+        widen([2.0, 9.0, 0.0], micro_batches=1, tokens=64, has_grads=True)[:5]   # [2.0, 1.0, 64.0, 9.0, 1.0]
+    """
+    loss_sum, grad_norm2, *flags = short
+    values = [loss_sum, float(micro_batches), float(tokens), grad_norm2 if has_grads else 0.0, float(has_grads)]
+    quiet = [0.0] * (len(LAYER_FIELDS) - 1)
+    for flag in flags:
+        values += quiet
+        values.append(flag)
+    return values
+
+
+class HostCopies:
+    """Pinned host buffers and CUDA events for the signals' copies to the host, reused from step to step: a step
+    takes one pair, its record gives it back once read (a fresh pinned allocation and event per step cost the host
+    more than the copy).
+
+    Example::
+
+        copies = HostCopies()
+        record.start_copy(copies)     # takes a buffer and an event
+        record.host_values()          # reads, then gives them back
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A pinned buffer of ``like``'s size and dtype, and an event."""
+        free = self._free.get((like.numel(), like.dtype))
+        if free:
+            return free.pop()
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event()
+
+    def give_back(self, buffer: torch.Tensor, event: torch.cuda.Event) -> None:
+        """Return a pair whose copy has been read."""
+        self._free.setdefault((buffer.numel(), buffer.dtype), []).append((buffer, event))
+
+
 @dataclasses.dataclass
 class StepRecord:
     """One optimizer step's reduced signals on their way to the host, with what its verdict needs: among it each
     layer's precision during the step (``precisions``, in module order), since a verdict that lands after a decision
     changed a layer's precision must not read that layer's measurements as the new precision's.
+
+    ``short_head`` (micro-batches, tokens, whether there were gradients) marks a :meth:`SignalLayout.pack_short`
+    vector, widened to the full layout when read.
 
     Example::
 
@@ -208,17 +328,25 @@ class StepRecord:
     ran_int8: int
     skipped_on_device: bool = False
     precisions: tuple[AttentionPrecision, ...] = ()
+    short_head: tuple[int, int, bool] | None = None
     _copied: torch.cuda.Event | None = None
+    _copies: HostCopies | None = None
+    _values: list[float] | None = None
 
-    def start_copy(self) -> None:
-        """Copy the signals into pinned host memory without waiting, and record a CUDA event after the copy. On
-        the CPU the vector is on the host already: nothing to copy, :meth:`ready` at once."""
+    def start_copy(self, copies: HostCopies | None = None) -> None:
+        """Copy the signals into pinned host memory without waiting, and record a CUDA event after the copy (the
+        buffer and the event from ``copies`` when given, returned there once read). On the CPU the vector is on
+        the host already: nothing to copy, :meth:`ready` at once."""
         if self.packed.is_cuda:
-            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            if copies is None:
+                host, event = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True), None
+            else:
+                host, event = copies.take(self.packed)
             host.copy_(self.packed, non_blocking=True)
             self.packed = host
-            self._copied = torch.cuda.Event()
+            self._copied = torch.cuda.Event() if event is None else event
             self._copied.record()
+            self._copies = copies
 
     def ready(self) -> bool:
         """Whether :meth:`host_values` would return without waiting (the copy's event has completed; asks the
@@ -226,11 +354,19 @@ class StepRecord:
         return self._copied is None or self._copied.query()
 
     def host_values(self) -> list[float]:
-        """The reduced vector on the host; waits for its copy only if it is not :meth:`ready`."""
-        if self._copied is not None:
-            self._copied.synchronize()  # returns at once where the copy is done
-            self._copied = None
-        return self.packed.tolist()
+        """The reduced vector on the host, in the full layout; waits for its copy only if it is not :meth:`ready`."""
+        if self._values is None:
+            if self._copied is not None:
+                self._copied.synchronize()  # returns at once where the copy is done
+            values = self.packed.tolist()
+            if self._copies is not None and self._copied is not None:
+                self._copies.give_back(self.packed, self._copied)
+            self._copied = self._copies = None
+            if self.short_head is not None:
+                micro_batches, tokens, has_grads = self.short_head
+                values = widen(values, micro_batches=micro_batches, tokens=tokens, has_grads=has_grads)
+            self._values = values
+        return self._values
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of a step whose verdict is pending (waits for its signals)."""
