@@ -501,6 +501,8 @@ class AdaptivePrecision(Callback):
         for optimizer in trainer.optimizers:
             if hasattr(optimizer, "found_inf"):
                 del optimizer.found_inf  # used by this step only
+        if not self._snapshots.reserved:
+            self._snapshots.reserve(trainer)  # after the first step, where the optimizers' state appears
         if trainer.global_step % self.snapshot_every_n_steps == 0:
             if action == "step":
                 self._snapshots.take(trainer, pl_module)
