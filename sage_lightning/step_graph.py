@@ -14,8 +14,6 @@ tensors on one device (DTensor shards), it always runs eagerly; the numbers are 
 
 from __future__ import annotations
 
-import dataclasses
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -23,9 +21,7 @@ import torch
 from sage_lightning.signals import squared_grad_norm
 
 #: Captures after which a model whose gradients keep moving runs eagerly for the rest of the fit.
-MAX_CAPTURES = 16
-#: Graphs kept, one per set of addresses, the most recently used.
-MAX_GRAPHS = 4
+MAX_CAPTURES = 4
 
 
 def quiet_step(
@@ -62,9 +58,6 @@ def quiet_step(
 class QuietStep:
     """:func:`quiet_step`, replayed from a CUDA graph where the addresses allow (module docstring).
 
-    A graph is kept for each of the last :data:`MAX_GRAPHS` sets of addresses (a loop whose gradients alternate
-    between two places replays too); captures stop after :data:`MAX_CAPTURES`.
-
     Attributes:
         captures: graphs captured so far.
         replays: steps served by a replay.
@@ -79,7 +72,10 @@ class QuietStep:
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0
-        self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
+        self._key: tuple | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._loss: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __call__(
         self, loss_sum: torch.Tensor, grads: Sequence[torch.Tensor], flags: Sequence[torch.Tensor]
@@ -89,50 +85,31 @@ class QuietStep:
         if not loss_sum.is_cuda:
             return quiet_step(loss_sum, grads, flags)
         key = (tuple(map(torch.Tensor.data_ptr, grads)), tuple(map(torch.Tensor.data_ptr, flags)))
-        captured = self._graphs.get(key)
-        if captured is not None:
-            self._graphs.move_to_end(key)
-            captured.loss.copy_(loss_sum)
-            captured.graph.replay()
+        if key == self._key and self._graph is not None:
+            self._loss.copy_(loss_sum)
+            self._graph.replay()
             self.replays += 1
-            return captured.outputs
+            return self._outputs
         result = quiet_step(loss_sum, grads, flags)
+        self.release()
         if self.captures < MAX_CAPTURES and _capturable(loss_sum.device, grads, flags):
-            self._graphs[key] = _capture(loss_sum, grads, flags)
-            self.captures += 1
-            if len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
+            self._capture(loss_sum, grads, flags)
+            self._key = key
         return result
 
     def release(self) -> None:
-        """Drop the graphs and their memory (the next call runs eagerly and captures again)."""
-        self._graphs.clear()
+        """Drop the graph and its memory (the next call runs eagerly and captures again)."""
+        self._key = self._graph = self._loss = self._outputs = None
 
-
-@dataclasses.dataclass
-class _Captured:
-    graph: torch.cuda.CUDAGraph
-    loss: torch.Tensor
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def _capture(loss_sum: torch.Tensor, grads: Sequence[torch.Tensor], flags: Sequence[torch.Tensor]) -> _Captured:
-    """Capture :func:`quiet_step` on a side stream. Not ``torch.cuda.graph``: it synchronises, collects garbage and
-    empties the allocator's cache, after which the next step's gradients land elsewhere and the graph never
-    replays. The eager call just before warmed every operator up; nothing runs during a capture."""
-    device = loss_sum.device
-    loss = torch.empty_like(loss_sum)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            outputs = quiet_step(loss, grads, flags)
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return _Captured(graph, loss, outputs)
+    def _capture(self, loss_sum: torch.Tensor, grads: Sequence[torch.Tensor], flags: Sequence[torch.Tensor]) -> None:
+        # The eager call just before warmed every operator up (allocator, lazy initialisation); nothing runs during
+        # the capture, so the flags it clears are not touched until the first replay.
+        self.captures += 1
+        self._loss = torch.empty_like(loss_sum)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._outputs = quiet_step(self._loss, grads, flags)
+        self._graph = graph
 
 
 def _capturable(device: torch.device, grads: Sequence[torch.Tensor], flags: Sequence[torch.Tensor]) -> bool:
