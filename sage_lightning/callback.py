@@ -30,12 +30,7 @@ from typing_extensions import override
 
 from sage_lightning import tensorboard
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.layer import (
-    AttentionLayerState,
-    attention_layers,
-    nonfinite_flag_tensors,
-    take_nonfinite_flags,
-)
+from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import (
@@ -59,7 +54,6 @@ from sage_lightning.signals import (
     squared_grad_norm,
 )
 from sage_lightning.snapshots import Snapshots
-from sage_lightning.step_graph import QuietStep
 
 __all__ = ["AdaptivePrecision", "TrainingDiverged", "count_tokens"]
 
@@ -288,7 +282,6 @@ class AdaptivePrecision(Callback):
         self._pending: deque[StepRecord] = deque()
         self._verdict_waits = 0
         self._copies = HostCopies()
-        self._quiet = QuietStep()
         # The layers' precisions as the last step ran them, and how many ran low-bit: recounted only when a
         # precision changed (the count walks every product of every layer).
         self._ran: tuple[tuple[AttentionPrecision, ...], int] = ((), 0)
@@ -460,7 +453,7 @@ class AdaptivePrecision(Callback):
             self._snapshots.wait_before_write(trainer.strategy.root_device)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         collecting = self._request.ds_stats or self._discard_stats
-        packed, grad_norm2, found_inf, short_head = self._pack(trainer, pl_module, scaler)
+        packed, grad_norm2, short_head = self._pack(trainer, pl_module, scaler)
         precisions = tuple(layer.precision for layer in self._layers.values())
         if precisions != self._ran[0]:
             self._ran = (precisions, sum(self._runs_low_bit(name) for name in self._layers))
@@ -486,9 +479,7 @@ class AdaptivePrecision(Callback):
             # non-finite gradients is skipped without waiting for its verdict.
             # A 0-dim float32 flag, as GradScaler hands it (fused Adam/AdamW subtract it from their 0-dim steps):
             # 0 * norm^2 is 0 for a finite norm and NaN for an infinite or NaN one, which becomes 1.
-            if found_inf is None:
-                found_inf = grad_norm2.mul(0.0).nan_to_num_(nan=1.0).float()
-            optimizer.found_inf = found_inf
+            optimizer.found_inf = grad_norm2.mul(0.0).nan_to_num_(nan=1.0).float()
             step.skipped_on_device = True
         step.start_copy(self._copies)
         self._pending.append(step)
@@ -528,7 +519,6 @@ class AdaptivePrecision(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._conclude_pending(trainer, pl_module, until=None)  # the last steps' verdicts, still on their way
         self._parameters = []
-        self._quiet.release()
         if self._level_history is not None and self._policy is not None:  # the picture to the run's last step
             last = max(trainer.global_step - 1, self._level_history.start)
             tensorboard.log_precision_image(trainer, self._level_history, last, self._levels())
@@ -536,7 +526,6 @@ class AdaptivePrecision(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._parameters = []  # a fit that failed (TrainingDiverged included) ends here instead of on_train_end
-        self._quiet.release()
 
     # ----------------------------------------------------------------------------------------- checkpoints
 
@@ -636,12 +625,11 @@ class AdaptivePrecision(Callback):
 
     def _pack(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, scaler: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple[int, int, bool] | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, bool] | None]:
         """The step's raw signals on the device, summed across ranks (one all-reduce); the squared gradient norm
         on the device, summed across ranks where there are several (so every rank skips a non-finite step alike);
-        the fused optimizer's skip flag where it came with the rest (else ``None``); and, for a short vector
-        (:meth:`SignalLayout.pack_short`: one process, nothing optional measured), the host numbers it leaves out.
-        """
+        and, for a short vector (:meth:`SignalLayout.pack_short`: one process, nothing optional measured), the host
+        numbers it leaves out."""
         loss_sum = self._loss_sum
         if loss_sum is not None:
             if trainer.accumulate_grad_batches != 1:
@@ -652,21 +640,13 @@ class AdaptivePrecision(Callback):
                 loss_sum = loss_sum / (scale.reshape(()) if isinstance(scale, torch.Tensor) else scaler.get_scale())
         device = trainer.strategy.root_device
         grads = [grad for parameter in self._parameters if (grad := parameter.grad) is not None]
+        grad_norm2 = squared_grad_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
+        nonfinite = take_nonfinite_flags(list(self._layers.values()), device)
         measures = self._request.ds_stats or self._discard_stats or self._request.probe
         if trainer.world_size == 1 and not measures:
             # The usual step: only what the device holds goes to the host; no reduction on one process.
-            head = (self._micro_batches, self._window_tokens, bool(grads))
-            layers = list(self._layers.values())
-            if grads and loss_sum is not None and layers:
-                short, grad_norm2, found_inf = self._quiet(
-                    loss_sum.float(), grads, nonfinite_flag_tensors(layers, device)
-                )
-                return short, grad_norm2, found_inf, head
-            grad_norm2 = squared_grad_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
-            nonfinite = take_nonfinite_flags(layers, device)
-            return self._layout.pack_short(loss_sum, grad_norm2 if grads else None, nonfinite), grad_norm2, None, head
-        grad_norm2 = squared_grad_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
-        nonfinite = take_nonfinite_flags(list(self._layers.values()), device)
+            short = self._layout.pack_short(loss_sum, grad_norm2 if grads else None, nonfinite)
+            return short, grad_norm2, (self._micro_batches, self._window_tokens, bool(grads))
         ds_sums = qk_sums = None
         if self._request.ds_stats or self._discard_stats:
             # The sums stay on the device: no host sync for them, on this step or any.
@@ -687,7 +667,7 @@ class AdaptivePrecision(Callback):
             nonfinite=nonfinite,
         )
         total = reduce(trainer, packed)
-        return total, total[HEAD_FIELDS.index("grad_norm2")], None, None
+        return total, total[HEAD_FIELDS.index("grad_norm2")], None
 
     def _signals(self, trainer: pl.Trainer, record: StepRecord, total: list[float]) -> StepSignals:
         """The policy's view of one step, from the reduced vector."""

@@ -668,22 +668,6 @@ def attention_layers(module: torch.nn.Module) -> dict[str, AttentionLayerState]:
     return layers
 
 
-def nonfinite_flag_tensors(layers: Sequence[AttentionLayerState], device: torch.device) -> list[torch.Tensor]:
-    """Each layer's own non-finite flag tensor (a bool scalar the layer's calls update in place), moved to
-    ``device`` first where it is still elsewhere (a layer not called yet), in the given order; for code that reads
-    and clears them on the device itself (:class:`~sage_lightning.step_graph.QuietStep`). Clear them in place.
-
-    Example::
-
-        flags = nonfinite_flag_tensors(list(attention_layers(model).values()), torch.device("cuda"))
-        held = torch.stack(flags); torch._foreach_zero_(flags)
-    """
-    for layer in layers:
-        if layer._nonfinite.device != device:
-            layer._nonfinite = layer._nonfinite.to(device)
-    return [layer._nonfinite for layer in layers]
-
-
 def take_nonfinite_flags(layers: Sequence[AttentionLayerState], device: torch.device) -> torch.Tensor:
     """Every layer's non-finite flag (:meth:`AttentionLayerState.take_nonfinite`'s) as one bool tensor on
     ``device``, in the given order, then clears them; no host sync (a stack and a zeroing, whatever the number of
@@ -703,7 +687,10 @@ def take_nonfinite_flags(layers: Sequence[AttentionLayerState], device: torch.de
     """
     if not layers:
         return torch.zeros(0, dtype=torch.bool, device=device)
-    held = nonfinite_flag_tensors(layers, device)
+    for layer in layers:
+        if layer._nonfinite.device != device:
+            layer._nonfinite = layer._nonfinite.to(device)
+    held = [layer._nonfinite for layer in layers]
     flags = torch.stack(held)
     # In place: a compiled call holds on to each layer's flag tensor.
     torch._foreach_zero_(held)

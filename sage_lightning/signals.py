@@ -56,7 +56,7 @@ VERDICT_LAG = 2
 
 def squared_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """The gradients' squared L2 norm as a float32 scalar on their device, without a host sync: one multi-tensor
-    norm (in float32 whatever the gradients' dtype), a stack, a square and a sum, so the host's cost does not grow
+    norm (in float32 whatever the gradients' dtype), a stack and a dot product, so the host's cost does not grow
     with per-tensor operators. Gradients that are not plain tensors on one device (DTensor shards, a model split
     over devices) take :func:`torch.nn.utils.get_total_norm`, on the first gradient's device.
 
@@ -76,7 +76,7 @@ def squared_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         except RuntimeError:  # gradients on several devices
             pass
         else:
-            return stacked.square().sum()
+            return torch.dot(stacked, stacked)
     total = torch.nn.utils.get_total_norm(list(grads))
     return total.to(device=grads[0].device, dtype=torch.float32).square()
 
