@@ -374,6 +374,7 @@ class AdaptivePrecision(Callback):
             )
             config = dataclasses.replace(config, min_accumulate_grad_batches=None)
         self._layers = layers
+        self._ran = ((), 0)  # this fit's bases decide what counts as low-bit
         self._parameters = list(pl_module.parameters())
         self._layout = SignalLayout(tuple(layers))
         state, self._pending_state = self._pending_state, None

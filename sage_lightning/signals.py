@@ -5,9 +5,10 @@ Raw sums travel, divisions happen after the reduction: the loss sum and the micr
 norm sums, flags (any rank's counts), probe metrics summed with the count of ranks that probed.
 
 Most steps measure nothing optional: in one process such a step packs only what the device holds (the loss sum,
-the squared gradient norm and the layers' non-finite flags: :meth:`SignalLayout.pack_short`, three operators) and
-keeps its host numbers (micro-batches, tokens) on the host; :meth:`StepRecord.host_values` widens it to the full
-layout. The per-step host time is the controller's cost on a host-bound step (``docs/controller.md``, Overhead).
+the squared gradient norm and the layers' non-finite flags; :meth:`SignalLayout.pack_short`, a stack and a
+concatenation) and keeps its host numbers (micro-batches, tokens) on the host; :meth:`StepRecord.host_values` widens
+it to the full layout. The per-step host time is the controller's cost on a host-bound step (``docs/controller.md``,
+Overhead).
 
 Without the check before each step, the reduced vector goes to the host on its own: :meth:`StepRecord.start_copy`
 copies it into pinned host memory without waiting and records a CUDA event after the copy; the controller reads it
