@@ -36,7 +36,11 @@ and ``overhead``, the median over rounds of the ratio to the paired baseline; ``
 step moves it, one on rare steps does not), ``round_decisions`` the callback's decisions, warm-up included (the
 overhead is that of a calm run: an escalation runs another kernel afterwards and a verification probe on the next
 step), ``round_verdict_waits`` the fixed-lag reads that found their step's signals not yet on the host, and
-``round_gc_ms``, ``round_alloc_retries`` the garbage collector's time and the CUDA allocator's retries in each run.
+``round_gc_ms``, ``round_alloc_retries`` the garbage collector's time and the CUDA allocator's retries in each run,
+``round_hook_host_ms`` the controller's own host time per measured step (``overhead_timing.HookClock``:
+``perf_counter`` around its hooks, no sync; median, mean and per hook), which a host-bound step pays in full and
+which does not carry the wall times' run-to-run noise, and ``round_slowest_steps`` each run's three slowest
+measured steps with the hooks' share of each (where a rare stall sits).
 The ``no callback`` row's rounds are the medians of each round's baseline runs.
 
 Example::
@@ -70,7 +74,7 @@ from sage_lightning import AdaptivePrecision, PolicyConfig, SageAttentionMixin
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import accuracy  # noqa: E402  (benchmarks/ is not a package: the result-file helpers live there)
 from overhead_profile import PROFILED, ProfilerWindow, format_profile, traced_hooks  # noqa: E402
-from overhead_timing import StepTimer, isolated  # noqa: E402
+from overhead_timing import HookClock, StepTimer, isolated  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096
@@ -187,6 +191,8 @@ def _callback(
 
 #: The setting every other one is compared with.
 BASELINE = "no callback"
+#: The slowest measured steps each run records (step, milliseconds, the controller's host milliseconds in it).
+SLOWEST = 3
 #: label -> (callback factory or None, whether it runs --steps (True) or --breakdown-steps (False)).
 SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
     "no callback": (None, True),
@@ -216,6 +222,8 @@ class Run:
     verdict_waits: int = 0
     gc_ms: float = 0.0
     alloc_retries: int = 0
+    hook_ms: dict = dataclasses.field(default_factory=dict)
+    slowest: list = dataclasses.field(default_factory=list)
 
 
 def setting_steps(args: argparse.Namespace, label: str) -> int:
@@ -246,6 +254,7 @@ def run_once(
         model = TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, fused=args.device == "cuda")
         timer = StepTimer(step_sync=not args.no_step_sync, skip=args.warmup)
         controller = None if factory is None else factory()
+        clock = None if controller is None else HookClock(controller)
         callbacks = ([] if controller is None else [controller]) + [timer] + ([window] if window else [])
         if window and controller:
             traced_hooks(controller)
@@ -267,7 +276,21 @@ def run_once(
     decisions = [] if controller is None else [str(decision) for decision in controller.history]
     waits = 0 if controller is None else controller.verdict_waits
     mean, median = timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup)
-    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries)
+    hooks = {} if clock is None else clock.summary(skip=args.warmup)
+    hook_ms = {key: value for key, value in hooks.items() if key != "step_ms"}
+    slowest = _slowest(timer, hooks, args)
+    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries, hook_ms, slowest)
+
+
+def _slowest(timer: StepTimer, hooks: dict, args: argparse.Namespace) -> list[dict]:
+    """The :data:`SLOWEST` slowest measured steps, in step order: step, milliseconds, the hooks' host ms in it."""
+    durations = timer.durations_ms(skip=args.warmup)
+    slowest = sorted(range(len(durations)), key=durations.__getitem__, reverse=True)[:SLOWEST]
+    in_hooks = hooks.get("step_ms", {})
+    return [
+        {"step": args.warmup + i, "ms": durations[i], "hook_ms": in_hooks.get(args.warmup + i, 0.0)}
+        for i in sorted(slowest)
+    ]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -321,8 +344,9 @@ def format_table(result: dict) -> str:
     """
     lines = [
         "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms; / paired baseline) "
-        "| median step, rounds (ms) | decisions, rounds | verdicts that waited, rounds |",
-        "|---|---:|---:|---:|---:|---|---|---|---|",
+        "| median step, rounds (ms) | decisions, rounds | verdicts that waited, rounds "
+        "| controller's host ms per step: median / mean, rounds |",
+        "|---|---:|---:|---:|---:|---|---|---|---|---|",
     ]
     by_label = {row["what"]: row for row in result["rows"]}
     for row in result["rows"]:
@@ -333,9 +357,11 @@ def format_table(result: dict) -> str:
         medians = ", ".join(f"{ms:.2f}" for ms in row.get("round_median_step_ms", [])) or "-"
         decided = ", ".join(str(len(made)) for made in row.get("round_decisions", [])) or "-"
         waited = ", ".join(str(n) for n in row.get("round_verdict_waits", [])) or "-"
+        hooks = [clock for clock in row.get("round_hook_host_ms", []) if clock]
+        host = ", ".join(f"{clock['median_ms']:.2f} / {clock['mean_ms']:.2f}" for clock in hooks) or "-"
         lines.append(
             f"| {row['what']} | {row['steps']} | {row['step_ms']:.2f} | {row['baseline_step_ms']:.2f} | "
-            f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} |"
+            f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} | {host} |"
         )
     base = by_label[BASELINE]["step_ms"]
     off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
@@ -356,6 +382,22 @@ def format_table(result: dict) -> str:
         + " + ".join(f"{what} {cost:.3f}" for what, cost in parts)
         + f" = {estimate:.3f} ms, {estimate / base:+.2%} of the baseline.",
     ]
+    defaults = [clock for clock in by_label["callback, defaults"].get("round_hook_host_ms", []) if clock]
+    if defaults:
+        median = statistics.median(clock["median_ms"] for clock in defaults)
+        mean = statistics.median(clock["mean_ms"] for clock in defaults)
+        lines.append(
+            f"The defaults' hooks on the host: {median:.3f} ms in the median step, {mean:.3f} ms in the mean "
+            f"({median / base:.2%} and {mean / base:.2%} of the baseline's step; a host-bound step pays them in full)."
+        )
+    slow = []
+    for row in result["rows"]:
+        first = (row.get("round_slowest_steps") or [[]])[0]
+        if first:
+            steps = "; ".join(f"step {s['step']} {s['ms']:.1f} ms ({s['hook_ms']:.1f} in the hooks)" for s in first)
+            slow.append(f"{row['what']}: {steps}")
+    if slow:
+        lines.append("Slowest steps of the first round: " + " | ".join(slow) + ".")
     if all("round_gc_ms" in row for row in result["rows"]):
         gc_ms = max(max(row["round_gc_ms"]) for row in result["rows"])
         retries = sum(sum(row["round_alloc_retries"]) for row in result["rows"])
@@ -452,6 +494,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "round_verdict_waits": [run.verdict_waits for run in runs],
                 "round_gc_ms": [run.gc_ms for run in runs],
                 "round_alloc_retries": [run.alloc_retries for run in runs],
+                "round_hook_host_ms": [run.hook_ms for run in runs],
+                "round_slowest_steps": [run.slowest for run in runs],
                 **shape,
             }
         )

@@ -1,6 +1,8 @@
 """How ``benchmarks/overhead.py`` times a run, and keeps one run from weighing on the next.
 
 * :class:`StepTimer`: the wall time of each optimizer step (the mean and the median of the measured ones).
+* :class:`HookClock`: the host time of the controller's own hooks per step (``perf_counter`` around each, no sync):
+  what the callback costs a host-bound step, free of the run-to-run noise of the wall times.
 * :func:`isolated`: one setting's run from the same start as every other, and what Python's garbage collector and
   the CUDA caching allocator cost during it. A Trainer, its LightningModule, the optimizer and the callbacks hold
   one another in reference cycles (``model.trainer``, ``trainer.strategy.model``, ...), so a run's objects are freed
@@ -26,7 +28,9 @@ import dataclasses
 import gc
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 import lightning as L
 import torch
@@ -78,6 +82,71 @@ def isolated(device: str) -> Iterator[RunCosts]:
         gc.callbacks.remove(timed)
         if cuda:
             costs.alloc_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+
+
+#: The controller's hooks that run during training steps.
+HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
+
+class HookClock:
+    """The host seconds each optimizer step spends in a callback's training hooks (:data:`HOOKS`), each call timed
+    with ``perf_counter`` (no sync; about a microsecond per call) and charged to the step it ran in.
+
+    Replaces the profiler's hook ranges, which read 0 ms for ``on_before_optimizer_step`` (it runs inside Lightning's
+    optimizer closure) and slow the host they measure.
+
+    Args:
+        callback: the callback whose hooks are timed (its instance attributes are wrapped; its class is untouched).
+
+    Example::
+
+        clock = HookClock(controller)
+        trainer.fit(model, loader)
+        clock.per_step(skip=20)   # {step: {hook: ms}} of the steps after the first 20
+    """
+
+    def __init__(self, callback: Callback) -> None:
+        self.seconds: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._step = 0
+        for name in HOOKS:
+            hook = getattr(callback, name, None)
+            if hook is not None:
+                setattr(callback, name, self._timed(name, hook))
+
+    def _timed(self, name: str, hook: Any) -> Any:
+        def timed(trainer: L.Trainer, *args: Any, **kwargs: Any) -> Any:
+            if name == "on_train_batch_start":
+                self._step = trainer.global_step  # the optimizer step this batch belongs to, to its end
+            started = time.perf_counter()
+            try:
+                return hook(trainer, *args, **kwargs)
+            finally:
+                self.seconds[self._step][name] += time.perf_counter() - started
+
+        return timed
+
+    def per_step(self, skip: int) -> dict[int, dict[str, float]]:
+        """Milliseconds per hook of each step from step ``skip`` on, by step."""
+        return {
+            step: {name: 1000 * seconds for name, seconds in hooks.items()}
+            for step, hooks in sorted(self.seconds.items())
+            if step >= skip
+        }
+
+    def summary(self, skip: int) -> dict[str, Any]:
+        """``median_ms`` and ``mean_ms`` of the hooks' total per step from step ``skip`` on, the median of each
+        hook (``by_hook_ms``), and each step's total (``step_ms``, by step, for finding the slow ones)."""
+        steps = self.per_step(skip)
+        totals = {step: sum(hooks.values()) for step, hooks in steps.items()}
+        if not totals:
+            return {"median_ms": 0.0, "mean_ms": 0.0, "by_hook_ms": {}, "step_ms": {}}
+        by_hook = {name: statistics.median(hooks.get(name, 0.0) for hooks in steps.values()) for name in HOOKS}
+        return {
+            "median_ms": statistics.median(totals.values()),
+            "mean_ms": statistics.fmean(totals.values()),
+            "by_hook_ms": {name: ms for name, ms in by_hook.items() if ms > 0},
+            "step_ms": totals,
+        }
 
 
 class StepTimer(Callback):
@@ -145,6 +214,15 @@ class StepTimer(Callback):
             return self._window_ms / (len(self._events) - skip)
         ends = self.ends[skip:]
         return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def durations_ms(self, skip: int) -> list[float]:
+        """Each measured step's milliseconds after the first ``skip`` steps, in order (from the events' times on
+        CUDA without the per-step sync: the device's pace)."""
+        if self._events:
+            measured = self._events[skip - 1 :]
+            return [a.elapsed_time(b) for a, b in zip(measured, measured[1:], strict=False)]
+        ends = self.ends[skip:]
+        return [1000 * (later - earlier) for earlier, later in zip(ends, ends[1:], strict=False)]
 
     def median_step_ms(self, skip: int) -> float:
         """Median milliseconds of one step after the first ``skip`` steps: a cost paid on every step moves it, one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -36,6 +37,51 @@ def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
     assert saved["rows"][0]["overhead"] == 0.0
     table = out.with_suffix(".md").read_text()
     assert "| callback, defaults | 3 |" in table and "Defaults rebuilt from the breakdown" in table
+    # The controller's own host time per step, from the hook clock: none without it, some with it.
+    rows = {row["what"]: row for row in saved["rows"]}
+    assert rows["no callback"]["round_hook_host_ms"] == [{}]
+    clock = rows["callback, defaults"]["round_hook_host_ms"][0]
+    assert 0 < clock["median_ms"] <= clock["mean_ms"] * 3 and "on_before_optimizer_step" in clock["by_hook_ms"]
+    for row in saved["rows"][1:]:  # the baseline's row is the median of its runs: no steps of its own
+        (slowest,) = row["round_slowest_steps"]
+        assert 1 <= len(slowest) <= overhead.SLOWEST and all(entry["step"] >= 1 for entry in slowest)
+        assert [entry["step"] for entry in slowest] == sorted(entry["step"] for entry in slowest)
+    assert "The defaults' hooks on the host" in table and "Slowest steps of the first round" in table
+
+
+def test_the_hook_clock_charges_each_hook_to_its_optimizer_step() -> None:
+    """on_train_batch_end runs after the optimizer step moved global_step on: it still counts for its own step."""
+    from overhead_timing import HookClock
+
+    class Trainer:
+        global_step = 0
+
+    class Slow:
+        def on_train_batch_start(self, trainer, *args):  # noqa: ANN001, ANN201
+            time.sleep(0.002)
+
+        def on_before_optimizer_step(self, trainer, *args):  # noqa: ANN001, ANN201
+            time.sleep(0.004)
+
+        def on_train_batch_end(self, trainer, *args):  # noqa: ANN001, ANN201
+            time.sleep(0.001)
+
+    callback, trainer = Slow(), Trainer()
+    clock = HookClock(callback)
+    for step in range(3):
+        callback.on_train_batch_start(trainer, None, None, 0)
+        callback.on_before_optimizer_step(trainer, None, None)
+        trainer.global_step = step + 1
+        callback.on_train_batch_end(trainer, None, None, None, 0)
+    per_step = clock.per_step(skip=1)
+    assert sorted(per_step) == [1, 2]
+    assert per_step[2]["on_before_optimizer_step"] >= 4 and per_step[2]["on_train_batch_end"] >= 1
+    summary = clock.summary(skip=0)
+    assert summary["median_ms"] >= 7 and set(summary["by_hook_ms"]) == {
+        "on_train_batch_start",
+        "on_before_optimizer_step",
+        "on_train_batch_end",
+    }
 
 
 def test_controller_thresholds_runs_small(tmp_path) -> None:
