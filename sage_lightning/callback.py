@@ -689,8 +689,8 @@ class AdaptivePrecision(Callback):
             # new one, and acting on it would turn a lever a second time for what the first turn already answered.
             stale = [
                 name
-                for name, ran in zip(self._layers, record.precisions, strict=True)
-                if self._layers[name].precision != ran
+                for (name, layer), ran in zip(self._layers.items(), record.precisions, strict=True)
+                if layer.precision is not ran and layer.precision != ran  # the same object, mostly: no field compare
             ]
             for name in stale:
                 layers[name] = dataclasses.replace(layers[name], ds_rel_err=None, qk_rel_err=None, probe=None)
@@ -808,7 +808,7 @@ class AdaptivePrecision(Callback):
         policy = self._require_policy()
         for name, layer in self._layers.items():
             wanted = policy.precision(name)
-            if layer.precision != wanted:
+            if layer.precision is not wanted and layer.precision != wanted:
                 layer.precision = wanted
 
     def _on_fast_path(self, name: str) -> bool:

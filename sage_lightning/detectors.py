@@ -7,8 +7,8 @@ hide the next, and a slow trend (the loss falling during training) moves the med
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +95,9 @@ class SpikeDetector:
         self.hard_z = None if hard_z is None else float(hard_z)
         self.rel_floor = float(rel_floor)
         self._values: deque[float] = deque(maxlen=window)
+        # The same values kept sorted, so the median and the MAD need no sort per step (the controller asks every
+        # optimizer step, and on a host-bound step its Python is step time).
+        self._sorted: list[float] = []
 
     def __len__(self) -> int:
         return len(self._values)
@@ -118,10 +121,10 @@ class SpikeDetector:
         if not math.isfinite(value):
             return SpikeReading(value=value, median=None, z=None, level="none")
         if len(self._values) < self.min_history:
-            self._values.append(value)
+            self._append(value)
             return SpikeReading(value=value, median=None, z=None, level="none")
-        median = statistics.median(self._values)
-        mad = statistics.median(abs(x - median) for x in self._values)
+        median = _median(self._sorted)
+        mad = _median_distance(self._sorted, median)
         # The absolute floor keeps an all-zero window (a gradient norm of exactly 0) from dividing by zero.
         spread = max(MAD_TO_SIGMA * mad, self.rel_floor * abs(median), 1e-12)
         z = (value - median) / spread
@@ -131,8 +134,14 @@ class SpikeDetector:
         elif z > self.soft_z:
             level = "soft"
         if level != "hard":
-            self._values.append(value)
+            self._append(value)
         return SpikeReading(value=value, median=median, z=z, level=level)
+
+    def _append(self, value: float) -> None:
+        if len(self._values) == self.window:
+            del self._sorted[bisect.bisect_left(self._sorted, self._values[0])]
+        self._values.append(value)
+        bisect.insort(self._sorted, value)
 
     def state_dict(self) -> dict[str, Any]:
         """The window, so a resumed run scores the next value as the uninterrupted run would."""
@@ -141,6 +150,44 @@ class SpikeDetector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the window saved by :meth:`state_dict` (keeping at most ``window`` newest values)."""
         self._values = deque((float(x) for x in state["values"]), maxlen=self.window)
+        self._sorted = sorted(self._values)
+
+
+def _median(ordered: list[float]) -> float:
+    """The median of sorted values, as :func:`statistics.median` computes it (the mean of the middle two)."""
+    half = len(ordered) // 2
+    return ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+
+
+def _median_distance(ordered: list[float], centre: float) -> float:
+    """``statistics.median(abs(x - centre) for x in ordered)`` from sorted values without sorting: the distances
+    below ``centre`` and those above are each already in order, and the middle ones are the k-th smallest of the
+    two, found by bisection. ``centre - x`` is ``abs(x - centre)`` exactly for ``x < centre`` (IEEE subtraction is
+    antisymmetric)."""
+    n = len(ordered)
+    split = bisect.bisect_left(ordered, centre)
+    if n % 2:
+        return _kth_distance(ordered, centre, split, n // 2)
+    return (_kth_distance(ordered, centre, split, n // 2 - 1) + _kth_distance(ordered, centre, split, n // 2)) / 2
+
+
+def _kth_distance(ordered: list[float], centre: float, split: int, k: int) -> float:
+    """The ``k``-th smallest (from 0) of the distances to ``centre``: ``centre - ordered[split - 1 - i]`` (the
+    values below, nearest first) merged with ``ordered[split + j] - centre`` (the others)."""
+    below, above = split, len(ordered) - split
+    # Take i of the distances below and k + 1 - i of those above: the largest i whose last one does not exceed
+    # the first above left out.
+    low, high = max(0, k + 1 - above), min(below, k + 1)
+    while low < high:
+        i = (low + high) // 2
+        if centre - ordered[split - 1 - i] < ordered[split + k - i] - centre:
+            low = i + 1
+        else:
+            high = i
+    i, j = low, k + 1 - low
+    last_below = centre - ordered[split - i] if i > 0 else -math.inf
+    last_above = ordered[split + j - 1] - centre if j > 0 else -math.inf
+    return max(last_below, last_above)
 
 
 def _positive(x: object) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
-from sage_lightning.detectors import SpikeDetector
+from sage_lightning.detectors import MAD_TO_SIGMA, SpikeDetector
 
 # Sixteen calm values, 2.01 and 1.99 in turn: median 2.0, MAD 0.01, so the spread is 1.4826 * 0.01 = 0.0148.
 CALM = [2.0 + 0.01 * (-1) ** i for i in range(16)]
@@ -107,3 +108,56 @@ def test_bad_arguments_are_named(kwargs: dict, names: str) -> None:
     with pytest.raises(ValueError, match=names) as info:
         SpikeDetector(**kwargs)
     assert "received" in str(info.value)
+
+
+def _reference_readings(values: list[float], **kwargs: float) -> list[tuple]:
+    """The detector as it was written with ``statistics.median`` over the window (before the sorted window)."""
+    import statistics
+    from collections import deque
+
+    detector = SpikeDetector(**kwargs)
+    window: deque[float] = deque(maxlen=detector.window)
+    readings = []
+    for value in values:
+        if not math.isfinite(value):
+            readings.append((value, None, None, "none"))
+            continue
+        if len(window) < detector.min_history:
+            window.append(value)
+            readings.append((value, None, None, "none"))
+            continue
+        median = statistics.median(window)
+        mad = statistics.median(abs(x - median) for x in window)
+        spread = max(MAD_TO_SIGMA * mad, detector.rel_floor * abs(median), 1e-12)
+        z = (value - median) / spread
+        level = (
+            "hard" if detector.hard_z is not None and z > detector.hard_z else "soft" if z > detector.soft_z else "none"
+        )
+        if level != "hard":
+            window.append(value)
+        readings.append((value, median, z, level))
+    return readings
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_sorted_window_reads_exactly_as_the_sorting_one(seed: int) -> None:
+    rng = random.Random(seed)
+    values = []
+    for _ in range(400):
+        roll = rng.random()
+        if roll < 0.03:
+            values.append(rng.choice([math.nan, math.inf]))
+        elif roll < 0.08:
+            values.append(rng.uniform(5, 50))  # spikes, hard and soft
+        elif roll < 0.3:
+            values.append(rng.choice([1.0, 1.5, 2.0]))  # repeated values in the window
+        else:
+            values.append(2.0 + rng.gauss(0, 0.05) - 0.001 * len(values))
+    kwargs = {"window": rng.choice([3, 8, 32, 64]), "min_history": 3, "soft_z": 4.0, "hard_z": 12.0}
+    detector = SpikeDetector(**kwargs)
+    got = [(r.value, r.median, r.z, r.level) for r in (detector.update(v) for v in values)]
+    expected = _reference_readings(values, **kwargs)
+    assert [repr(x) for x in got] == [repr(x) for x in expected]
+    restored = SpikeDetector(**kwargs)
+    restored.load_state_dict(detector.state_dict())
+    assert restored.update(2.0) == detector.update(2.0)
