@@ -27,11 +27,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
+from overhead_timing import HOOKS  # the controller's training hooks, each traced as ``AdaptivePrecision.<hook>``
 from profiling import kernel_ms
 from torch.profiler import ProfilerActivity, profile, record_function
 
-#: The controller's hooks that run during training steps, each traced as ``AdaptivePrecision.<hook>``.
-HOOKS = ("on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 #: Prefix of the host ranges :func:`traced_hooks` adds.
 PREFIX = "AdaptivePrecision."
 
