@@ -642,6 +642,8 @@ class AdaptivePrecision(Callback):
         device = trainer.strategy.root_device
         grads = [grad for parameter in self._parameters if (grad := parameter.grad) is not None]
         grad_norm2 = squared_grad_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
+        if grad_norm2.device != device:  # gradients held elsewhere than the training device (a model split by hand)
+            grad_norm2 = grad_norm2.to(device)
         nonfinite = take_nonfinite_flags(list(self._layers.values()), device)
         measures = self._request.ds_stats or self._discard_stats or self._request.probe
         if trainer.world_size == 1 and not measures:
