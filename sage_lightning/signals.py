@@ -195,7 +195,8 @@ class SignalLayout:
             zero = torch.zeros((), dtype=torch.float32, device=nonfinite.device)
             loss_sum = zero if loss_sum is None else loss_sum
             grad_norm2 = zero if grad_norm2 is None else grad_norm2
-        return torch.cat([torch.stack([loss_sum.float(), grad_norm2]), nonfinite])
+        device = nonfinite.device
+        return torch.cat([torch.stack([loss_sum.to(device, torch.float32), grad_norm2.to(device)]), nonfinite])
 
     def unpack(
         self, total: Sequence[float], *, sharded_grads: bool = False
