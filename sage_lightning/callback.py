@@ -648,7 +648,7 @@ class AdaptivePrecision(Callback):
         measures = self._request.ds_stats or self._discard_stats or self._request.probe
         if trainer.world_size == 1 and not measures:
             # The usual step: only what the device holds goes to the host; no reduction on one process.
-            short = self._layout.pack_short(loss_sum, grad_norm2 if grads else None, nonfinite)
+            short = self._layout.pack_short(loss_sum, grad_norm2, nonfinite)
             return short, grad_norm2, (self._micro_batches, self._window_tokens, bool(grads))
         ds_sums = qk_sums = None
         if self._request.ds_stats or self._discard_stats:

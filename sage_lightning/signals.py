@@ -182,7 +182,8 @@ class SignalLayout:
 
         Args:
             loss_sum: as :meth:`pack`'s, a float32 device scalar, or ``None``.
-            grad_norm2: as :meth:`pack`'s, or ``None``.
+            grad_norm2: the squared gradient norm on the flags' device, or ``None`` (:func:`widen` reads it only
+                where there were gradients).
             nonfinite: per layer, the non-finite flags (:func:`~sage_lightning.layer.take_nonfinite_flags`).
 
         Example::
@@ -191,12 +192,11 @@ class SignalLayout:
             short = layout.pack_short(torch.tensor(2.0), torch.tensor(9.0), torch.tensor([False]))
             layout.unpack(widen(short.tolist(), micro_batches=1, tokens=64, has_grads=True))[0]["grad_norm"]   # 3.0
         """
-        if loss_sum is None or grad_norm2 is None:
+        loss = None if loss_sum is None else loss_sum.to(nonfinite.device, torch.float32)
+        if loss is None or grad_norm2 is None:
             zero = torch.zeros((), dtype=torch.float32, device=nonfinite.device)
-            loss_sum = zero if loss_sum is None else loss_sum
-            grad_norm2 = zero if grad_norm2 is None else grad_norm2
-        device = nonfinite.device
-        return torch.cat([torch.stack([loss_sum.to(device, torch.float32), grad_norm2.to(device)]), nonfinite])
+            loss, grad_norm2 = (zero if loss is None else loss), (zero if grad_norm2 is None else grad_norm2)
+        return torch.cat([torch.stack([loss, grad_norm2]), nonfinite])
 
     def unpack(
         self, total: Sequence[float], *, sharded_grads: bool = False
@@ -340,13 +340,10 @@ class StepRecord:
         buffer and the event from ``copies`` when given, returned there once read). On the CPU the vector is on
         the host already: nothing to copy, :meth:`ready` at once."""
         if self.packed.is_cuda:
-            if copies is None:
-                host, event = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True), None
-            else:
-                host, event = copies.take(self.packed)
+            copies = HostCopies() if copies is None else copies
+            host, self._copied = copies.take(self.packed)
             host.copy_(self.packed, non_blocking=True)
             self.packed = host
-            self._copied = torch.cuda.Event() if event is None else event
             self._copied.record()
             self._copies = copies
 
@@ -361,7 +358,7 @@ class StepRecord:
             if self._copied is not None:
                 self._copied.synchronize()  # returns at once where the copy is done
             values = self.packed.tolist()
-            if self._copies is not None and self._copied is not None:
+            if self._copies is not None:
                 self._copies.give_back(self.packed, self._copied)
             self._copied = self._copies = None
             if self.short_head is not None:
