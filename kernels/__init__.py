@@ -20,6 +20,7 @@ if __name__ != "sage_lightning.kernels":
     sys.modules[__name__] = _package
 else:
     from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention, use_backend
+    from .paths import KernelPath, kernel_path
     from .precision import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
 
     __all__ = [
@@ -29,7 +30,9 @@ else:
         "QAT_BACKWARDS",
         "SUPPORTED_DTYPES",
         "AttentionPrecision",
+        "KernelPath",
         "check_inputs",
+        "kernel_path",
         "sage_attention",
         "use_backend",
     ]

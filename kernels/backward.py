@@ -402,6 +402,47 @@ def _dq_kernel(
     )
 
 
+#: The portable kernels' names in :func:`backward_kernels`' answer (the others are the Gluon kernels' function names).
+PORTABLE_DKDV, PORTABLE_DQ = "triton_dkdv", "triton_dq"
+
+
+def backward_kernels(
+    grad_out: torch.Tensor,
+    q_op: torch.Tensor,
+    q_mean: torch.Tensor | None,
+    k_op: torch.Tensor,
+    *,
+    is_causal: bool,
+    block_m: int,
+    block_n: int,
+    qk: str,
+    dv: str,
+    dp: str,
+    ds: str,
+) -> tuple[str, str]:
+    """Which kernels :func:`backward` runs for dK/dV and for dQ, by name: ``"gluon_dkdv_wg"``, ``"gluon_dkdv"`` or
+    :data:`PORTABLE_DKDV`; ``"gluon_dq_wg"``, ``"gluon_dq"`` or :data:`PORTABLE_DQ`. Only the tensors' shapes,
+    dtypes and device are read, so the path report (:mod:`..paths`) asks it with stand-ins.
+
+    Args:
+        grad_out, q_op, q_mean, k_op, is_causal, block_m, block_n, qk, dv, dp, ds: as :func:`backward`.
+
+    Example::
+
+        backward_kernels(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk="int8",
+                         dv="int8", dp="bf16", ds="int8")   # ("gluon_dkdv", "gluon_dq") on an H100
+    """
+    tiles = dict(is_causal=is_causal, block_m=block_m, block_n=block_n)
+    head_dim, seq_k = q_op.shape[3], k_op.shape[2]
+    dkdv = PORTABLE_DKDV
+    if gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dv=dv, dp=dp, ds=ds):
+        dkdv = "gluon_dkdv_wg" if gluon_dkdv_wg_applies(head_dim, seq_k) else "gluon_dkdv"
+    dq = PORTABLE_DQ
+    if gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dp=dp, ds=ds):
+        dq = "gluon_dq_wg" if gluon_dq_wg_applies(head_dim) else "gluon_dq"
+    return dkdv, dq
+
+
 def backward(
     grad_out: torch.Tensor,
     out: torch.Tensor,
@@ -451,9 +492,10 @@ def backward(
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
                               dv="int8", dp="bf16", ds="int8")
     """
-    tiles = dict(is_causal=is_causal, block_m=block_m, block_n=block_n)
-    gluon_kv = gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dv=dv, dp=dp, ds=ds)
-    gluon_q = gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dp=dp, ds=ds)
+    dkdv_kernel, dq_kernel = backward_kernels(
+        grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n, qk=qk, dv=dv, dp=dp, ds=ds
+    )
+    gluon_kv, gluon_q = dkdv_kernel != PORTABLE_DKDV, dq_kernel != PORTABLE_DQ
     if gluon_kv or gluon_q:
         # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
         # usually a [B, N, H, D] view).
@@ -503,7 +545,7 @@ def backward(
     if gluon_kv:
         # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
         # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
-        kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(head_dim, seq_k) else gluon_dkdv
+        kernel = gluon_dkdv_wg if dkdv_kernel == "gluon_dkdv_wg" else gluon_dkdv
         grad_k, grad_v = kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale,
@@ -526,8 +568,8 @@ def backward(
         # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py; at D=64 one
         # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py). They transpose K'^'s tiles in shared
         # memory: no [D, N] copy.
-        dq_kernel = gluon_dq_wg if gluon_dq_wg_applies(head_dim) else gluon_dq
-        grad_q = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
+        run_dq = gluon_dq_wg if dq_kernel == "gluon_dq_wg" else gluon_dq
+        grad_q = run_dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
     else:
         k_op_t = transpose_rows(k_op) if transposed else k_op
         grad_q = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -10,11 +11,37 @@ import torch.nn.functional as F
 from .precision import AttentionPrecision
 from .reference import MAX_EXACT_CONTRACTION, sage_attention_reference
 
-try:  # Triton is a Linux dependency; elsewhere every call takes the reference.
-    from .hopper.dispatch import _capability
-    from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
-except ImportError:  # pragma: no cover - exercised only where triton is not installed
+
+def _broken_install(error: BaseException) -> ImportError:
+    module = getattr(error, "name", None)
+    where = f" (module {module})" if module else ""
+    return ImportError(
+        f"sage_lightning.kernels: the Triton kernels failed to import{where}: {type(error).__name__}: {error}. "
+        "This install of sage-lightning is incomplete or broken, and on a GPU every call would run the PyTorch "
+        "reference, many times slower. Reinstall it (pip install --force-reinstall --no-deps sage-lightning, or "
+        "your install command), then check with: python -m sage_lightning"
+    )
+
+
+#: Why the Triton kernels are not used on this machine, when that is deliberate: Triton is a Linux dependency, and
+#: without it every call takes the reference. Empty where Triton is installed. A Triton that is installed but fails
+#: to import, or a kernel module missing from the install, is an error instead (``_broken_install``).
+TRITON_MISSING = ""
+try:
+    import triton  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name != "triton":
+        raise _broken_install(error) from error
+    TRITON_MISSING = "the triton package is not installed (it is a Linux dependency): every call runs the reference"
     MAX_TRITON_HEAD_DIM, sage_attention_triton, _capability = 0, None, None
+except Exception as error:
+    raise _broken_install(error) from error
+else:
+    try:
+        from .hopper.dispatch import _capability
+        from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
+    except Exception as error:
+        raise _broken_install(error) from error
 
 #: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
 #: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
@@ -191,6 +218,8 @@ def sage_attention(
     if q.shape[2] == 0:
         return q.new_empty(q.shape)
     # SageBwd and Attn-QAT alike: both paths read the precision's formats, and both ignore stats in attn_qat mode.
+    if q.is_cuda and not torch.compiler.is_compiling():
+        _announce_once(q.device, q.dtype, q.shape, k.shape, is_causal, precision, _BACKEND)
     if _uses_triton(q):
         _check_fp8_device(q, precision)
         out, _ = sage_attention_triton(
@@ -199,6 +228,25 @@ def sage_attention(
     else:
         out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _announce_once(
+    device: torch.device,
+    dtype: torch.dtype,
+    q_shape: torch.Size,
+    k_shape: torch.Size,
+    is_causal: bool,
+    precision: AttentionPrecision,
+    backend: str,
+) -> None:
+    # Once per kind of call (a cache hit costs the host well under a microsecond): the path is logged the first time
+    # the process takes it (:func:`.paths.announce`), so no CUDA call runs a slower path without a word.
+    from .paths import announce
+
+    q = torch.empty((1,) * len(q_shape), dtype=dtype, device=device).expand(q_shape)
+    k = torch.empty((1,) * len(k_shape), dtype=dtype, device=device).expand(k_shape)
+    announce(q, k, is_causal=is_causal, precision=precision)
 
 
 #: The oldest compute capability with FP8 (e4m3) tensor cores: Ada (8.9) and Hopper (9.0).

@@ -43,6 +43,22 @@ MAX_TRITON_HEAD_DIM = 128
 _EMPTY = (0,)
 
 
+def forward_kernel(
+    q_op: torch.Tensor, k_op: torch.Tensor, *, qk: str, pv: str, scale: float, block_m: int, block_n: int
+) -> str:
+    """Which kernel computes SageBwd's forward, by name: ``"hopper_forward"`` (:mod:`.hopper.forward`) or
+    ``"triton_forward"`` (the portable :mod:`.forward`). Only shapes and the device are read (the path report,
+    :mod:`.paths`, asks it with stand-ins).
+
+    Example::
+
+        forward_kernel(q_op, k_op, qk="int8", pv="int8", scale=0.125, block_m=128, block_n=64)   # "hopper_forward"
+    """
+    if hopper_forward_applies(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n):
+        return "hopper_forward"
+    return "triton_forward"
+
+
 def _sagebwd_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,7 +94,7 @@ def _sagebwd_forward(
     # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q)}  # fmt: skip
-    if hopper_forward_applies(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n):
+    if forward_kernel(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n) == "hopper_forward":
         out, lse = hopper_forward(*operands, **tiles, pv=pv)
     else:
         out, lse = forward(*operands, **tiles, qk=qk, pv=pv)
