@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from sage_lightning.kernels import AttentionPrecision, KernelPath, kernel_path, paths, use_backend
 from sage_lightning.kernels.hopper import dispatch
 
