@@ -128,6 +128,10 @@ def kernel_path(
     Returns:
         A :class:`KernelPath`.
 
+    Raises:
+        ValueError: what the call would refuse too: FP8 products on a GPU without FP8 tensor cores, an unknown
+            value of a kernel switch (``SAGE_LIGHTNING_HOPPER``, ...).
+
     Example::
 
         import torch
@@ -141,6 +145,7 @@ def kernel_path(
         return KernelPath(SDPA, SDPA, SDPA, SDPA, "mode='full': torch.nn.functional.scaled_dot_product_attention")
     if not interface._uses_triton(q):
         return KernelPath(REFERENCE, REFERENCE, REFERENCE, REFERENCE, _reference_reason(q))
+    interface._check_fp8_device(q, precision)  # FP8 before Ada is refused, as the call refuses it
     from .backward import backward_kernels
     from .ops import forward_kernel
     from .quant import CODE_DTYPES
