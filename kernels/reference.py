@@ -70,6 +70,8 @@ MAX_EXACT_CONTRACTION_INT32 = ((1 << 31) - 1) // (127 * 127)
 DEFAULT_BLOCK_M = 128
 #: Key tile (and the quantization block of K' and V; the forward's P is quantized per row of it).
 DEFAULT_BLOCK_N = 64
+#: The largest magnitude Q', K' and V keep (:data:`.quant.MAX_OPERAND_VALUE`, where the reason is).
+MAX_OPERAND_VALUE = 2.0**55
 
 __all__ = [
     "DEFAULT_BLOCK_M",
@@ -271,6 +273,8 @@ class _Saved:
     k_scale: torch.Tensor  # [B, Hkv, key tiles, 1]
     q_mean: torch.Tensor | None  # [B, Hkv, R / BLOCK_M, D] Q-smoothing means
     k_mean: torch.Tensor | None  # [B, Hkv, 1, D] K-smoothing means
+    q_bad: torch.Tensor | None = None  # [B, Hkv, R] query rows that held a NaN or infinity (confined operands)
+    k_bad: torch.Tensor | None = None  # [B, Hkv, padded Nk] key rows of k that held one
 
 
 def _nvfp4_keys(x: torch.Tensor, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,12 +316,12 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
             q_mean=None,
             k_mean=None,
         )
-    qr = geo.to_rows(q)  # padded rows are zero
-    kr = geo.to_keys(k)
+    qr, q_bad = confine(geo.to_rows(q))  # padded rows are zero
+    kr, k_bad = confine(geo.to_keys(k))
     k_mean = None
     if precision.smooth_k:
-        k_mean = k.to(geo.compute_dtype).mean(dim=2, keepdim=True)
-        kr = kr - k_mean
+        k_mean = finite_mean(k.to(geo.compute_dtype))
+        kr = _clamp(kr - k_mean)
         if geo.padded_k != geo.seq_k:  # padded keys stay zero so they leave the block scale alone
             kr[:, :, geo.seq_k :] = 0
     q_mean = None
@@ -326,7 +330,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
         valid = (torch.arange(geo.rows, device=q.device) % geo.padded_q) < geo.seq_q
         valid = valid.reshape(geo.row_blocks, geo.block_m, 1).to(geo.compute_dtype)
         q_mean = q_blocks.sum(dim=3) / valid.sum(dim=1)  # mean over the valid rows of each block
-        q_blocks = (q_blocks - q_mean[:, :, :, None, :]) * valid
+        q_blocks = _clamp((q_blocks - q_mean[:, :, :, None, :]) * valid)
     fmt = _formats(precision)["qk"]
     q_op, q_scale = _operand(q_blocks, fmt, (-2, -1), geo.io_dtype)
     k_tiles = kr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
@@ -338,7 +342,58 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
         k_scale=k_scale.reshape(geo.batch, geo.kv_heads, geo.key_tiles, 1),
         q_mean=q_mean,
         k_mean=k_mean,
+        q_bad=q_bad,
+        k_bad=k_bad,
     )
+
+
+def _clamp(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-MAX_OPERAND_VALUE, MAX_OPERAND_VALUE)
+
+
+def confine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, bad)``: ``x`` with every NaN or infinity read as 0 and clamped to +-:data:`MAX_OPERAND_VALUE`, and per row
+    (the last dim) whether it held one. What the quantizers of Q, K and V see (:func:`.quant.confine_rows`): a bad
+    value changes neither its block's scale nor its means, so it stays out of every other row, and the rows it
+    poisons are made NaN at the end (:func:`_poison_rows`).
+
+    Example::
+
+        x, bad = confine(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]))   # [[1, 0], [2, 3]], [True, False]
+    """
+    finite = torch.isfinite(x)
+    return _clamp(torch.where(finite, x, torch.zeros_like(x))), ~finite.all(dim=-1)
+
+
+def finite_mean(k: torch.Tensor) -> torch.Tensor:
+    """K-smoothing's mean over the tokens (dim 2) with NaN and infinities read as 0, keepdim
+    (:func:`.quant.finite_mean`'s numerics): a bad key row leaves every other row of K' as it is.
+
+    Example::
+
+        k_mean = finite_mean(k.float())   # [B, Hkv, 1, D]
+    """
+    return torch.where(torch.isfinite(k), k, torch.zeros_like(k)).mean(dim=2, keepdim=True)
+
+
+def _poison_rows(
+    out: torch.Tensor, lse: torch.Tensor, saved: _Saved, v_bad: torch.Tensor | None, geo: _Geometry
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O ``[B, Hkv, R, D]`` and the logsumexp ``[B, Hkv, R]`` NaN in the rows SDPA makes non-finite for a NaN or
+    infinity that the confined operands read as 0 (the kernels' ``poison_rows``): a query row that held one, and
+    every row that attends a key whose k (or quantized v) row held one. The logsumexp carries it into the backward."""
+    if saved.q_bad is None:
+        return out, lse
+    key_bad = saved.k_bad if v_bad is None else saved.k_bad | v_bad
+    keys = torch.arange(geo.padded_k, device=out.device)
+    first_bad = torch.where(key_bad, keys, geo.padded_k).amin(dim=-1, keepdim=True)  # [B, Hkv, 1]
+    if geo.causal:
+        q_pos = torch.arange(geo.rows, device=out.device) % geo.padded_q
+        attends_bad = first_bad <= q_pos
+    else:
+        attends_bad = (first_bad < geo.seq_k).expand(-1, -1, geo.rows)
+    poisoned = saved.q_bad | attends_bad
+    return out.masked_fill(poisoned[..., None], math.nan), lse.masked_fill(poisoned, math.nan)
 
 
 def _key_tile(x: torch.Tensor, geo: _Geometry, tile: int) -> torch.Tensor:
@@ -372,6 +427,9 @@ def _forward(
     NVFP4 ``pv`` is recorded, else ``None``."""
     fmt = _formats(precision)["pv"]
     vr = geo.to_keys(v)
+    v_bad = None
+    if fmt in ("int8", "fp8") and saved.q_bad is not None:
+        vr, v_bad = confine(vr)  # V in the input dtype (and NVFP4's per-head scale) carries a NaN through P V itself
     v_tiles = vr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
     out_scale = None  # a scale of O's channels applied after the sum over tiles
     if fmt == "fp8":
@@ -425,6 +483,7 @@ def _forward(
         out = out * out_scale
         out_hp = None if out_hp is None else out_hp * out_scale
     lse = row_max + torch.log(row_sum)
+    out, lse = _poison_rows(out, lse, saved, v_bad, geo)
     if record is not None:
         # The probabilities the PV product used, renormalised to the final max and sum.
         norm = [

@@ -101,3 +101,20 @@ def key_range(pid_m, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
         hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
         full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     return hi, full_hi
+
+
+@triton.jit
+def poison_rows(out, lse, ROW_POISON, FIRST_BAD, pid_bh, kv_bh, offs_m, SEQ_Q, SEQ_K, CAUSAL: tl.constexpr):
+    """``(out, lse)`` NaN in the query rows SDPA makes non-finite for a NaN or infinity in q, k or v, which the confined
+    quantizers read as 0 (:func:`.quant.confine_rows`): a query row that held one (``ROW_POISON``, 0 or NaN per row),
+    and every row that attends a key whose k or v row held one (``FIRST_BAD[kv_bh]``, the first such key: every row
+    attends it, or with ``CAUSAL`` the rows from it on). The logsumexp carries the NaN into the backward's P.
+    Once per query tile, in the epilogue: one row load and one scalar load."""
+    poison = tl.load(ROW_POISON + pid_bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+    first_bad = tl.load(FIRST_BAD + kv_bh)
+    if CAUSAL:
+        attends_bad = first_bad <= offs_m
+    else:
+        attends_bad = (offs_m * 0 + first_bad) < SEQ_K
+    poison = tl.where(attends_bad, float("nan"), poison)
+    return out + poison[:, None], lse + poison
