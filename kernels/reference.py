@@ -386,7 +386,7 @@ def _poison_rows(
         return out, lse
     key_bad = saved.k_bad if v_bad is None else saved.k_bad | v_bad
     keys = torch.arange(geo.padded_k, device=out.device)
-    first_bad = torch.where(key_bad, keys, geo.padded_k).amin(dim=-1, keepdim=True)  # [B, Hkv, 1]
+    first_bad = torch.where(key_bad, keys, 2**31 - 1).amin(dim=-1, keepdim=True)  # [B, Hkv, 1]; none: int32 max
     if geo.causal:
         q_pos = torch.arange(geo.rows, device=out.device) % geo.padded_q
         attends_bad = first_bad <= q_pos
