@@ -562,7 +562,8 @@ def _backward(
 
         # dP = dO V^T: the product kept in high precision by default.
         dp = (do_dp @ v_dp[:, :, tile].transpose(-1, -2)) * (do_dp_scale * v_dp_scale[:, :, tile])
-        ds = p * (dp - delta[..., None])
+        # Masked pairs have dS = 0 even where dP is not finite (a NaN in v): 0 * NaN would spread it to the tile.
+        ds = (p * (dp - delta[..., None])).masked_fill(invalid, 0.0)
 
         ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
         ds_op, ds_op_scale = _operand(ds_blocks, formats["ds"], (-2, -1), geo.io_dtype)
