@@ -10,15 +10,8 @@ block instead of hiding in an int8 code: int8 has no NaN, and Triton's ``max`` r
 Q, K and V are quantized *confined* (``confine=True``, as the forward calls them): a NaN or infinity is read as 0 by
 the block's scale, means and codes, so it leaves the rest of its block as it is, and its row is reported instead
 (per query row, or the first bad key of a head) for the forward to make exactly the outputs NaN that SDPA makes
-non-finite: :func:`.forward.forward`'s ``ROW_POISON``. Values are also clamped to +-:data:`MAX_OPERAND_VALUE`, so no
-product of two scales overflows fp32 (a 1e20 row in q and one in k made ``0 * inf`` of every crushed row of their
-blocks).
-
-NVFP4 (:mod:`.nvfp4`'s numerics: E2M1 values in blocks of 16, E4M3 block scales, round to nearest even, saturating,
-an FP32 second-level scale) is rounded with fp32 arithmetic on the value's exponent bits rather than conversions to
-``tl.float8e4nv``, so the same code runs on every GPU and in the interpreter. The values stay floats, so a NaN stays a
-NaN through the rounding; a NaN anywhere in Q, K or V makes its head's second-level scale NaN (a ``torch``
-reduction, as in the reference) and so every value of the head.
+non-finite: :func:`.tiles.poison_rows`. Huge finite values are kept: where their scores overflow, SDPA's do too
+(:func:`.tiles.scores_tile` keeps a zero product zero when the scale product overflows).
 """
 
 from __future__ import annotations
@@ -48,13 +41,6 @@ MAX_PRODUCT_TERMS = 256
 #: The largest finite e4m3 value; FP8 scales are ``max|X| / 448``.
 FP8_MAX = tl.constexpr(448.0)
 
-#: The largest magnitude a confined operand (Q', K', V) keeps; larger finite values are clamped to it. Scales are then
-#: at most 2**55 / 127 < 2**48, the product of two at most 2**96 and a score at most 2**117 (the INT8 product's 2**21
-#: times that), so no scale product or score overflows fp32 (2**128) for any softmax scale up to 2**6, and the
-#: ``1.5 * 2**23`` constant of :func:`int32_scaled` stays finite. Attention over values this large is a hard max
-#: already: clamping changes which key wins only where two differ by less than the INT8 step.
-MAX_OPERAND_VALUE = 2.0**55
-_MAX_OPERAND_VALUE = tl.constexpr(MAX_OPERAND_VALUE)
 #: "No bad key" in the first-bad-key buffers the confined quantizers write (int32 max).
 NO_BAD_KEY = 2**31 - 1
 NO_BAD_KEY_C = tl.constexpr(NO_BAD_KEY)
@@ -150,12 +136,11 @@ def nan_max(x, axis=None):
 
 @triton.jit
 def confine_rows(x, valid):
-    """``(x, bad)``: ``x`` with every NaN or infinity read as 0 and clamped to +-:data:`MAX_OPERAND_VALUE`, and per row
-    (axis 1) whether it held one. ``|x| < inf`` is False for NaN too: one compare per element."""
+    """``(x, bad)``: ``x`` with every NaN or infinity read as 0, and per row (axis 1) whether it held one.
+    ``|x| < inf`` is False for NaN too: one compare per element."""
     finite = tl.abs(x) < float("inf")
     bad = tl.max((valid & ~finite).to(tl.int32), axis=1) > 0
-    x = tl.where(finite, x, 0.0)
-    return tl.minimum(tl.maximum(x, -_MAX_OPERAND_VALUE), _MAX_OPERAND_VALUE), bad
+    return tl.where(finite, x, 0.0), bad
 
 
 @triton.jit
@@ -386,8 +371,8 @@ def _quantize_rows_kernel(
 ):
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
 
-    ``CONFINE``: NaN and infinities read as 0 and values clamped (:func:`confine_rows`) before the means, the scale
-    and the codes; the rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``).
+    ``CONFINE``: NaN and infinities read as 0 (:func:`confine_rows`) before the means, the scale and the codes; the
+    rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``).
 
     ``SUBTRACT_MEAN``: subtract the per-(batch, head) mean ``MEAN_IN`` (K-smoothing).
     ``BLOCK_MEAN``: subtract the mean of the block's valid rows and write it to ``MEAN_OUT`` (Q-smoothing).
@@ -415,9 +400,6 @@ def _quantize_rows_kernel(
         mean = tl.sum(x, axis=0) / count
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
         x = tl.where(valid, x - mean[None, :], 0.0)
-    if CONFINE and (SUBTRACT_MEAN or BLOCK_MEAN):
-        # A smoothed value can pass the bound again (a mean of huge values, rows of the other sign).
-        x = tl.minimum(tl.maximum(x, -_MAX_OPERAND_VALUE), _MAX_OPERAND_VALUE)
     out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
     if FMT == "int8":
         amax = nan_max(tl.abs(x))
@@ -521,45 +503,52 @@ def quantize_channels_fp8(
 
 @triton.jit
 def _finite_mean_kernel(
-    X, MEAN, stride_xb, stride_xh, stride_xn, stride_xd, HEADS, SEQ, HEAD_DIM, BLOCK: tl.constexpr,
-    CHANNELS: tl.constexpr,
+    X, PARTIAL, stride_xb, stride_xh, stride_xn, stride_xd, HEADS, SEQ, HEAD_DIM, ROWS_PER_PROGRAM,
+    BLOCK: tl.constexpr, CHANNELS: tl.constexpr,
 ):  # fmt: skip
-    """One program per (block of ``CHANNELS`` channels, batch x head): the channels' sum over all ``SEQ`` rows with
-    NaN and infinities read as 0, over ``SEQ``."""
+    """One program per (block of ``CHANNELS`` channels, batch x head, ``ROWS_PER_PROGRAM`` rows): those rows' sum over
+    ``SEQ``, NaN and infinities read as 0, into ``PARTIAL`` ``[B * H, chunks, D]``."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_n = tl.program_id(2)
     b = pid_bh // HEADS
     h = pid_bh % HEADS
     cols = pid_c * CHANNELS + tl.arange(0, CHANNELS)
     base = X + b * stride_xb + h * stride_xh + cols[None, :] * stride_xd
     total = tl.zeros([CHANNELS], dtype=tl.float32)
-    for start in range(0, SEQ, BLOCK):
+    for start in range(pid_n * ROWS_PER_PROGRAM, (pid_n + 1) * ROWS_PER_PROGRAM, BLOCK):
         rows = start + tl.arange(0, BLOCK)
         valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
         x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
         total += tl.sum(tl.where(tl.abs(x) < float("inf"), x, 0.0), axis=0)
-    tl.store(MEAN + pid_bh * HEAD_DIM + cols, total / SEQ, mask=cols < HEAD_DIM)
+    chunk = (pid_bh * tl.num_programs(2) + pid_n) * HEAD_DIM
+    tl.store(PARTIAL + chunk + cols, total / SEQ, mask=cols < HEAD_DIM)
+
+
+#: Rows one program of :func:`finite_mean` sums: enough programs to fill the GPU at a training batch's few kv heads.
+_MEAN_ROWS_PER_PROGRAM = 512
 
 
 def finite_mean(x: torch.Tensor) -> torch.Tensor:
     """K-smoothing's mean over the tokens of ``x`` ``[B, H, N, D]``, with NaN and infinities read as 0, ``[B, H, D]``
     fp32: a bad key row leaves the mean, and so every other row of K', as it is (the reference's
-    ``where(isfinite(k), k, 0).mean(dim=2)``, to fp32 summation order). One read of ``x``, as ``x.mean(dim=2)``.
+    ``where(isfinite(k), k, 0).mean(dim=2)``, to fp32 summation order). One read of ``x``, as ``x.mean(dim=2)``, by
+    programs of 512 rows, whose partial means are then added in a fixed order (no atomics: the same bits every run).
 
     Example::
 
         k_mean = finite_mean(k)
     """
     batch, heads, seq, head_dim = x.shape
-    mean = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    if not (seq and batch * heads):
+        return x.float().mean(dim=2)  # NaN over no rows, as torch's
+    chunks = triton.cdiv(seq, _MEAN_ROWS_PER_PROGRAM)
+    partial = torch.empty(batch, heads, chunks, head_dim, dtype=torch.float32, device=x.device)
     channels = min(32, triton.next_power_of_2(head_dim))
-    if seq and batch * heads:
-        _finite_mean_kernel[(triton.cdiv(head_dim, channels), batch * heads)](
-            x, mean, *x.stride(), heads, seq, head_dim, BLOCK=64, CHANNELS=channels
-        )
-    else:
-        mean.fill_(float("nan"))  # as torch's mean over no rows
-    return mean
+    _finite_mean_kernel[(triton.cdiv(head_dim, channels), batch * heads, chunks)](
+        x, partial, *x.stride(), heads, seq, head_dim, _MEAN_ROWS_PER_PROGRAM, BLOCK=64, CHANNELS=channels
+    )
+    return partial[:, :, 0] if chunks == 1 else partial.sum(dim=2)
 
 
 @triton.jit
@@ -648,8 +637,8 @@ def quantize_rows(
         block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
         transposed: write ``op`` as ``[B, H, D, N]`` (V^ for the forward's ``P V``: 8-bit tensor-core products
             on Hopper take the operand that is summed over, here the keys, contiguous).
-        confine: read NaN and infinities as 0 and clamp values to +-:data:`MAX_OPERAND_VALUE` first, so a bad value
-            changes neither its block's scale nor its means (Q, K, V in the forward). Without it (dO) a NaN makes
+        confine: read NaN and infinities as 0 first, so a bad value changes neither its block's scale nor its means
+            (Q, K, V in the forward). Without it (dO) a NaN makes
             its block's scale NaN.
         row_poison: with ``confine``, ``[B, H, N]`` fp32 written 0 per row, NaN per row that held a NaN or infinity.
         first_bad: with ``confine``, ``[B * H]`` int32 (filled with :data:`NO_BAD_KEY` first): lowered to the index

@@ -70,8 +70,6 @@ MAX_EXACT_CONTRACTION_INT32 = ((1 << 31) - 1) // (127 * 127)
 DEFAULT_BLOCK_M = 128
 #: Key tile (and the quantization block of K' and V; the forward's P is quantized per row of it).
 DEFAULT_BLOCK_N = 64
-#: The largest magnitude Q', K' and V keep (:data:`.quant.MAX_OPERAND_VALUE`, where the reason is).
-MAX_OPERAND_VALUE = 2.0**55
 
 __all__ = [
     "DEFAULT_BLOCK_M",
@@ -321,7 +319,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
     k_mean = None
     if precision.smooth_k:
         k_mean = finite_mean(k.to(geo.compute_dtype))
-        kr = _clamp(kr - k_mean)
+        kr = kr - k_mean
         if geo.padded_k != geo.seq_k:  # padded keys stay zero so they leave the block scale alone
             kr[:, :, geo.seq_k :] = 0
     q_mean = None
@@ -330,7 +328,7 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
         valid = (torch.arange(geo.rows, device=q.device) % geo.padded_q) < geo.seq_q
         valid = valid.reshape(geo.row_blocks, geo.block_m, 1).to(geo.compute_dtype)
         q_mean = q_blocks.sum(dim=3) / valid.sum(dim=1)  # mean over the valid rows of each block
-        q_blocks = _clamp((q_blocks - q_mean[:, :, :, None, :]) * valid)
+        q_blocks = (q_blocks - q_mean[:, :, :, None, :]) * valid
     fmt = _formats(precision)["qk"]
     q_op, q_scale = _operand(q_blocks, fmt, (-2, -1), geo.io_dtype)
     k_tiles = kr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
@@ -347,22 +345,19 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
     )
 
 
-def _clamp(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-MAX_OPERAND_VALUE, MAX_OPERAND_VALUE)
-
-
 def confine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, bad)``: ``x`` with every NaN or infinity read as 0 and clamped to +-:data:`MAX_OPERAND_VALUE`, and per row
-    (the last dim) whether it held one. What the quantizers of Q, K and V see (:func:`.quant.confine_rows`): a bad
-    value changes neither its block's scale nor its means, so it stays out of every other row, and the rows it
-    poisons are made NaN at the end (:func:`_poison_rows`).
+    """``(x, bad)``: ``x`` with every NaN or infinity read as 0, and per row (the last dim) whether it held one.
+
+    What the quantizers of Q, K and V see (:func:`.quant.confine_rows`): a bad value changes neither its block's scale
+    nor its means, so it stays out of every other row, and the rows it poisons are made NaN at the end
+    (:func:`_poison_rows`).
 
     Example::
 
         x, bad = confine(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]))   # [[1, 0], [2, 3]], [True, False]
     """
     finite = torch.isfinite(x)
-    return _clamp(torch.where(finite, x, torch.zeros_like(x))), ~finite.all(dim=-1)
+    return torch.where(finite, x, torch.zeros_like(x)), ~finite.all(dim=-1)
 
 
 def finite_mean(k: torch.Tensor) -> torch.Tensor:
@@ -405,7 +400,11 @@ def _scores(saved: _Saved, geo: _Geometry, tile: int) -> tuple[torch.Tensor, tor
     k_op = _key_tile(saved.k_op, geo, tile)
     k_scale = saved.k_scale[:, :, tile, None]  # [B, Hkv, 1, 1]
     q_scale = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
-    s = (saved.q_op @ k_op.transpose(-1, -2)) * (q_scale * k_scale * geo.scale)
+    products = saved.q_op @ k_op.transpose(-1, -2)
+    # A zero product stays zero when the scales' product overflows (a huge row in q and one in k: every other row of
+    # their blocks codes to 0, and 0 * inf would make them NaN where SDPA's scores are finite); a nonzero one overflows
+    # as SDPA's does. The kernels' scores_tile does the same.
+    s = torch.where(products == 0, 0.0, products * (q_scale * k_scale * geo.scale))
     if saved.q_mean is not None:
         # The term Q-smoothing dropped: tau * qbar_i . K'_j, with K' as the product saw it (deq(K'^)),
         # so the backward recomputes exactly the same S from the saved tensors.

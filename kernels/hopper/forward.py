@@ -41,7 +41,7 @@ from ..quant import (
     to_dtype,
     to_e4m3,
 )
-from ..tiles import LOG2E, key_range, poison_rows, scores_tile, tile_mask
+from ..tiles import LOG2E, huge_scaled, key_range, poison_rows, scores_tile, tile_mask
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.
@@ -152,6 +152,10 @@ def _hopper_forward_kernel(
         else:
             x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
             a = q_scale * k_scale * qk_scale
+            if a == float("inf"):
+                # Two blocks' scales whose product overflows: a zero product stays 0 (tiles.huge_scaled).
+                x = huge_scaled(x, a)
+                a = 1.0
         if start_n >= full_hi:
             x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
         tile_max = tl.max(x, axis=1) * a
