@@ -13,7 +13,9 @@ The numerics follow the design tile by tile (``BLOCK_M`` queries x ``BLOCK_N`` k
   (K-smoothing needs none: see :func:`_backward`).
 
 Quantized values are kept as integer-valued floats in the compute dtype (fp32, or fp64 for fp64
-inputs), so a NaN or an infinity stays non-finite instead of turning into an int8 code. Integer
+inputs), so a NaN or an infinity in dO, P or dS stays non-finite instead of turning into an int8 code. In q, k and v
+one is confined as SDPA confines it: read as 0 by every scale, mean and code (:func:`confine`), and the query rows
+that read it made NaN at the end (:func:`_poison_rows`), as the kernels do. Integer
 products are exact: every partial sum of a product of int8 codes is an integer of magnitude at most
 ``K * 127**2`` for a contraction of length ``K``, and fp32 represents every integer up to ``2**24``
 exactly, so products over ``K <= MAX_EXACT_CONTRACTION`` (1040) are exact whatever the summation order.
