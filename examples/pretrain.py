@@ -54,6 +54,7 @@ from torch.utils.tensorboard.summary import hparams as hparams_summary
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
 from sage_lightning.callback import count_tokens
+from sage_lightning.layer_checkpoint import checkpoint_file_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts, not a package)
@@ -597,6 +598,15 @@ class PretrainCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.max_seq_len")
         parser.link_arguments("trainer.default_root_dir", "trainer.logger.init_args.save_dir", logger_save_dir)
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        # LightningCLI reads the checkpoint's hyperparameters right after parsing: an empty or truncated file is
+        # named here, before any folder is made, instead of the unpickler's EOFError.
+        problem = checkpoint_file_problem(self.config[subcommand].get("ckpt_path")) if subcommand else None
+        if problem:
+            raise UsageError(problem)
 
     def before_instantiate_classes(self) -> None:
         if not self.subcommand:

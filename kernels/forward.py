@@ -34,7 +34,7 @@ from .quant import (
     to_e4m3,
     tuning_configs,
 )
-from .tiles import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
+from .tiles import LOG2E, key_range, load_tile, load_tile_t, poison_rows, scores_tile, tile_mask
 
 __all__ = ["forward"]
 
@@ -129,7 +129,7 @@ def _forward_tile(
     configs=tuning_configs(((8, 2), (8, 3), (4, 3))),
     key=[
         *("HEAD_DIM", "SEQ_BUCKET", "HEADS_BUCKET", "BLOCK_M", "CAUSAL"),
-        *("QK_FMT", "PV_FMT", "SMOOTH_Q", "HIGH_PRECISION_OUT", "DOT_PRECISION"),
+        *("QK_FMT", "PV_FMT", "SMOOTH_Q", "HIGH_PRECISION_OUT", "DOT_PRECISION", "CONFINED"),
     ],
 )
 @triton.jit
@@ -144,6 +144,8 @@ def _forward_kernel(
     OUT,
     OUT_HP,
     LSE,
+    ROW_POISON,
+    FIRST_BAD,
     stride_ob,
     stride_oh,
     stride_on,
@@ -164,6 +166,7 @@ def _forward_kernel(
     SMOOTH_Q: tl.constexpr,
     HIGH_PRECISION_OUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONFINED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -202,6 +205,9 @@ def _forward_kernel(
     elif PV_FMT == "nvfp4":
         # V's one scale per head (stored per key block, every block alike).
         out = out * tl.load(V_SCALE + kv_bh * k_blocks)
+    lse = m_i + tl.math.log2(l_i)
+    if CONFINED:
+        out, lse = poison_rows(out, lse, ROW_POISON, FIRST_BAD, pid_bh, kv_bh, offs_m, SEQ_Q, SEQ_K, CAUSAL)
     out_offsets = b * stride_ob + (pid_bh % HEADS) * stride_oh + offs_m[:, None] * stride_on + cols[None, :]
     valid = (offs_m[:, None] < SEQ_Q) & (cols[None, :] < HEAD_DIM)
     tl.store(OUT + out_offsets, to_dtype(out, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
@@ -209,7 +215,7 @@ def _forward_kernel(
         # O_hp in O's layout, with V's scale (HIGH_PRECISION_OUT comes with pv="nvfp4").
         out_hp = acc_hp / l_i[:, None] * tl.load(V_SCALE + kv_bh * k_blocks)
         tl.store(OUT_HP + out_offsets, to_dtype(out_hp, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
-    tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
+    tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
 
 
 def forward(
@@ -230,6 +236,8 @@ def forward(
     pv: str,
     out: torch.Tensor | None = None,
     out_hp: torch.Tensor | None = None,
+    row_poison: torch.Tensor | None = None,
+    first_bad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on quantized operands (see :func:`.quant.quantize_rows`).
 
@@ -250,6 +258,10 @@ def forward(
             :func:`.quant.output_like` of q); a contiguous one is made when ``None``.
         out_hp: where O_hp, the output of the unquantized P, is written (like ``out``; only with ``pv="nvfp4"``),
             or ``None`` for none.
+        row_poison, first_bad: the confined quantizers' reports (:func:`.quant.quantize_rows`): ``[B, Hq, N]`` fp32,
+            NaN for a query row that held a NaN or infinity, and ``[B * Hkv]`` int32, each head's first such key or
+            value row. Given (both), O and the logsumexp are NaN in exactly those query rows and in every query row
+            that attends such a key (:func:`.tiles.poison_rows`); ``None``: neither.
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]`` (fp32, base 2, smoothed scores).
@@ -277,6 +289,8 @@ def forward(
         out,
         out_hp if out_hp is not None else out,
         lse,
+        row_poison if row_poison is not None else lse,
+        first_bad if first_bad is not None else lse,
         *out.stride()[:3],
         heads,
         heads // kv_heads,
@@ -295,5 +309,6 @@ def forward(
         SMOOTH_Q=q_mean is not None,
         HIGH_PRECISION_OUT=out_hp is not None,
         DOT_PRECISION=dot_precision(out_dtype),
+        CONFINED=row_poison is not None,
     )
     return out, lse

@@ -28,6 +28,8 @@ from .precision import AttentionPrecision
 from .quant import (
     CODE_DTYPES,
     MAX_PRODUCT_TERMS,
+    NO_BAD_KEY,
+    finite_mean,
     output_like,
     quantize_channels_fp8,
     quantize_heads_nvfp4,
@@ -81,19 +83,24 @@ def _sagebwd_forward(
     ``lse2`` is the internal logsumexp (base 2, of the smoothed scores); ``q_mean`` is empty without
     Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
     """
-    k_mean = k.mean(dim=2, dtype=torch.float32) if smooth_k else None
-    q_op, q_scale, q_mean = quantize_rows(q, block_m, fmt=qk, block_mean=smooth_q)
-    k_op, k_scale, _ = quantize_rows(k, block_n, fmt=qk, mean=k_mean)
+    # Confined quantizers: a NaN or infinity is read as 0 by its block's scale and means (so it stays out of every
+    # other row), reported per query row and as each head's first bad key, and the forward's epilogue makes exactly
+    # the rows NaN that SDPA makes non-finite (quant.py's module docstring).
+    k_mean = finite_mean(k) if smooth_k else None
+    row_poison = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    first_bad = torch.full((k.shape[0] * k.shape[1],), NO_BAD_KEY, dtype=torch.int32, device=k.device)
+    q_op, q_scale, q_mean = quantize_rows(q, block_m, fmt=qk, block_mean=smooth_q, confine=True, row_poison=row_poison)
+    k_op, k_scale, _ = quantize_rows(k, block_n, fmt=qk, mean=k_mean, confine=True, first_bad=first_bad)
     if pv == "int8":
-        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True)
+        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True, confine=True, first_bad=first_bad)
     elif pv == "fp8":
-        v_op, v_scale = quantize_channels_fp8(v)
+        v_op, v_scale = quantize_channels_fp8(v, confine=True, first_bad=first_bad)
     else:
-        v_op, v_scale = v.contiguous(), k_scale
+        v_op, v_scale = v.contiguous(), k_scale  # V in its own dtype: a NaN reaches O through the product, as SDPA's
     operands = (q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale)
     # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
-             "out": output_like(q)}  # fmt: skip
+             "out": output_like(q), "row_poison": row_poison, "first_bad": first_bad}  # fmt: skip
     if forward_kernel(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n) == "hopper_forward":
         out, lse = hopper_forward(*operands, **tiles, pv=pv)
     else:
@@ -437,5 +444,5 @@ def sage_attention_triton(
         return out, None
     lse = lse2.detach() / LOG2E
     if precision.smooth_k:
-        lse = undo_k_smoothing_shift(lse, q.detach(), k.detach().mean(dim=2, dtype=torch.float32), tau)
+        lse = undo_k_smoothing_shift(lse, q.detach(), finite_mean(k.detach()), tau)
     return out, lse

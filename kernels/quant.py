@@ -7,11 +7,11 @@ The numerics are the reference's (:mod:`.reference`): one scale per block of ``B
 block instead of hiding in an int8 code: int8 has no NaN, and Triton's ``max`` reduction drops NaNs, hence
 :func:`nan_max` and the explicit NaN count.
 
-NVFP4 (:mod:`.nvfp4`'s numerics: E2M1 values in blocks of 16, E4M3 block scales, round to nearest even, saturating,
-an FP32 second-level scale) is rounded with fp32 arithmetic on the value's exponent bits rather than conversions to
-``tl.float8e4nv``, so the same code runs on every GPU and in the interpreter. The values stay floats, so a NaN stays a
-NaN through the rounding; a NaN anywhere in Q, K or V makes its head's second-level scale NaN (a ``torch``
-reduction, as in the reference) and so every value of the head.
+Q, K and V are quantized *confined* (``confine=True``, as the forward calls them): a NaN or infinity is read as 0 by
+the block's scale, means and codes, so it leaves the rest of its block as it is, and its row is reported instead
+(per query row, or the first bad key of a head) for the forward to make exactly the outputs NaN that SDPA makes
+non-finite: :func:`.tiles.poison_rows`. Huge finite values are kept: where their scores overflow, SDPA's do too
+(:func:`.tiles.scores_tile` keeps a zero product zero when the scale product overflows).
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ MAX_PRODUCT_TERMS = 256
 
 #: The largest finite e4m3 value; FP8 scales are ``max|X| / 448``.
 FP8_MAX = tl.constexpr(448.0)
+
+#: "No bad key" in the first-bad-key buffers the confined quantizers write (int32 max).
+NO_BAD_KEY = 2**31 - 1
+NO_BAD_KEY_C = tl.constexpr(NO_BAD_KEY)
 
 #: Triton reads ``TRITON_INTERPRET`` once, when it is imported; so do we (not on every launch).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -128,6 +132,27 @@ def nan_max(x, axis=None):
         return tl.where(has_nan, float("nan"), tl.max(x, axis))
     else:
         return tl.reduce(x, axis, _max_nan)
+
+
+@triton.jit
+def confine_rows(x, valid):
+    """``(x, bad)``: ``x`` with every NaN or infinity read as 0, and per row (axis 1) whether it held one.
+    ``|x| < inf`` is False for NaN too: one compare per element."""
+    finite = tl.abs(x) < float("inf")
+    bad = tl.max((valid & ~finite).to(tl.int32), axis=1) > 0
+    return tl.where(finite, x, 0.0), bad
+
+
+@triton.jit
+def _report_bad_rows(ROW_POISON, FIRST_BAD, bad, rows, SEQ, pid_bh, ROWS_OUT: tl.constexpr, FIRST_OUT: tl.constexpr):
+    """Per row, 0 or NaN into ``ROW_POISON`` ``[B * H, SEQ]`` (queries); the first bad row into ``FIRST_BAD[pid_bh]``
+    (keys and values: an atomic min over the blocks of a head)."""
+    if ROWS_OUT:
+        tl.store(ROW_POISON + pid_bh * SEQ + rows, tl.where(bad, float("nan"), 0.0), mask=rows < SEQ)
+    if FIRST_OUT:
+        first = tl.min(tl.where(bad, rows, NO_BAD_KEY_C), axis=0)
+        if first < NO_BAD_KEY_C:
+            tl.atomic_min(FIRST_BAD + pid_bh, first)
 
 
 @triton.jit
@@ -314,6 +339,8 @@ def _quantize_rows_kernel(
     SCALE,
     MEAN_IN,
     MEAN_OUT,
+    ROW_POISON,
+    FIRST_BAD,
     stride_xb,
     stride_xh,
     stride_xn,
@@ -338,8 +365,14 @@ def _quantize_rows_kernel(
     BLOCK_MEAN: tl.constexpr,
     FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONFINE: tl.constexpr,
+    ROWS_OUT: tl.constexpr,
+    FIRST_OUT: tl.constexpr,
 ):
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
+
+    ``CONFINE``: NaN and infinities read as 0 (:func:`confine_rows`) before the means, the scale and the codes; the
+    rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``).
 
     ``SUBTRACT_MEAN``: subtract the per-(batch, head) mean ``MEAN_IN`` (K-smoothing).
     ``BLOCK_MEAN``: subtract the mean of the block's valid rows and write it to ``MEAN_OUT`` (Q-smoothing).
@@ -356,6 +389,9 @@ def _quantize_rows_kernel(
     valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
     x_ptrs = X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd
     x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    if CONFINE:
+        x, bad = confine_rows(x, valid)
+        _report_bad_rows(ROW_POISON, FIRST_BAD, bad, rows, SEQ, pid_bh, ROWS_OUT, FIRST_OUT)
     if SUBTRACT_MEAN:
         mean = tl.load(MEAN_IN + b * stride_mib + h * stride_mih + cols, mask=cols < HEAD_DIM, other=0.0)
         x = tl.where(valid, x - mean[None, :], 0.0)
@@ -387,6 +423,7 @@ def _quantize_channels_fp8_kernel(
     X,
     OUT,
     SCALE,
+    FIRST_BAD,
     stride_xb,
     stride_xh,
     stride_xn,
@@ -396,9 +433,12 @@ def _quantize_channels_fp8_kernel(
     HEAD_DIM,
     BLOCK: tl.constexpr,
     CHANNELS: tl.constexpr,
+    CONFINE: tl.constexpr,
+    FIRST_OUT: tl.constexpr,
 ):
     """One program per (block of ``CHANNELS`` channels, batch x head): the channels' max over all ``SEQ`` rows, then
-    their e4m3 codes, stored ``[D, N]``. Two reads of the rows, one write of the codes."""
+    their e4m3 codes, stored ``[D, N]``. Two reads of the rows, one write of the codes. ``CONFINE``: as
+    :func:`_quantize_rows_kernel`'s, the first row with a NaN or infinity in these channels lowering ``FIRST_BAD``."""
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HEADS
@@ -410,6 +450,9 @@ def _quantize_channels_fp8_kernel(
         rows = start + tl.arange(0, BLOCK)
         valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
         x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
+        if CONFINE:
+            x, bad = confine_rows(x, valid)
+            _report_bad_rows(FIRST_BAD, FIRST_BAD, bad, rows, SEQ, pid_bh, False, FIRST_OUT)
         amax = _max_nan(amax, nan_max(tl.abs(x), axis=0))
     scale = fp8_scale(amax)
     tl.store(SCALE + pid_bh * HEAD_DIM + cols, scale, mask=cols < HEAD_DIM)
@@ -418,11 +461,15 @@ def _quantize_channels_fp8_kernel(
         rows = start + tl.arange(0, BLOCK)
         valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
         x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
+        if CONFINE:
+            x, _ = confine_rows(x, valid)
         codes = fp8_codes(x, scale[None, :], True)
         tl.store(out + rows[None, :], tl.trans(codes), mask=tl.trans(valid))
 
 
-def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_channels_fp8(
+    x: torch.Tensor, *, confine: bool = False, first_bad: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of ``x`` ``[B, H, N, D]`` with one scale per channel over all N rows (``max |x[b, h, :, c]| / 448``),
     stored ``[B, H, D, N]``: V for an FP8 ``O = P V``, whose per-channel scale factors out of the sum over keys.
 
@@ -431,6 +478,7 @@ def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Args:
         x: the input, any strides, bf16/fp16/fp32.
+        confine, first_bad: as :func:`quantize_rows`'s (``first_bad`` needs ``confine``).
 
     Returns:
         ``(codes, scale)``: ``[B, H, D, N]`` float8_e4m3fn contiguous and ``[B, H, D]`` fp32.
@@ -445,11 +493,62 @@ def quantize_channels_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channels = min(32, triton.next_power_of_2(head_dim))
     if seq and batch * heads:
         _quantize_channels_fp8_kernel[(triton.cdiv(head_dim, channels), batch * heads)](
-            x, codes, scale, *x.stride(), heads, seq, head_dim, BLOCK=128, CHANNELS=channels
-        )
+            x, codes, scale, first_bad if first_bad is not None else scale, *x.stride(), heads, seq, head_dim,
+            BLOCK=128, CHANNELS=channels, CONFINE=confine, FIRST_OUT=confine and first_bad is not None,
+        )  # fmt: skip
     elif batch * heads:
         scale.fill_(1.0)
     return codes, scale
+
+
+@triton.jit
+def _finite_mean_kernel(
+    X, PARTIAL, stride_xb, stride_xh, stride_xn, stride_xd, HEADS, SEQ, HEAD_DIM, ROWS_PER_PROGRAM,
+    BLOCK: tl.constexpr, CHANNELS: tl.constexpr,
+):  # fmt: skip
+    """One program per (block of ``CHANNELS`` channels, batch x head, ``ROWS_PER_PROGRAM`` rows): those rows' sum over
+    ``SEQ``, NaN and infinities read as 0, into ``PARTIAL`` ``[B * H, chunks, D]``."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    b = pid_bh // HEADS
+    h = pid_bh % HEADS
+    cols = pid_c * CHANNELS + tl.arange(0, CHANNELS)
+    base = X + b * stride_xb + h * stride_xh + cols[None, :] * stride_xd
+    total = tl.zeros([CHANNELS], dtype=tl.float32)
+    for start in range(pid_n * ROWS_PER_PROGRAM, (pid_n + 1) * ROWS_PER_PROGRAM, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
+        x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
+        total += tl.sum(tl.where(tl.abs(x) < float("inf"), x, 0.0), axis=0)
+    chunk = (pid_bh * tl.num_programs(2) + pid_n) * HEAD_DIM
+    tl.store(PARTIAL + chunk + cols, total / SEQ, mask=cols < HEAD_DIM)
+
+
+#: Rows one program of :func:`finite_mean` sums: enough programs to fill the GPU at a training batch's few kv heads.
+_MEAN_ROWS_PER_PROGRAM = 512
+
+
+def finite_mean(x: torch.Tensor) -> torch.Tensor:
+    """K-smoothing's mean over the tokens of ``x`` ``[B, H, N, D]``, with NaN and infinities read as 0, ``[B, H, D]``
+    fp32: a bad key row leaves the mean, and so every other row of K', as it is (the reference's
+    ``where(isfinite(k), k, 0).mean(dim=2)``, to fp32 summation order). One read of ``x``, as ``x.mean(dim=2)``, by
+    programs of 512 rows, whose partial means are then added in a fixed order (no atomics: the same bits every run).
+
+    Example::
+
+        k_mean = finite_mean(k)
+    """
+    batch, heads, seq, head_dim = x.shape
+    if not (seq and batch * heads):
+        return x.float().mean(dim=2)  # NaN over no rows, as torch's
+    chunks = triton.cdiv(seq, _MEAN_ROWS_PER_PROGRAM)
+    partial = torch.empty(batch, heads, chunks, head_dim, dtype=torch.float32, device=x.device)
+    channels = min(32, triton.next_power_of_2(head_dim))
+    _finite_mean_kernel[(triton.cdiv(head_dim, channels), batch * heads, chunks)](
+        x, partial, *x.stride(), heads, seq, head_dim, _MEAN_ROWS_PER_PROGRAM, BLOCK=64, CHANNELS=channels
+    )
+    return partial[:, :, 0] if chunks == 1 else partial.sum(dim=2)
 
 
 @triton.jit
@@ -523,6 +622,9 @@ def quantize_rows(
     mean: torch.Tensor | None = None,
     block_mean: bool = False,
     transposed: bool = False,
+    confine: bool = False,
+    row_poison: torch.Tensor | None = None,
+    first_bad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize ``x`` ``[B, H, N, D]`` per block of ``block`` rows (Q', K', V in the forward).
 
@@ -535,6 +637,12 @@ def quantize_rows(
         block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
         transposed: write ``op`` as ``[B, H, D, N]`` (V^ for the forward's ``P V``: 8-bit tensor-core products
             on Hopper take the operand that is summed over, here the keys, contiguous).
+        confine: read NaN and infinities as 0 first, so a bad value changes neither its block's scale nor its means
+            (Q, K, V in the forward). Without it (dO) a NaN makes
+            its block's scale NaN.
+        row_poison: with ``confine``, ``[B, H, N]`` fp32 written 0 per row, NaN per row that held a NaN or infinity.
+        first_bad: with ``confine``, ``[B * H]`` int32 (filled with :data:`NO_BAD_KEY` first): lowered to the index
+            of the first row of each head that held a NaN or infinity.
 
     Returns:
         ``(op, scale, block_means)``: ``op`` ``[B, H, N, D]`` (``[B, H, D, N]`` if ``transposed``) contiguous
@@ -563,6 +671,8 @@ def quantize_rows(
             scale,
             mean_in,
             mean_out,
+            row_poison if row_poison is not None else scale,
+            first_bad if first_bad is not None else scale,
             *x.stride(),
             *op_strides,
             *scale.stride()[:2],
@@ -577,6 +687,9 @@ def quantize_rows(
             BLOCK_MEAN=block_mean,
             FMT=fmt,
             DOT_PRECISION=dot_precision(x.dtype),
+            CONFINE=confine,
+            ROWS_OUT=confine and row_poison is not None,
+            FIRST_OUT=confine and first_bad is not None,
         )
     return op, scale, means
 

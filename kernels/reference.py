@@ -13,7 +13,9 @@ The numerics follow the design tile by tile (``BLOCK_M`` queries x ``BLOCK_N`` k
   (K-smoothing needs none: see :func:`_backward`).
 
 Quantized values are kept as integer-valued floats in the compute dtype (fp32, or fp64 for fp64
-inputs), so a NaN or an infinity stays non-finite instead of turning into an int8 code. Integer
+inputs), so a NaN or an infinity in dO, P or dS stays non-finite instead of turning into an int8 code. In q, k and v
+one is confined as SDPA confines it: read as 0 by every scale, mean and code (:func:`confine`), and the query rows
+that read it made NaN at the end (:func:`_poison_rows`), as the kernels do. Integer
 products are exact: every partial sum of a product of int8 codes is an integer of magnitude at most
 ``K * 127**2`` for a contraction of length ``K``, and fp32 represents every integer up to ``2**24``
 exactly, so products over ``K <= MAX_EXACT_CONTRACTION`` (1040) are exact whatever the summation order.
@@ -271,6 +273,8 @@ class _Saved:
     k_scale: torch.Tensor  # [B, Hkv, key tiles, 1]
     q_mean: torch.Tensor | None  # [B, Hkv, R / BLOCK_M, D] Q-smoothing means
     k_mean: torch.Tensor | None  # [B, Hkv, 1, D] K-smoothing means
+    q_bad: torch.Tensor | None = None  # [B, Hkv, R] query rows that held a NaN or infinity (confined operands)
+    k_bad: torch.Tensor | None = None  # [B, Hkv, padded Nk] key rows of k that held one
 
 
 def _nvfp4_keys(x: torch.Tensor, geo: _Geometry) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,11 +316,11 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
             q_mean=None,
             k_mean=None,
         )
-    qr = geo.to_rows(q)  # padded rows are zero
-    kr = geo.to_keys(k)
+    qr, q_bad = confine(geo.to_rows(q))  # padded rows are zero
+    kr, k_bad = confine(geo.to_keys(k))
     k_mean = None
     if precision.smooth_k:
-        k_mean = k.to(geo.compute_dtype).mean(dim=2, keepdim=True)
+        k_mean = finite_mean(k.to(geo.compute_dtype))
         kr = kr - k_mean
         if geo.padded_k != geo.seq_k:  # padded keys stay zero so they leave the block scale alone
             kr[:, :, geo.seq_k :] = 0
@@ -338,7 +342,55 @@ def _prepare(q: torch.Tensor, k: torch.Tensor, geo: _Geometry, precision: Attent
         k_scale=k_scale.reshape(geo.batch, geo.kv_heads, geo.key_tiles, 1),
         q_mean=q_mean,
         k_mean=k_mean,
+        q_bad=q_bad,
+        k_bad=k_bad,
     )
+
+
+def confine(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, bad)``: ``x`` with every NaN or infinity read as 0, and per row (the last dim) whether it held one.
+
+    What the quantizers of Q, K and V see (:func:`.quant.confine_rows`): a bad value changes neither its block's scale
+    nor its means, so it stays out of every other row, and the rows it poisons are made NaN at the end
+    (:func:`_poison_rows`).
+
+    Example::
+
+        x, bad = confine(torch.tensor([[1.0, float("nan")], [2.0, 3.0]]))   # [[1, 0], [2, 3]], [True, False]
+    """
+    finite = torch.isfinite(x)
+    return torch.where(finite, x, torch.zeros_like(x)), ~finite.all(dim=-1)
+
+
+def finite_mean(k: torch.Tensor) -> torch.Tensor:
+    """K-smoothing's mean over the tokens (dim 2) with NaN and infinities read as 0, keepdim
+    (:func:`.quant.finite_mean`'s numerics): a bad key row leaves every other row of K' as it is.
+
+    Example::
+
+        k_mean = finite_mean(k.float())   # [B, Hkv, 1, D]
+    """
+    return torch.where(torch.isfinite(k), k, torch.zeros_like(k)).mean(dim=2, keepdim=True)
+
+
+def _poison_rows(
+    out: torch.Tensor, lse: torch.Tensor, saved: _Saved, v_bad: torch.Tensor | None, geo: _Geometry
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O ``[B, Hkv, R, D]`` and the logsumexp ``[B, Hkv, R]`` NaN in the rows SDPA makes non-finite for a NaN or
+    infinity that the confined operands read as 0 (the kernels' ``poison_rows``): a query row that held one, and
+    every row that attends a key whose k (or quantized v) row held one. The logsumexp carries it into the backward."""
+    if saved.q_bad is None:
+        return out, lse
+    key_bad = saved.k_bad if v_bad is None else saved.k_bad | v_bad
+    keys = torch.arange(geo.padded_k, device=out.device)
+    first_bad = torch.where(key_bad, keys, 2**31 - 1).amin(dim=-1, keepdim=True)  # [B, Hkv, 1]; none: int32 max
+    if geo.causal:
+        q_pos = torch.arange(geo.rows, device=out.device) % geo.padded_q
+        attends_bad = first_bad <= q_pos
+    else:
+        attends_bad = (first_bad < geo.seq_k).expand(-1, -1, geo.rows)
+    poisoned = saved.q_bad | attends_bad
+    return out.masked_fill(poisoned[..., None], math.nan), lse.masked_fill(poisoned, math.nan)
 
 
 def _key_tile(x: torch.Tensor, geo: _Geometry, tile: int) -> torch.Tensor:
@@ -350,7 +402,11 @@ def _scores(saved: _Saved, geo: _Geometry, tile: int) -> tuple[torch.Tensor, tor
     k_op = _key_tile(saved.k_op, geo, tile)
     k_scale = saved.k_scale[:, :, tile, None]  # [B, Hkv, 1, 1]
     q_scale = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
-    s = (saved.q_op @ k_op.transpose(-1, -2)) * (q_scale * k_scale * geo.scale)
+    products = saved.q_op @ k_op.transpose(-1, -2)
+    # A zero product stays zero when the scales' product overflows (a huge row in q and one in k: every other row of
+    # their blocks codes to 0, and 0 * inf would make them NaN where SDPA's scores are finite); a nonzero one overflows
+    # as SDPA's does. The kernels' scores_tile does the same.
+    s = torch.where(products == 0, 0.0, products * (q_scale * k_scale * geo.scale))
     if saved.q_mean is not None:
         # The term Q-smoothing dropped: tau * qbar_i . K'_j, with K' as the product saw it (deq(K'^)),
         # so the backward recomputes exactly the same S from the saved tensors.
@@ -372,6 +428,9 @@ def _forward(
     NVFP4 ``pv`` is recorded, else ``None``."""
     fmt = _formats(precision)["pv"]
     vr = geo.to_keys(v)
+    v_bad = None
+    if fmt in ("int8", "fp8") and saved.q_bad is not None:
+        vr, v_bad = confine(vr)  # V in the input dtype (and NVFP4's per-head scale) carries a NaN through P V itself
     v_tiles = vr.reshape(geo.batch, geo.kv_heads, geo.key_tiles, geo.block_n, geo.head_dim)
     out_scale = None  # a scale of O's channels applied after the sum over tiles
     if fmt == "fp8":
@@ -425,6 +484,7 @@ def _forward(
         out = out * out_scale
         out_hp = None if out_hp is None else out_hp * out_scale
     lse = row_max + torch.log(row_sum)
+    out, lse = _poison_rows(out, lse, saved, v_bad, geo)
     if record is not None:
         # The probabilities the PV product used, renormalised to the final max and sum.
         norm = [
@@ -503,7 +563,8 @@ def _backward(
 
         # dP = dO V^T: the product kept in high precision by default.
         dp = (do_dp @ v_dp[:, :, tile].transpose(-1, -2)) * (do_dp_scale * v_dp_scale[:, :, tile])
-        ds = p * (dp - delta[..., None])
+        # Masked pairs have dS = 0 even where dP is not finite (a NaN in v): 0 * NaN would spread it to the tile.
+        ds = (p * (dp - delta[..., None])).masked_fill(invalid, 0.0)
 
         ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
         ds_op, ds_op_scale = _operand(ds_blocks, formats["ds"], (-2, -1), geo.io_dtype)

@@ -62,12 +62,22 @@ def scores_tile(
     ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
+    scale = q_scale * k_scale * qk_scale
     if QK_FMT == "int8":
-        s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
-    elif QK_FMT == "fp8":
-        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
+        products = tl.dot(q, tl.trans(k))
+        if scale < _HUGE_SCALE:
+            s = int32_scaled(products, scale)
+        else:
+            s = huge_scaled(products.to(tl.float32), scale)
     else:
-        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
+        if QK_FMT == "fp8":
+            products = low_bit_dot(q, tl.trans(k), DOT_PRECISION)
+        else:
+            products = hp_dot(q, tl.trans(k), DOT_PRECISION)
+        if scale < _HUGE_SCALE:
+            s = products * scale
+        else:
+            s = huge_scaled(products, scale)
     if SMOOTH_Q:
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
@@ -78,6 +88,22 @@ def scores_tile(
     else:
         invalid = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
     return s, invalid
+
+
+#: Scale products from here on take :func:`huge_scaled`: :func:`.quant.int32_scaled`'s constant ``1.5 * 2**23 * scale``
+#: overflows fp32 above 2**103, and an infinite scale (two blocks' scales whose product overflows) times a zero product
+#: is NaN. A branch the whole tile takes alike, once per tile: the hot loops never take it with healthy inputs.
+_HUGE_SCALE = tl.constexpr(2.0**103)
+
+
+@triton.jit
+def huge_scaled(products, scale):
+    """``products * scale`` (fp32) for a scale of :data:`_HUGE_SCALE` or more, a zero product staying 0.
+
+    A huge row in q and one in k make every other row of their blocks code to 0 and the product of the two blocks'
+    scales overflow: ``0 * inf`` would make those rows NaN where SDPA's scores are finite. A nonzero product
+    overflows as SDPA's own score does (the reference's ``_scores`` reads the same)."""
+    return tl.where(products == 0.0, 0.0, products * scale)
 
 
 @triton.jit
@@ -101,3 +127,20 @@ def key_range(pid_m, SEQ_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL
         hi = tl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
         full_hi = tl.minimum(full_hi, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     return hi, full_hi
+
+
+@triton.jit
+def poison_rows(out, lse, ROW_POISON, FIRST_BAD, pid_bh, kv_bh, offs_m, SEQ_Q, SEQ_K, CAUSAL: tl.constexpr):
+    """``(out, lse)`` NaN in the query rows SDPA makes non-finite for a NaN or infinity in q, k or v, which the confined
+    quantizers read as 0 (:func:`.quant.confine_rows`): a query row that held one (``ROW_POISON``, 0 or NaN per row),
+    and every row that attends a key whose k or v row held one (``FIRST_BAD[kv_bh]``, the first such key: every row
+    attends it, or with ``CAUSAL`` the rows from it on). The logsumexp carries the NaN into the backward's P.
+    Once per query tile, in the epilogue: one row load and one scalar load."""
+    poison = tl.load(ROW_POISON + pid_bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
+    first_bad = tl.load(FIRST_BAD + kv_bh)
+    if CAUSAL:
+        attends_bad = first_bad <= offs_m
+    else:
+        attends_bad = (offs_m * 0 + first_bad) < SEQ_K
+    poison = tl.where(attends_bad, float("nan"), poison)
+    return out + poison[:, None], lse + poison

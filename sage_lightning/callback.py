@@ -31,7 +31,7 @@ from typing_extensions import override
 from sage_lightning import tensorboard
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
-from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
+from sage_lightning.layer_checkpoint import CHECKPOINT_KEY, checkpoint_file_problem
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import (
     Decision,
@@ -527,6 +527,11 @@ class AdaptivePrecision(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._parameters = []  # a fit that failed (TrainingDiverged included) ends here instead of on_train_end
+        # An empty or truncated checkpoint fails in PyTorch's unpickler (EOFError: Ran out of input), which names no
+        # file; Lightning sets ckpt_path just before it loads. The error keeps its type, with the file named under it.
+        problem = checkpoint_file_problem(trainer.ckpt_path)
+        if problem and hasattr(exception, "add_note"):  # Python 3.11+
+            exception.add_note(problem)
 
     # ----------------------------------------------------------------------------------------- checkpoints
 

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +20,40 @@ from sage_lightning.layer import attention_layers
 
 #: The checkpoint entry holding the attention layers' precisions.
 CHECKPOINT_KEY = "sage_attention"
+
+
+def checkpoint_file_problem(path: str | os.PathLike | None) -> str | None:
+    """Why a local checkpoint file cannot hold a checkpoint, naming it, or ``None`` when it may.
+
+    A run stopped while writing leaves a zero-length ``last.ckpt`` (or a zip archive without its end), and resuming
+    from it gets PyTorch's unpickler's ``EOFError: Ran out of input`` (or the zip reader's error) with no file named.
+    Remote paths (``s3://...``), missing files (Lightning names those itself) and files that look whole give ``None``.
+
+    Args:
+        path: the checkpoint a run resumes from, or ``None``.
+
+    Example::
+
+        problem = checkpoint_file_problem("runs/version_0/checkpoints/last.ckpt")
+        if problem:
+            raise ValueError(problem)
+    """
+    if path is None or not os.path.isfile(path):
+        return None
+    size = os.path.getsize(path)
+    advice = (
+        "most likely by a run stopped while writing it. Resume from an earlier checkpoint (its folder may hold "
+        "others), or fit without ckpt_path to start over."
+    )
+    if size == 0:
+        return f"The checkpoint {os.fspath(path)!r} is empty (0 bytes): it was cut short, {advice}"
+    with open(path, "rb") as file:
+        zipped = file.read(4) == b"PK\x03\x04"  # torch.save's format: a zip archive, whose directory is at its end
+    if zipped and not zipfile.is_zipfile(path):
+        return (
+            f"The checkpoint {os.fspath(path)!r} is truncated ({size} bytes, a zip archive without its end), {advice}"
+        )
+    return None
 
 
 def save_layers(module: nn.Module, configured: AttentionPrecision | None) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from ..quant import (
     to_dtype,
     to_e4m3,
 )
-from ..tiles import LOG2E, key_range, scores_tile, tile_mask
+from ..tiles import LOG2E, huge_scaled, key_range, poison_rows, scores_tile, tile_mask
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.
@@ -80,6 +80,7 @@ def _configs() -> list[triton.Config]:
         "BLOCK_N",
         "PV_FMT",
         "DOT_PRECISION",
+        "CONFINED",
     ],
 )
 @triton.jit
@@ -93,6 +94,8 @@ def _hopper_forward_kernel(
     K_SCALE,
     V_SCALE,
     LSE,
+    ROW_POISON,
+    FIRST_BAD,
     HEADS,
     GROUP,
     SEQ_Q,
@@ -108,6 +111,7 @@ def _hopper_forward_kernel(
     SMOOTH_Q: tl.constexpr,
     PV_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    CONFINED: tl.constexpr,
 ):
     if CAUSAL:
         # Heads vary fastest and the longest query tiles (the last) go first, so the first wave holds the
@@ -148,6 +152,10 @@ def _hopper_forward_kernel(
         else:
             x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
             a = q_scale * k_scale * qk_scale
+            if a == float("inf"):
+                # Two blocks' scales whose product overflows: a zero product stays 0 (tiles.huge_scaled).
+                x = huge_scaled(x, a)
+                a = 1.0
         if start_n >= full_hi:
             x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
         tile_max = tl.max(x, axis=1) * a
@@ -177,10 +185,13 @@ def _hopper_forward_kernel(
     if PV_FMT == "fp8":
         # V's per-channel scales and P's 1 / 448.
         out = out * (tl.load(V_SCALE + kv_bh * HEAD_DIM + cols) / FP8_MAX)[None, :]
+    lse = m_i + tl.math.log2(l_i)
+    if CONFINED:
+        out, lse = poison_rows(out, lse, ROW_POISON, FIRST_BAD, pid_bh, kv_bh, offs_m, SEQ_Q, SEQ_K, CAUSAL)
     out = to_dtype(out, desc_o.dtype, DOT_PRECISION)
     # O over its [B, H, N, D] strides (the caller's layout, e.g. [B, N, H, D] memory).
     desc_o.store([b, pid_bh % HEADS, pid_m * BLOCK_M, 0], out.reshape(1, 1, BLOCK_M, HEAD_DIM))
-    tl.store(LSE + pid_bh * SEQ_Q + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < SEQ_Q)
+    tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
 
 
 def hopper_forward(
@@ -199,6 +210,8 @@ def hopper_forward(
     block_n: int,
     pv: str = "int8",
     out: torch.Tensor | None = None,
+    row_poison: torch.Tensor | None = None,
+    first_bad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward on Hopper, for INT8 ``QK`` and INT8 or FP8 ``PV`` (what :func:`..forward.forward` takes, in its
     layouts).
@@ -212,6 +225,7 @@ def hopper_forward(
         pv: the format of ``P V``, ``"int8"`` or ``"fp8"``.
         out: where O is written, as :func:`..forward.forward` takes it (its strides must suit a TMA descriptor:
             :func:`..quant.output_like` makes such a tensor).
+        row_poison, first_bad: as :func:`..forward.forward`.
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and the internal logsumexp ``[B, Hq, N]``, as :func:`..forward.forward`.
@@ -246,6 +260,8 @@ def hopper_forward(
         k_scale,
         v_scale,
         lse,
+        row_poison if row_poison is not None else lse,
+        first_bad if first_bad is not None else lse,
         heads,
         heads // kv_heads,
         seq_q,
@@ -260,5 +276,6 @@ def hopper_forward(
         SMOOTH_Q=q_mean is not None,
         PV_FMT=pv,
         DOT_PRECISION=dot_precision(out_dtype),
+        CONFINED=row_poison is not None,
     )
     return out, lse
