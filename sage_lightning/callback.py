@@ -12,6 +12,8 @@ their own, and only the policy (:mod:`sage_lightning.policy`) authors decisions.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 import shutil
@@ -166,6 +168,9 @@ class AdaptivePrecision(Callback):
             is no GradScaler, ``True`` otherwise.
 
     Raises:
+        TypeError: an argument the callback does not take; a :class:`~sage_lightning.PolicyConfig` field (a
+            threshold such as ``ds_rel_err_high``) is named with the call that sets it,
+            ``AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.1))``.
         ValueError: an argument of the wrong type or out of range; the message names it, the value received
             and what works. From ``load_state_dict``: a checkpoint state this callback did not write.
         MisconfigurationException: at the start of training, when the model has no SageBwd attention layer,
@@ -202,8 +207,13 @@ class AdaptivePrecision(Callback):
         check_before_step: bool | None = None,
         snapshot_in_checkpoint: bool = True,
         last_good_checkpoint: str | os.PathLike | None = None,
+        **unexpected: Any,
     ) -> None:
         super().__init__()
+        if unexpected:
+            # Python's own refusal ("unexpected keyword argument") would not say where thresholds live.
+            name = next(iter(unexpected))
+            raise TypeError(_unknown_argument_message(name, unexpected[name]))
         if config is not None and not isinstance(config, PolicyConfig):
             raise ValueError(
                 "AdaptivePrecision: config must be a sage_lightning.PolicyConfig or None; "
@@ -863,6 +873,14 @@ class AdaptivePrecision(Callback):
         return self._policy
 
 
+#: The callback's own arguments, for the message about a name that is not one of them.
+_INIT_ARGUMENTS = tuple(
+    name
+    for name, parameter in inspect.signature(AdaptivePrecision.__init__).parameters.items()
+    if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+)
+
+
 def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     """A controller state saved by the previous layout (version 2) in this version's (3); any other as it is.
 
@@ -937,6 +955,28 @@ def _check_state(state: Mapping[str, Any]) -> None:
         raise ValueError(
             f"{where}: 'pending' must be a list of pending steps (dicts, oldest first); received {state['pending']!r}."
         )
+
+
+def _unknown_argument_message(name: str, value: object) -> str:
+    """What to say about ``AdaptivePrecision(name=value)`` when ``name`` is not one of its arguments: a
+    :class:`~sage_lightning.PolicyConfig` field is shown in ``PolicyConfig``, anything else gets the closest names."""
+    fields = [field.name for field in dataclasses.fields(PolicyConfig)]
+    if name in fields:
+        return (
+            f"AdaptivePrecision: {name} is a threshold or cadence of the policy, not an argument of the callback; "
+            f"received {name}={value!r}. Thresholds live in PolicyConfig: "
+            f"AdaptivePrecision(PolicyConfig({name}={value!r}))."
+        )
+    close = difflib.get_close_matches(name, [*_INIT_ARGUMENTS, *fields], n=1, cutoff=0.6)
+    hint = ""
+    if close and close[0] in fields:
+        hint = f" Did you mean the PolicyConfig field {close[0]!r}: AdaptivePrecision(PolicyConfig({close[0]}=...))?"
+    elif close:
+        hint = f" Did you mean {close[0]!r}?"
+    return (
+        f"AdaptivePrecision: unexpected argument {name}={value!r}.{hint} It takes {', '.join(_INIT_ARGUMENTS)}; "
+        "thresholds and cadences go in its config, a PolicyConfig."
+    )
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -650,3 +650,19 @@ def test_the_steps_do_not_walk_the_module_tree(tmp_path, monkeypatch) -> None:
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=6), callbacks=[AdaptivePrecision(verbose=False)])
     trainer.fit(TinyLM(), token_loader(6))
     assert calls == [0]  # on_train_start's listing
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"ds_rel_err_high": 0.1}, "in PolicyConfig: AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.1))"),
+        ({"calm_step": 5}, "Did you mean the PolicyConfig field 'calm_steps'"),
+        ({"snapshot_every": 5}, "Did you mean 'snapshot_every_n_steps'?"),
+    ],
+)
+def test_a_threshold_given_to_the_callback_says_where_it_goes(kwargs: dict, says: str) -> None:
+    """Python's bare "unexpected keyword argument" becomes a message naming the argument and the call that works."""
+    with pytest.raises(TypeError) as info:
+        AdaptivePrecision(**kwargs)
+    (name, value), message = next(iter(kwargs.items())), str(info.value)
+    assert says in message and f"{name}={value!r}" in message
