@@ -27,14 +27,12 @@ installs it).
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,8 +50,16 @@ from lightning.pytorch.utilities.model_summary.model_summary import _format_summ
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
+from sage_lightning import (
+    AdaptivePrecision,
+    AttentionPrecision,
+    Rung,
+    SageAttentionMixin,
+    attention_layers,
+    attention_summary,
+)
 from sage_lightning.callback import count_tokens
+from sage_lightning.console import quiet_lightning_noise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts, not a package)
@@ -486,31 +492,6 @@ class ParameterSummary(ModelSummary):
         print(table)
 
 
-class _DropLitLoggerTip(logging.Filter):
-    """Drops Lightning's advertisement for its cloud logger (printed on every run that does not use it)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage()
-
-
-def quiet_known_noise() -> None:
-    """Silence the console lines of this run that carry nothing for its user; warnings about the run stay.
-
-    * Lightning's "Tip: ... litlogger" line, printed whenever the cloud logger is not in use;
-    * Lightning's own call of a deprecated torch pytree API (``isinstance(treespec, LeafSpec)``, from
-      ``lightning/pytorch/utilities/_pytree.py`` under torch >= 2.10), which the user cannot act on.
-
-    Example::
-
-        quiet_known_noise()
-    """
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropLitLoggerTip) for f in logger.filters):
-            logger.addFilter(_DropLitLoggerTip())
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
-
-
 def tensorboard_command() -> str:
     """``tensorboard`` beside this Python (``.venv/bin/tensorboard`` from the repository), so it runs as printed.
 
@@ -584,7 +565,7 @@ class PretrainCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         register_rung_type()
-        quiet_known_noise()
+        quiet_lightning_noise()
         try:
             super().__init__(*args, **kwargs)
         except UsageError as error:
@@ -662,14 +643,10 @@ class PretrainCLI(LightningCLI):
         controllers = [cb for cb in trainer.callbacks if isinstance(cb, AdaptivePrecision)]
         lines = [f"attention layers: {len(attention_layers(self.model))}, starting as {self.model.attention}"]
         for controller in controllers:  # lines that fit an 80-column terminal, where the paths allow
-            count = len(controller.history)
-            lines.append(
-                f"AdaptivePrecision: {count} decision{'' if count == 1 else 's'}, int8 share "
-                f"{controller.int8_fraction:.3f}, {controller.tokens_seen:,} tokens seen"
-            )
-            lines.append("  each with its reason: TensorBoard's Text tab, sage/decisions")
-            if not controller.verbose:  # a verbose controller printed each one as it happened
+            if not controller.verbose:  # a verbose controller printed them, and its summary line, already
+                lines.append(attention_summary(self.model, controller))
                 lines.extend(f"  {decision}" for decision in controller.history[-10:])
+            lines.append("decisions, each with its reason: TensorBoard's Text tab, sage/decisions")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 lines.append(f"TensorBoard logs: {logger.log_dir}")

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from sage_lightning import tensorboard
+from sage_lightning.console import attention_summary, quiet_lightning_noise
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
@@ -152,7 +153,8 @@ class AdaptivePrecision(Callback):
         log_every_n_steps: optimizer steps between scalar logs when nothing happens (steps with a decision, a
             spike or a measurement are always logged); the Trainer's ``log_every_n_steps`` when ``None``.
         progress_bar: show ``int8_share`` and ``tokens_per_step`` in the progress bar.
-        verbose: print every decision (rank 0).
+        verbose: print every decision, and when training ends one line on what ran (rank 0;
+            :func:`~sage_lightning.attention_summary` gives that line too).
         check_before_step: ``True``: read each step's signals before its optimizer step, so a step with
             non-finite gradients is skipped outright. That takes one host sync per step, which leaves the GPU
             idle while the host launches the optimizer step and the next forward (``benchmarks/overhead.py``
@@ -244,6 +246,8 @@ class AdaptivePrecision(Callback):
                 "AdaptivePrecision: last_good_checkpoint must be a path (str or os.PathLike) or None; "
                 f"received {type(last_good_checkpoint).__name__}."
             )
+        # Made before the Trainer, which prints Lightning's litlogger tip: the run's console keeps what matters.
+        quiet_lightning_noise()
         self.config = config or PolicyConfig()
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.tokens_fn = tokens_fn or count_tokens
@@ -533,6 +537,8 @@ class AdaptivePrecision(Callback):
         if self._level_history is not None and self._policy is not None:  # the picture to the run's last step
             last = max(trainer.global_step - 1, self._level_history.start)
             tensorboard.log_precision_image(trainer, self._level_history, last, self._levels())
+        if self.verbose:  # a run that went well says so: what ran on SageBwd, what did not and why
+            rank_zero_info(attention_summary(pl_module, self))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

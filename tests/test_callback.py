@@ -666,3 +666,44 @@ def test_a_threshold_given_to_the_callback_says_where_it_goes(kwargs: dict, says
         AdaptivePrecision(**kwargs)
     (name, value), message = next(iter(kwargs.items())), str(info.value)
     assert says in message and f"{name}={value!r}" in message
+
+
+class _DropoutAttention(torch.nn.Module):
+    """Calls SDPA with dropout in training: the kernel cannot serve it, so every call goes to SDPA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.5)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_finished_run_prints_one_line_on_what_ran_and_a_notebook_gets_it_too(tmp_path, caplog) -> None:
+    """Silent success no more: after fit, one line names the layers served, the calls sent to SDPA and why, the
+    decisions and the low-bit share; attention_summary gives the same line; the mixin alone prints its part."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.blocks[1].attn.forward = _DropoutAttention().forward  # blocks.1.attn: every call falls back
+    controller = AdaptivePrecision()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.warns(sage_lightning.layer.AttentionFallbackWarning, match="dropout_p > 0"):
+            trainer.fit(model, token_loader(3))
+    line = sage_lightning.attention_summary(model, controller)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptivePrecision: 1 of")] == [line]
+    assert line.startswith("AdaptivePrecision: 1 of 2 attention layers ran SageBwd (6 calls, 3 sent to SDPA: 3 dropout")
+    assert line.endswith(f"{len(controller.history)} decisions, low-bit share 1.000, 198 tokens seen"), line
+    assert "\n" not in line
+
+    caplog.clear()
+    quiet = TinyLM()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=2)).fit(quiet, token_loader(2))
+    printed = [r.getMessage() for r in caplog.records if "ran SageBwd" in r.getMessage()]
+    assert printed == [
+        "sage_lightning: 2 of 2 attention layers ran SageBwd (4 calls, none sent to SDPA); no AdaptivePrecision "
+        "controller"
+    ]
+    with pytest.raises(TypeError, match="model must be the torch.nn.Module.*received Trainer"):
+        sage_lightning.attention_summary(trainer)
+    with pytest.raises(TypeError, match="controller must be .*AdaptivePrecision callback or None; received dict"):
+        sage_lightning.attention_summary(model, {})

@@ -304,8 +304,12 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
     assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
-    (summary,) = [line for line in done.stdout.splitlines() if line.endswith("tokens seen")]
-    assert re.fullmatch(r"AdaptivePrecision: \d+ decisions?, int8 share [01]\.\d{3}, 12,288 tokens seen", summary)
+    (summary,) = [line for line in done.stderr.splitlines() if line.endswith("tokens seen")]  # Lightning's log
+    assert re.fullmatch(
+        r"AdaptivePrecision: 2 of 2 attention layers ran SageBwd \([\d,]+ calls, none sent to SDPA\), \d+ decisions?, "
+        r"low-bit share [01]\.\d{3}, 12,288 tokens seen",
+        summary,
+    )
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
@@ -576,3 +580,14 @@ def test_command_line_errors_are_one_paragraph_and_leave_nothing(
     assert exit_info.value.code == 2
     assert "too few for one training and one validation window" in capsys.readouterr().err
     assert not root.exists() or not any(root.rglob("*"))  # no empty version_N, no config.yaml
+
+
+def test_the_quickstart_prints_what_matters_and_ends_with_the_summary(capsys: pytest.CaptureFixture) -> None:
+    """Quiet by default: the attention call's four lines, the two lines' summary, and how to see more."""
+    from quickstart import main
+
+    main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 8, lines
+    assert lines[0].startswith("sage_attention on cpu") and lines[-1].startswith("(--verbose adds")
+    assert lines[-2].startswith("AdaptivePrecision: 1 of 1 attention layer ran SageBwd (4 calls, none sent to SDPA)")
