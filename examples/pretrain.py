@@ -21,12 +21,17 @@ Any argument of the model (``--model.config.n_layers 8``), the data (``--data.pa
 Trainer (``--trainer.max_steps 500``) or the callback
 (``--adaptive_precision.init_args.config.ds_rel_err_high 0.15``) can be changed on the command line;
 ``.venv/bin/python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
+A misspelt option or config key is reported first, with the name meant where one is close (:class:`PretrainParser`).
 LightningCLI needs ``jsonargparse[signatures]`` (``pip install "sage-lightning[examples]"``; ``make demo``
 installs it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib
+import inspect
 import math
 import os
 import re
@@ -35,14 +40,14 @@ import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.logger import _flatten_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
@@ -535,6 +540,107 @@ def run_version(ckpt_path: str | os.PathLike, root_dir: str | os.PathLike) -> in
     return int(match.group(1)) if match else version
 
 
+#: Lines of a jsonargparse message that only say where the error sits in a union of types, not what it is.
+_UNION_NOISE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:|- Expected a |Given value type: "
+    r"|Given value: )"
+)
+
+
+def _close(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate closest to a misspelt ``name`` (difflib's ratio of at least 0.6), or ``None``."""
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _class_arguments(class_path: str) -> list[str]:
+    """The argument names of the class at ``class_path`` (its dataclass fields, or its ``__init__``'s); ``[]`` when it
+    cannot be imported."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        klass = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(klass):
+        return [field.name for field in dataclasses.fields(klass)]
+    parameters = inspect.signature(klass.__init__).parameters.values()
+    return [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def explain_parse_error(message: str, options: Sequence[str]) -> list[str]:
+    """The lines that matter in a jsonargparse error, first: what is wrong and, for a misspelt name, the close one.
+
+    Args:
+        message: jsonargparse's message (one line, or a nested report of a union of types).
+        options: the parser's option strings (``--trainer.max_steps`` ...), for a misspelt command-line key.
+
+    Returns:
+        One or two lines: the error, then ``did you mean ...?`` where a known name is close.
+
+    Example::
+
+        explain_parse_error("unrecognized arguments: --trainer.max_stesp 5", ["--trainer.max_steps"])
+        # ["unrecognized arguments: --trainer.max_stesp 5", "did you mean --trainer.max_steps?"]
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return [message]
+    unrecognized = re.match(r"unrecognized arguments: (.*)", lines[0], flags=re.I)
+    if unrecognized:
+        keys = [word.split("=", 1)[0] for word in unrecognized.group(1).split() if word.startswith("--")]
+        hints = [close for key in keys if (close := _close(key, options)) is not None]
+        return [lines[0]] + ([f"did you mean {' '.join(hints)}?"] if hints else [])
+    # A nested report: the keys and classes it descends through, then the innermost line that says what is wrong.
+    keys = []
+    class_path = None
+    for line in lines:
+        key = re.match(r'Parser key "([^"]+)":', line)
+        problem = re.match(r"- Problem with given class_path '([^']+)':", line)
+        if key:
+            keys += (["init_args"] if class_path else []) + [key.group(1)]
+        elif problem:
+            class_path = problem.group(1)
+        elif not _UNION_NOISE.match(line):
+            where = ".".join(keys)
+            not_accepted = re.match(r"(?:Option|Key) '([^']+)' is not (?:accepted|expected)", line)
+            if not_accepted and class_path:
+                name, owner = not_accepted.group(1), class_path.rpartition(".")[2]
+                arguments = _class_arguments(class_path)
+                close = _close(name.rpartition(".")[2], arguments)
+                hint = f"did you mean {close!r} ({where}.{close})?" if close else f"it takes {', '.join(arguments)}"
+                return [f"{owner} ({where}) has no argument {name!r}", hint]
+            return [f"{where}: {line}" if where else line]
+    return [lines[0]]
+
+
+class PretrainParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors start with what is wrong (and the close name, for a misspelt one) instead of
+    the whole usage; ``--help`` prints the usage. Abbreviated options are refused (``--trainer.max_step`` would
+    otherwise be read as ``--trainer.max_steps``, so a typo could run).
+
+    Example::
+
+        PretrainCLI(LlamaPretraining, TextDataModule, parser_class=PretrainParser)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        options = [option for action in parser._actions for option in action.option_strings]
+        explained = explain_parse_error(message, options)
+        sys.stderr.write(f"{prog}: error: {explained[0]}\n")
+        for line in explained[1:]:
+            sys.stderr.write(f"  {line}\n")
+        sys.stderr.write(f"  (every option: {prog} --help)\n")
+        self.exit(2)
+
+
 class UsageError(SystemExit):
     """A run refused before training: the message is the whole report (no traceback), exit status 2."""
 
@@ -687,6 +793,7 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         LlamaPretraining,
         TextDataModule,
         args=args,
+        parser_class=PretrainParser,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
             "default_root_dir": "runs",

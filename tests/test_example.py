@@ -591,3 +591,42 @@ def test_the_quickstart_prints_what_matters_and_ends_with_the_summary(capsys: py
     assert len(lines) <= 8, lines
     assert lines[0].startswith("sage_attention on cpu") and lines[-1].startswith("(--verbose adds")
     assert lines[-2].startswith("AdaptivePrecision: 1 of 1 attention layer ran SageBwd (4 calls, none sent to SDPA)")
+
+
+def test_a_misspelt_command_line_key_shows_the_error_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The one line that matters, and the name meant, before anything else (no 76 lines of usage); an abbreviation
+    is a typo too (argparse would read --trainer.max_step as --trainer.max_steps and train)."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    for typo in ("--trainer.max_stesp=5", "--trainer.max_step=5"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(REPO / "examples/configs/tiny.yaml"), typo])
+        assert exit_info.value.code == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[0] == f"pretrain.py fit: error: unrecognized arguments: {typo}", lines[:3]
+        assert lines[1] == "  did you mean --trainer.max_steps?" and "--help" in lines[2] and len(lines) == 3, lines[:5]
+
+
+def test_a_misspelt_threshold_in_a_config_names_the_key_and_the_right_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A misspelt PolicyConfig field in a config file: where it is and the field meant, not a 17-line union error."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    config = tmp_path / "typo.yaml"
+    config.write_text((REPO / "examples/configs/tiny.yaml").read_text().replace("ds_rel_err_high:", "ds_rel_err_hihg:"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "pretrain.py fit: error: PolicyConfig (adaptive_precision.init_args.config) has no argument 'ds_rel_err_hihg'",
+        "  did you mean 'ds_rel_err_high' (adaptive_precision.init_args.config.ds_rel_err_high)?",
+        "  (every option: pretrain.py fit --help)",
+    ]
