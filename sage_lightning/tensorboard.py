@@ -34,6 +34,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
 from sage_lightning.detectors import LEVELS
 from sage_lightning.policy import Decision, StepOutcome, StepSignals
@@ -163,6 +164,28 @@ def tensorboard_writers(trainer: pl.Trainer) -> list:
     if not trainer.is_global_zero:
         return []
     return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def purge_from(trainer: pl.Trainer, step: int) -> None:
+    """Tell TensorBoard that this run restarts at ``step``: the events of its earlier files at ``step`` or later are
+    dropped when it reads them (rank 0, TensorBoard loggers).
+
+    A run resumed from the checkpoint of step 100, after its first attempt had logged to step 144 in the same folder,
+    would otherwise show steps 100-144 twice. This writes what ``SummaryWriter(purge_step=step)`` writes when it opens
+    its file, a ``SessionLog.START`` event at ``step``, which TensorBoard's reader takes as a restart; it is done here
+    because Lightning's logger opens its writer before the checkpoint's step is known. Events written before it in the
+    new file (the hyperparameters, at step 0) stay.
+
+    Args:
+        trainer: the Trainer, its checkpoint restored.
+        step: the first step the resumed run logs (``trainer.global_step``).
+
+    Example::
+
+        tensorboard.purge_from(trainer, trainer.global_step)   # in on_train_start of a resumed fit
+    """
+    for writer in tensorboard_writers(trainer):
+        writer._get_file_writer().add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
 
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:

@@ -707,3 +707,70 @@ def test_a_finished_run_prints_one_line_on_what_ran_and_a_notebook_gets_it_too(t
         sage_lightning.attention_summary(trainer)
     with pytest.raises(TypeError, match="controller must be .*AdaptivePrecision callback or None; received dict"):
         sage_lightning.attention_summary(model, {})
+
+
+class _CtrlC(Callback):
+    """Presses Ctrl-C (raises KeyboardInterrupt) once the given optimizer step is done."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("check_before_step", [True, False])
+def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_resume(
+    tmp_path, caplog, check_before_step: bool
+) -> None:
+    """Ctrl-C at step 7 of a run checkpointed every 4 steps: the message names the checkpoint and the ckpt_path; the
+    run resumed from step 4 (into the same TensorBoard folder) logs steps 4-7 again, and TensorBoard has each once.
+    Without the check before the step, the checkpoint holds the verdicts of steps 2 and 3, still pending."""
+
+    def run(max_steps: int, callbacks: list, ckpt_path=None) -> TinyLM:
+        torch.manual_seed(0)
+        model = TinyLM()
+        checkpoints = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}"
+        )
+        logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+        trainer = L.Trainer(
+            **trainer_kwargs(
+                tmp_path, max_steps=max_steps, logger=logger, log_every_n_steps=1, enable_checkpointing=True
+            ),
+            callbacks=[
+                AdaptivePrecision(log_every_n_steps=1, check_before_step=check_before_step),
+                checkpoints,
+                *callbacks,
+            ],
+        )
+        trainer.fit(model, token_loader(12), ckpt_path=ckpt_path)
+        return model
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C: on_exception hooks, then exit status 1
+            run(10, [_CtrlC(7)])
+    (message,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    checkpoint = str(tmp_path / "ckpt" / "step=4.ckpt")
+    assert message.startswith(f"AdaptivePrecision: training interrupted at step 7. Resume from {checkpoint} (step 4)")
+    assert f"ckpt_path={checkpoint!r}" in message
+
+    run(10, [], ckpt_path=checkpoint)
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "images": 0})
+    accumulator.Reload()
+    assert len(glob.glob(str(tmp_path / "tb" / "version_0" / "events.out.tfevents.*"))) == 2
+    for tag in ("sage/loss", "sage/int8_fraction", "sage/level/blocks.0.attn"):
+        steps = [event.step for event in accumulator.Scalars(tag)]
+        assert steps == list(range(10)), (tag, steps)
+    images = [event.step for event in accumulator.Images("sage/precision")]
+    assert images == sorted(set(images)), images
+
+
+def test_an_interrupted_run_without_a_checkpoint_says_how_to_keep_one(tmp_path, caplog) -> None:
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(), _CtrlC(2)])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):
+            trainer.fit(TinyLM(), token_loader(4))
+    (message,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert "at step 2. No checkpoint was saved" in message and "ModelCheckpoint(save_on_exception=True)" in message
