@@ -35,6 +35,7 @@ import inspect
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -64,7 +65,7 @@ from sage_lightning import (
     attention_summary,
 )
 from sage_lightning.callback import count_tokens
-from sage_lightning.console import quiet_lightning_noise
+from sage_lightning.console import newest_checkpoint, quiet_lightning_noise
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts, not a package)
@@ -641,6 +642,31 @@ class PretrainParser(LightningArgumentParser):
         self.exit(2)
 
 
+def resume_command(args: Sequence[str], ckpt_path: str) -> str:
+    """The command that resumes a run of this script from ``ckpt_path``: the same arguments, ``--ckpt_path`` replaced.
+
+    Args:
+        args: the arguments the run was given (``sys.argv[1:]``).
+        ckpt_path: the checkpoint to resume from.
+
+    Example::
+
+        resume_command(["fit", "--config", "tiny.yaml"], "runs/tiny/version_0/checkpoints/last.ckpt")
+        # ".venv/bin/python examples/pretrain.py fit --config tiny.yaml --ckpt_path runs/tiny/.../last.ckpt"
+    """
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    python = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else sys.executable
+    script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+    return shlex.join([python, script, *kept, "--ckpt_path", ckpt_path])
+
+
 class UsageError(SystemExit):
     """A run refused before training: the message is the whole report (no traceback), exit status 2."""
 
@@ -670,6 +696,9 @@ class PretrainCLI(LightningCLI):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The command as given, for the resume command printed after Ctrl-C.
+        given = kwargs.get("args")
+        self.command_args = [str(a) for a in (sys.argv[1:] if given is None else given)]
         register_rung_type()
         quiet_lightning_noise()
         try:
@@ -736,10 +765,15 @@ class PretrainCLI(LightningCLI):
         ]
         try:
             trainer.fit(model, **kwargs)
-        except BaseException:
+        except BaseException as error:
             if trainer.global_step == 0 and trainer.is_global_zero:
                 for folder in new_folders:  # nothing trained, nothing to keep: no empty version_N left behind
                     shutil.rmtree(folder, ignore_errors=True)
+            elif isinstance(error, SystemExit) and trainer.interrupted and trainer.is_global_zero:
+                # Ctrl-C (Lightning exits after its on_exception hooks, the checkpoint callbacks' saves included).
+                found = newest_checkpoint(trainer)
+                if found is not None:
+                    print(f"resume it: {resume_command(self.command_args, found[0])}")
             raise
 
     def after_fit(self) -> None:

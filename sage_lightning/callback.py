@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from sage_lightning import tensorboard
-from sage_lightning.console import attention_summary, quiet_lightning_noise
+from sage_lightning.console import attention_summary, quiet_lightning_noise, resume_instructions
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY
@@ -883,53 +883,6 @@ class AdaptivePrecision(Callback):
         if self._policy is None:
             raise RuntimeError("AdaptivePrecision: the policy is built in on_train_start; this hook ran before it.")
         return self._policy
-
-
-def resume_instructions(trainer: pl.Trainer) -> str:
-    """Where an interrupted fit can resume from and how: the newest checkpoint its ``ModelCheckpoint`` callbacks
-    saved, and the ``ckpt_path`` to give ``fit``; or, without one, how to keep one next time.
-
-    Args:
-        trainer: the interrupted Trainer.
-
-    Returns:
-        A few lines, e.g. ``"AdaptivePrecision: training interrupted at step 37. Resume from
-        runs/version_0/checkpoints/last.ckpt (step 30): trainer.fit(model, ..., ckpt_path='...')..."``.
-
-    Example::
-
-        print(resume_instructions(trainer))
-    """
-    saved: list[tuple[float, str, int | None]] = []
-    on_exception = []
-    for callback in trainer.checkpoint_callbacks:
-        if not isinstance(callback, ModelCheckpoint):
-            continue
-        if getattr(callback, "save_on_exception", False) and callback.dirpath:
-            on_exception.append(callback.dirpath)
-        step = getattr(callback, "_last_global_step_saved", None)  # Lightning's record of its last save
-        for path in {callback.last_model_path, callback.best_model_path, *callback.best_k_models}:
-            if path and os.path.isfile(path):
-                saved.append((os.path.getmtime(path), path, step if step else None))
-    text = f"AdaptivePrecision: training interrupted at step {trainer.global_step}."
-    if on_exception:
-        return (
-            f"{text} ModelCheckpoint(save_on_exception=True) saves this step in {on_exception[0]} now: resume from "
-            "that checkpoint with trainer.fit(model, ..., ckpt_path=<it>) (LightningCLI: --ckpt_path <it>); "
-            "TensorBoard keeps each step once."
-        )
-    if not saved:
-        return (
-            f"{text} No checkpoint was saved, so it cannot resume: give the Trainer a "
-            "ModelCheckpoint(every_n_train_steps=..., save_last=True) or ModelCheckpoint(save_on_exception=True) "
-            "to keep one next time."
-        )
-    _, path, step = max(saved)
-    at = f" (step {step})" if step is not None else ""
-    return (
-        f"{text} Resume from {path}{at}: trainer.fit(model, ..., ckpt_path={path!r}) (LightningCLI: --ckpt_path "
-        f"{path}); the steps after it run again, and TensorBoard keeps each step once."
-    )
 
 
 #: The callback's own arguments, for the message about a name that is not one of them.

@@ -3,6 +3,8 @@
 * :func:`attention_summary`: layers served, calls sent to SDPA and why, decisions, low-bit share.
   ``AdaptivePrecision`` prints it when training ends (``SageAttentionMixin`` does, when there is no controller), so
   a run that succeeded says that SageBwd ran; in a notebook, call it.
+* :func:`resume_instructions`: after Ctrl-C, where and how to resume (``AdaptivePrecision`` prints it);
+  :func:`newest_checkpoint`, the file it names.
 * :func:`quiet_lightning_noise`: drops two lines Lightning prints on every run, narrowly (``AdaptivePrecision``
   calls it when it is made).
 """
@@ -10,9 +12,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import TYPE_CHECKING
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from sage_lightning.layer import attention_layers
@@ -126,4 +131,77 @@ def quiet_lightning_noise() -> None:
         "ignore",
         message=r".*isinstance\(treespec, LeafSpec\)` is deprecated",
         module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+def newest_checkpoint(trainer: pl.Trainer) -> tuple[str, int | None] | None:
+    """The newest checkpoint file the Trainer's ``ModelCheckpoint`` callbacks saved, and its step when known.
+
+    Args:
+        trainer: the Trainer, during or after a fit.
+
+    Returns:
+        ``(path, step)``, ``step`` ``None`` when Lightning did not record it; ``None`` when no file was saved.
+
+    Example::
+
+        found = newest_checkpoint(trainer)
+        if found is not None:
+            trainer.fit(model, ckpt_path=found[0])
+    """
+    saved: list[tuple[float, str, int | None]] = []
+    for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):
+            continue
+        step = getattr(callback, "_last_global_step_saved", None) or None  # Lightning's record of its last save
+        for path in {callback.last_model_path, callback.best_model_path, *callback.best_k_models}:
+            if path and os.path.isfile(path):
+                saved.append((os.path.getmtime(path), path, step))
+    if not saved:
+        return None
+    _, path, step = max(saved)
+    return path, step
+
+
+def resume_instructions(trainer: pl.Trainer) -> str:
+    """Where an interrupted fit can resume from and how: the newest checkpoint (:func:`newest_checkpoint`) and the
+    ``ckpt_path`` to give ``fit``; where a ``ModelCheckpoint(save_on_exception=True)`` is about to save the
+    interrupted step, that; without a checkpoint, how to keep one next time.
+
+    Args:
+        trainer: the interrupted Trainer (``AdaptivePrecision`` calls this from ``on_exception``, before the
+            checkpoint callbacks' own ``on_exception``).
+
+    Returns:
+        One paragraph, e.g. ``"AdaptivePrecision: training interrupted at step 7. Resume from ckpt/step=4.ckpt (step 4):
+        trainer.fit(model, ..., ckpt_path='ckpt/step=4.ckpt') ..."``.
+
+    Example::
+
+        print(resume_instructions(trainer))
+    """
+    text = f"AdaptivePrecision: training interrupted at step {trainer.global_step}."
+    on_exception = [
+        callback.dirpath
+        for callback in trainer.checkpoint_callbacks
+        if isinstance(callback, ModelCheckpoint) and getattr(callback, "save_on_exception", False) and callback.dirpath
+    ]
+    if on_exception:
+        return (
+            f"{text} ModelCheckpoint(save_on_exception=True) saves this step in {on_exception[0]} now: resume from "
+            "that checkpoint with trainer.fit(model, ..., ckpt_path=<it>) (LightningCLI: --ckpt_path <it>); "
+            "TensorBoard keeps each step once."
+        )
+    found = newest_checkpoint(trainer)
+    if found is None:
+        return (
+            f"{text} No checkpoint was saved, so it cannot resume: give the Trainer a "
+            "ModelCheckpoint(every_n_train_steps=..., save_last=True) or ModelCheckpoint(save_on_exception=True) "
+            "to keep one next time."
+        )
+    path, step = found
+    at = f" (step {step})" if step is not None else ""
+    return (
+        f"{text} Resume from {path}{at}: trainer.fit(model, ..., ckpt_path={path!r}) (LightningCLI: --ckpt_path "
+        f"{path}); the steps after it run again, and TensorBoard keeps each step once."
     )

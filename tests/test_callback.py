@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny_lightning import TinyLM, hparams_session, token_loader, trainer_kwargs
+from tiny_lightning import PressCtrlC, TinyLM, hparams_session, token_loader, trainer_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_lightning
@@ -709,17 +709,6 @@ def test_a_finished_run_prints_one_line_on_what_ran_and_a_notebook_gets_it_too(t
         sage_lightning.attention_summary(model, {})
 
 
-class _CtrlC(Callback):
-    """Presses Ctrl-C (raises KeyboardInterrupt) once the given optimizer step is done."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
-
-
 @pytest.mark.parametrize("check_before_step", [True, False])
 def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_resume(
     tmp_path, caplog, check_before_step: bool
@@ -750,7 +739,7 @@ def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_res
 
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C: on_exception hooks, then exit status 1
-            run(10, [_CtrlC(7)])
+            run(10, [PressCtrlC(7)])
     (message,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
     checkpoint = str(tmp_path / "ckpt" / "step=4.ckpt")
     assert message.startswith(f"AdaptivePrecision: training interrupted at step 7. Resume from {checkpoint} (step 4)")
@@ -768,7 +757,7 @@ def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_res
 
 
 def test_an_interrupted_run_without_a_checkpoint_says_how_to_keep_one(tmp_path, caplog) -> None:
-    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(), _CtrlC(2)])
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(), PressCtrlC(2)])
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         with pytest.raises(SystemExit):
             trainer.fit(TinyLM(), token_loader(4))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import io
+import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -630,3 +632,42 @@ def test_a_misspelt_threshold_in_a_config_names_the_key_and_the_right_one(
         "  did you mean 'ds_rel_err_high' (adaptive_precision.init_args.config.ds_rel_err_high)?",
         "  (every option: pretrain.py fit --help)",
     ]
+
+
+def test_ctrl_c_on_the_command_line_prints_the_command_that_resumes(
+    tmp_path: Path,
+    corpus_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C after step 3: the configs' ModelCheckpoint(save_on_exception=True) keeps step 3 in last.ckpt, and the
+    last line is the same command with --ckpt_path; run as printed, it resumes there and finishes."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    root = tmp_path / "out"
+    callbacks = (
+        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_last: true, "
+        "save_on_exception: true}}, {class_path: tiny_lightning.PressCtrlC, init_args: {step: 3}}]"
+    )
+    args = [
+        arg
+        for arg in _cli_args(root, corpus_folder, "--trainer.max_steps=5")
+        if not arg.startswith(("--adaptive_precision", "--trainer.callbacks"))
+    ]
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):
+            main([*args, callbacks])
+    last = root / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+    resume = capsys.readouterr().out.splitlines()[-1]
+    assert resume.startswith("resume it: ") and resume.endswith(f"--ckpt_path {last}"), resume
+    said = "training interrupted at step 3. ModelCheckpoint(save_on_exception=True) saves this step"
+    assert [r for r in caplog.records if said in r.getMessage()]
+
+    words = shlex.split(resume.removeprefix("resume it: "))
+    assert words[1].endswith("examples/pretrain.py") and words[2] == "fit"
+    cli = main(words[2:])
+    assert cli.trainer.global_step == 5
