@@ -86,10 +86,19 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
     images = accumulator.Images("sage/precision")
     # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
-    assert [image.step for image in images] == [0, 2, 5] and (images[-1].width, images[-1].height) == (6, 24)
+    assert [image.step for image in images] == [0, 2, 5]
     picture = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)).convert("RGB"))
-    assert [tuple(picture[0, step]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [tuple(color_for(3, 6))] * 2
-    assert tuple(picture[12, 5]) == tuple(color_for(3, 6))  # the second layer's band
+    # Two bands of 12 pixels, the 6 steps widened to 43 pixels each, right of the layer names, above the step axis.
+    left = next(x for x in range(picture.shape[1]) if tuple(picture[0, x]) == tuple(PALETTE[0]))
+    at = [left + 43 * step + 21 for step in range(6)]
+    assert [tuple(picture[0, at[step]]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [
+        tuple(color_for(3, 6))
+    ] * 2
+    assert tuple(picture[12, at[5]]) == tuple(color_for(3, 6))  # the second layer's band
+    assert picture.shape[0] > 24 and picture.shape[1] == left + 6 * 43 + 4
+    dark = picture.sum(axis=2) < 300
+    assert dark[:12, :left].any() and dark[12:24, :left].any()  # each band's layer name
+    assert dark[24:, left:].any() and dark[24:, :left].any()  # the step labels, and "step"
     legend = accumulator.Tensors("sage/precision_legend/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "level 3, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
     assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
