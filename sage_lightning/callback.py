@@ -863,7 +863,7 @@ class AdaptivePrecision(Callback):
                 "tokens_per_step": self.tokens_per_step,
                 "tokens_seen": self.tokens_seen,
                 "int8_fraction": self.int8_fraction,
-                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "tokens/accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "skipped_steps": self.skipped_steps,
                 "rollbacks": self.rollbacks,
                 "rollbacks_without_progress": policy.rollbacks_without_progress,

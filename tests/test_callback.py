@@ -10,6 +10,7 @@ import io
 import logging
 import math
 import os
+import re
 import shutil
 import traceback
 import weakref
@@ -44,6 +45,15 @@ def events(root) -> EventAccumulator:
     return accumulator
 
 
+def time_series_order(tag: str) -> list[tuple]:
+    """TensorBoard's order of charts in a Time Series group (its ``compareTagNames``): '/' before anything else,
+    digit runs as numbers, then the characters."""
+    key: list[tuple] = []
+    for token in re.findall(r"/|\d+|[^/\d]", tag):
+        key.append((0, 0, "") if token == "/" else (1, int(token), "") if token.isdigit() else (2, 0, token))
+    return key
+
+
 def decision_texts(accumulator: EventAccumulator) -> list[str]:
     return [event.tensor_proto.string_val[0].decode() for event in accumulator.Tensors("sage/decisions/text_summary")]
 
@@ -72,11 +82,12 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     accumulator = events(tmp_path)
     scalars = set(accumulator.Tags()["scalars"])
     for layer in LAYERS:
-        assert {f"sage/ds_rel_err/{layer}", f"sage/level/{layer}", f"sage/probe/dQ_cos/{layer}"} <= scalars
+        per_layer = {f"sage/signals/ds_rel_err/{layer}", f"sage/precision_level/{layer}", f"sage/probe/dQ_cos/{layer}"}
+        assert per_layer <= scalars
     assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
-    ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
+    ds_err = [e.value for e in accumulator.Scalars("sage/signals/ds_rel_err/blocks.0.attn")]
     assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
-    assert [e.value for e in accumulator.Scalars("sage/level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
+    assert [e.value for e in accumulator.Scalars("sage/precision_level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
     assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
     # int8 share: 2 layers x 3 steps on INT8 dS, then 2 x 3 with dS in bf16.
     assert [e.value for e in accumulator.Scalars("sage/int8_fraction")][-1] == pytest.approx(0.5)
@@ -84,6 +95,10 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
+    # TensorBoard's Time Series sorts a group's charts by tag: the sage group opens on the share, the loss, the picture.
+    sage_tags = {tag for tag in scalars | set(accumulator.Tags()["images"]) if tag.startswith("sage/")}
+    cards = sorted(sage_tags, key=time_series_order)
+    assert cards[:3] == ["sage/int8_fraction", "sage/loss", "sage/precision"], cards[:6]
     images = accumulator.Images("sage/precision")
     # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
     assert [image.step for image in images] == [0, 2, 5]
@@ -758,7 +773,7 @@ def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_res
     accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "images": 0})
     accumulator.Reload()
     assert len(glob.glob(str(tmp_path / "tb" / "version_0" / "events.out.tfevents.*"))) == 2
-    for tag in ("sage/loss", "sage/int8_fraction", "sage/level/blocks.0.attn"):
+    for tag in ("sage/loss", "sage/int8_fraction", "sage/precision_level/blocks.0.attn"):
         steps = [event.step for event in accumulator.Scalars(tag)]
         assert steps == list(range(10)), (tag, steps)
     images = [event.step for event in accumulator.Images("sage/precision")]

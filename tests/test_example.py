@@ -317,8 +317,8 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     accumulator = events(run)
     scalars = set(accumulator.Tags()["scalars"])
     for tag in (
-        "sage/ds_rel_err/model.blocks.0.attn",
-        "sage/level/model.blocks.1.attn",
+        "sage/signals/ds_rel_err/model.blocks.0.attn",
+        "sage/precision_level/model.blocks.1.attn",
         "sage/int8_fraction",
         "sage/tokens_per_step",
         "sage/loss",
