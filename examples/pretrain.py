@@ -692,7 +692,8 @@ class PretrainCLI(LightningCLI):
     ``version_N``. An argument a class refuses, or data that cannot be read, ends the command with that one
     message (exit status 2) before anything is written; a run that fails before its first optimizer step
     removes the log folder it created. After ``fit`` it prints where the logs and checkpoints are and how to
-    open TensorBoard on them.
+    open TensorBoard on them; after Ctrl-C, the command that resumes the run (its own, with ``--ckpt_path``). A
+    misspelt option or config key is reported by :class:`PretrainParser`: the error first, the name meant.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

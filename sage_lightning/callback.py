@@ -125,6 +125,12 @@ class AdaptivePrecision(Callback):
     * changes ``trainer.accumulate_grad_batches`` (tokens per step) at the first batch where the old and the
       new accumulation windows both start, so no step mixes gradients of two settings.
 
+    When training ends it prints one line on what ran (layers served by SageBwd, calls sent to SDPA and why,
+    decisions, low-bit share: :func:`~sage_lightning.attention_summary`); after Ctrl-C, where and how to resume
+    (:func:`~sage_lightning.console.resume_instructions`). A resumed fit marks its restart in TensorBoard, so the
+    steps the interrupted run logged after the checkpoint are shown once
+    (:func:`~sage_lightning.tensorboard.purge_from`).
+
     Every decision is kept in :attr:`history`, logged with its reason as a TensorBoard text event
     (``sage/decisions``) and the signals as ``sage/`` scalars (see :mod:`sage_lightning.tensorboard`); the
     progress bar shows ``int8_share`` and ``tokens_per_step``. The controller's settings (:attr:`hparams`) join the
