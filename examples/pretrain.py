@@ -21,30 +21,34 @@ Any argument of the model (``--model.config.n_layers 8``), the data (``--data.pa
 Trainer (``--trainer.max_steps 500``) or the callback
 (``--adaptive_precision.init_args.config.ds_rel_err_high 0.15``) can be changed on the command line;
 ``.venv/bin/python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
+A misspelt option or config key is reported first, with the name meant where one is close (:class:`PretrainParser`).
 LightningCLI needs ``jsonargparse[signatures]`` (``pip install "sage-lightning[examples]"``; ``make demo``
 installs it).
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import difflib
+import importlib
+import inspect
 import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.logger import _flatten_dict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, RichProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
@@ -52,8 +56,16 @@ from lightning.pytorch.utilities.model_summary.model_summary import _format_summ
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
-from sage_lightning import AdaptivePrecision, AttentionPrecision, Rung, SageAttentionMixin, attention_layers
+from sage_lightning import (
+    AdaptivePrecision,
+    AttentionPrecision,
+    Rung,
+    SageAttentionMixin,
+    attention_layers,
+    attention_summary,
+)
 from sage_lightning.callback import count_tokens
+from sage_lightning.console import newest_checkpoint, quiet_lightning_noise
 from sage_lightning.layer_checkpoint import checkpoint_file_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -487,31 +499,6 @@ class ParameterSummary(ModelSummary):
         print(table)
 
 
-class _DropLitLoggerTip(logging.Filter):
-    """Drops Lightning's advertisement for its cloud logger (printed on every run that does not use it)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage()
-
-
-def quiet_known_noise() -> None:
-    """Silence the console lines of this run that carry nothing for its user; warnings about the run stay.
-
-    * Lightning's "Tip: ... litlogger" line, printed whenever the cloud logger is not in use;
-    * Lightning's own call of a deprecated torch pytree API (``isinstance(treespec, LeafSpec)``, from
-      ``lightning/pytorch/utilities/_pytree.py`` under torch >= 2.10), which the user cannot act on.
-
-    Example::
-
-        quiet_known_noise()
-    """
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropLitLoggerTip) for f in logger.filters):
-            logger.addFilter(_DropLitLoggerTip())
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated")
-
-
 def tensorboard_command() -> str:
     """``tensorboard`` beside this Python (``.venv/bin/tensorboard`` from the repository), so it runs as printed.
 
@@ -555,6 +542,132 @@ def run_version(ckpt_path: str | os.PathLike, root_dir: str | os.PathLike) -> in
     return int(match.group(1)) if match else version
 
 
+#: Lines of a jsonargparse message that only say where the error sits in a union of types, not what it is.
+_UNION_NOISE = re.compile(
+    r"^(Does not validate against any of the Union subtypes|Subtypes: |Errors:|- Expected a |Given value type: "
+    r"|Given value: )"
+)
+
+
+def _close(name: str, candidates: Sequence[str]) -> str | None:
+    """The candidate closest to a misspelt ``name`` (difflib's ratio of at least 0.6), or ``None``."""
+    found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def _class_arguments(class_path: str) -> list[str]:
+    """The argument names of the class at ``class_path`` (its dataclass fields, or its ``__init__``'s); ``[]`` when it
+    cannot be imported."""
+    module, _, name = class_path.rpartition(".")
+    try:
+        klass = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(klass):
+        return [field.name for field in dataclasses.fields(klass)]
+    parameters = inspect.signature(klass.__init__).parameters.values()
+    return [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def explain_parse_error(message: str, options: Sequence[str]) -> list[str]:
+    """The lines that matter in a jsonargparse error, first: what is wrong and, for a misspelt name, the close one.
+
+    Args:
+        message: jsonargparse's message (one line, or a nested report of a union of types).
+        options: the parser's option strings (``--trainer.max_steps`` ...), for a misspelt command-line key.
+
+    Returns:
+        One or two lines: the error, then ``did you mean ...?`` where a known name is close.
+
+    Example::
+
+        explain_parse_error("unrecognized arguments: --trainer.max_stesp 5", ["--trainer.max_steps"])
+        # ["unrecognized arguments: --trainer.max_stesp 5", "did you mean --trainer.max_steps?"]
+    """
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return [message]
+    unrecognized = re.match(r"unrecognized arguments: (.*)", lines[0], flags=re.I)
+    if unrecognized:
+        keys = [word.split("=", 1)[0] for word in unrecognized.group(1).split() if word.startswith("--")]
+        hints = [close for key in keys if (close := _close(key, options)) is not None]
+        return [lines[0]] + ([f"did you mean {' '.join(hints)}?"] if hints else [])
+    # A nested report: the keys and classes it descends through, then the innermost line that says what is wrong.
+    keys = []
+    class_path = None
+    for line in lines:
+        key = re.match(r'Parser key "([^"]+)":', line)
+        problem = re.match(r"- Problem with given class_path '([^']+)':", line)
+        if key:
+            keys += (["init_args"] if class_path else []) + [key.group(1)]
+        elif problem:
+            class_path = problem.group(1)
+        elif not _UNION_NOISE.match(line):
+            where = ".".join(keys)
+            not_accepted = re.match(r"(?:Option|Key) '([^']+)' is not (?:accepted|expected)", line)
+            if not_accepted and class_path:
+                name, owner = not_accepted.group(1), class_path.rpartition(".")[2]
+                arguments = _class_arguments(class_path)
+                close = _close(name.rpartition(".")[2], arguments)
+                hint = f"did you mean {close!r} ({where}.{close})?" if close else f"it takes {', '.join(arguments)}"
+                return [f"{owner} ({where}) has no argument {name!r}", hint]
+            return [f"{where}: {line}" if where else line]
+    return [lines[0]]
+
+
+class PretrainParser(LightningArgumentParser):
+    """LightningCLI's parser, whose errors start with what is wrong (and the close name, for a misspelt one) instead of
+    the whole usage; ``--help`` prints the usage. Abbreviated options are refused (``--trainer.max_step`` would
+    otherwise be read as ``--trainer.max_steps``, so a typo could run).
+
+    Example::
+
+        PretrainCLI(LlamaPretraining, TextDataModule, parser_class=PretrainParser)
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "")
+        options = [option for action in parser._actions for option in action.option_strings]
+        explained = explain_parse_error(message, options)
+        sys.stderr.write(f"{prog}: error: {explained[0]}\n")
+        for line in explained[1:]:
+            sys.stderr.write(f"  {line}\n")
+        sys.stderr.write(f"  (every option: {prog} --help)\n")
+        self.exit(2)
+
+
+def resume_command(args: Sequence[str], ckpt_path: str) -> str:
+    """The command that resumes a run of this script from ``ckpt_path``: the same arguments, ``--ckpt_path`` replaced.
+
+    Args:
+        args: the arguments the run was given (``sys.argv[1:]``).
+        ckpt_path: the checkpoint to resume from.
+
+    Example::
+
+        resume_command(["fit", "--config", "tiny.yaml"], "runs/tiny/version_0/checkpoints/last.ckpt")
+        # ".venv/bin/python examples/pretrain.py fit --config tiny.yaml --ckpt_path runs/tiny/.../last.ckpt"
+    """
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    python = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else sys.executable
+    script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+    return shlex.join([python, script, *kept, "--ckpt_path", ckpt_path])
+
+
 class UsageError(SystemExit):
     """A run refused before training: the message is the whole report (no traceback), exit status 2."""
 
@@ -580,12 +693,16 @@ class PretrainCLI(LightningCLI):
     ``version_N``. An argument a class refuses, or data that cannot be read, ends the command with that one
     message (exit status 2) before anything is written; a run that fails before its first optimizer step
     removes the log folder it created. After ``fit`` it prints where the logs and checkpoints are and how to
-    open TensorBoard on them.
+    open TensorBoard on them; after Ctrl-C, the command that resumes the run (its own, with ``--ckpt_path``). A
+    misspelt option or config key is reported by :class:`PretrainParser`: the error first, the name meant.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # The command as given, for the resume command printed after Ctrl-C.
+        given = kwargs.get("args")
+        self.command_args = [str(a) for a in (sys.argv[1:] if given is None else given)]
         register_rung_type()
-        quiet_known_noise()
+        quiet_lightning_noise()
         try:
             super().__init__(*args, **kwargs)
         except UsageError as error:
@@ -659,10 +776,15 @@ class PretrainCLI(LightningCLI):
         ]
         try:
             trainer.fit(model, **kwargs)
-        except BaseException:
+        except BaseException as error:
             if trainer.global_step == 0 and trainer.is_global_zero:
                 for folder in new_folders:  # nothing trained, nothing to keep: no empty version_N left behind
                     shutil.rmtree(folder, ignore_errors=True)
+            elif isinstance(error, SystemExit) and trainer.interrupted and trainer.is_global_zero:
+                # Ctrl-C (Lightning exits after its on_exception hooks, the checkpoint callbacks' saves included).
+                found = newest_checkpoint(trainer)
+                if found is not None:
+                    print(f"resume it: {resume_command(self.command_args, found[0])}")
             raise
 
     def after_fit(self) -> None:
@@ -672,14 +794,10 @@ class PretrainCLI(LightningCLI):
         controllers = [cb for cb in trainer.callbacks if isinstance(cb, AdaptivePrecision)]
         lines = [f"attention layers: {len(attention_layers(self.model))}, starting as {self.model.attention}"]
         for controller in controllers:  # lines that fit an 80-column terminal, where the paths allow
-            count = len(controller.history)
-            lines.append(
-                f"AdaptivePrecision: {count} decision{'' if count == 1 else 's'}, int8 share "
-                f"{controller.int8_fraction:.3f}, {controller.tokens_seen:,} tokens seen"
-            )
-            lines.append("  each with its reason: TensorBoard's Text tab, sage/decisions")
-            if not controller.verbose:  # a verbose controller printed each one as it happened
+            if not controller.verbose:  # a verbose controller printed them, and its summary line, already
+                lines.append(attention_summary(self.model, controller))
                 lines.extend(f"  {decision}" for decision in controller.history[-10:])
+            lines.append("decisions, each with its reason: TensorBoard's Text tab, sage/decisions")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 lines.append(f"TensorBoard logs: {logger.log_dir}")
@@ -720,6 +838,7 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         LlamaPretraining,
         TextDataModule,
         args=args,
+        parser_class=PretrainParser,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
             "default_root_dir": "runs",

@@ -105,12 +105,13 @@ def check_inputs(
     if not (q.device == k.device == v.device):
         raise _fail("q, k, v", f"devices {q.device}, {k.device}, {v.device}", "must be on one device")
     if k.shape != v.shape:
-        raise _fail(
-            "k, v",
-            f"shapes {tuple(k.shape)} and {tuple(v.shape)}",
-            "must have the same shape [batch, kv_heads, seq_k, head_dim] (a value head dim different "
-            "from the query's is not supported)",
-        )
+        if k.shape[:2] == v.shape[:2] and k.shape[2] != v.shape[2]:
+            works = "must have the same sequence length (each key pairs with one value)"
+        elif k.shape[:3] == v.shape[:3]:
+            works = "must have the same head_dim (a value head dim different from the key's is not supported)"
+        else:
+            works = "must have the same shape [batch, kv_heads, seq_k, head_dim]"
+        raise _fail("k, v", f"shapes {tuple(k.shape)} and {tuple(v.shape)}", works)
     batch, q_heads, seq_q, head_dim = q.shape
     if k.shape[0] != batch:
         raise _fail("k", f"batch {k.shape[0]} with q's batch {batch}", "must have the batch size of q")
@@ -130,7 +131,8 @@ def check_inputs(
             "q",
             f"head_dim={head_dim}",
             f"must have a head_dim from 1 to {MAX_EXACT_CONTRACTION} (the longest int8 dot product summed "
-            "exactly in fp32); route larger heads to scaled_dot_product_attention",
+            f"exactly in fp32; the Triton kernels take up to {MAX_TRITON_HEAD_DIM or 128} on a GPU, larger heads run "
+            "the PyTorch reference); route larger heads to scaled_dot_product_attention",
         )
     if not isinstance(is_causal, bool):
         raise _fail("is_causal", repr(is_causal), "must be True or False")

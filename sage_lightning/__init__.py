@@ -10,6 +10,8 @@ Public API:
 * :class:`AdaptivePrecision`: the Lightning callback that adapts each layer's precision to training's signals;
   :class:`TrainingDiverged`, what it raises when a persistent fault spends its rollback budget.
 * :class:`PolicyConfig` and :class:`Rung`: its thresholds, cadences and precision ladder.
+* :func:`attention_summary`: the line a run prints at its end (layers served, calls sent to SDPA and why,
+  decisions, low-bit share), for notebooks.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sage_lightning.callback import AdaptivePrecision, TrainingDiverged
+    from sage_lightning.console import attention_summary
     from sage_lightning.kernels import AttentionPrecision, sage_attention
     from sage_lightning.layer import AttentionLayerState, attention_layers
     from sage_lightning.mixin import SageAttentionMixin
@@ -36,6 +39,7 @@ _EXPORTS = {
     "SageAttentionMixin": "sage_lightning.mixin",
     "TrainingDiverged": "sage_lightning.callback",
     "attention_layers": "sage_lightning.layer",
+    "attention_summary": "sage_lightning.console",
     "convert_to_sage_attention": "sage_lightning.swap",
     "sage_attention": "sage_lightning.kernels",
 }
@@ -66,6 +70,7 @@ __all__ = [
     "TrainingDiverged",
     "__version__",
     "attention_layers",
+    "attention_summary",
     "convert_to_sage_attention",
     "sage_attention",
 ]

@@ -12,6 +12,8 @@ their own, and only the policy (:mod:`sage_lightning.policy`) authors decisions.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 import shutil
@@ -29,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from sage_lightning import tensorboard
+from sage_lightning.console import attention_summary, quiet_lightning_noise, resume_instructions
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers, take_nonfinite_flags
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY, checkpoint_file_problem
@@ -122,6 +125,12 @@ class AdaptivePrecision(Callback):
     * changes ``trainer.accumulate_grad_batches`` (tokens per step) at the first batch where the old and the
       new accumulation windows both start, so no step mixes gradients of two settings.
 
+    When training ends it prints one line on what ran (layers served by SageBwd, calls sent to SDPA and why,
+    decisions, low-bit share: :func:`~sage_lightning.attention_summary`); after Ctrl-C, where and how to resume
+    (:func:`~sage_lightning.console.resume_instructions`). A resumed fit marks its restart in TensorBoard, so the
+    steps the interrupted run logged after the checkpoint are shown once
+    (:func:`~sage_lightning.tensorboard.purge_from`).
+
     Every decision is kept in :attr:`history`, logged with its reason as a TensorBoard text event
     (``sage/decisions``) and the signals as ``sage/`` scalars (see :mod:`sage_lightning.tensorboard`); the
     progress bar shows ``int8_share`` and ``tokens_per_step``. The controller's settings (:attr:`hparams`) join the
@@ -150,7 +159,8 @@ class AdaptivePrecision(Callback):
         log_every_n_steps: optimizer steps between scalar logs when nothing happens (steps with a decision, a
             spike or a measurement are always logged); the Trainer's ``log_every_n_steps`` when ``None``.
         progress_bar: show ``int8_share`` and ``tokens_per_step`` in the progress bar.
-        verbose: print every decision (rank 0).
+        verbose: print every decision, and when training ends one line on what ran (rank 0;
+            :func:`~sage_lightning.attention_summary` gives that line too).
         check_before_step: ``True``: read each step's signals before its optimizer step, so a step with
             non-finite gradients is skipped outright. That takes one host sync per step, which leaves the GPU
             idle while the host launches the optimizer step and the next forward (``benchmarks/overhead.py``
@@ -166,6 +176,9 @@ class AdaptivePrecision(Callback):
             is no GradScaler, ``True`` otherwise.
 
     Raises:
+        TypeError: an argument the callback does not take; a :class:`~sage_lightning.PolicyConfig` field (a
+            threshold such as ``ds_rel_err_high``) is named with the call that sets it,
+            ``AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.1))``.
         ValueError: an argument of the wrong type or out of range; the message names it, the value received
             and what works. From ``load_state_dict``: a checkpoint state this callback did not write.
         MisconfigurationException: at the start of training, when the model has no SageBwd attention layer,
@@ -202,8 +215,13 @@ class AdaptivePrecision(Callback):
         check_before_step: bool | None = None,
         snapshot_in_checkpoint: bool = True,
         last_good_checkpoint: str | os.PathLike | None = None,
+        **unexpected: Any,
     ) -> None:
         super().__init__()
+        if unexpected:
+            # Python's own refusal ("unexpected keyword argument") would not say where thresholds live.
+            name = next(iter(unexpected))
+            raise TypeError(_unknown_argument_message(name, unexpected[name]))
         if config is not None and not isinstance(config, PolicyConfig):
             raise ValueError(
                 "AdaptivePrecision: config must be a sage_lightning.PolicyConfig or None; "
@@ -234,6 +252,8 @@ class AdaptivePrecision(Callback):
                 "AdaptivePrecision: last_good_checkpoint must be a path (str or os.PathLike) or None; "
                 f"received {type(last_good_checkpoint).__name__}."
             )
+        # Made before the Trainer, which prints Lightning's litlogger tip: the run's console keeps what matters.
+        quiet_lightning_noise()
         self.config = config or PolicyConfig()
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.tokens_fn = tokens_fn or count_tokens
@@ -412,6 +432,10 @@ class AdaptivePrecision(Callback):
             self._snapshots.take(trainer, pl_module)
         if not self._check_first:
             self._snapshots.allocate_spare(trainer, pl_module)
+        if trainer.global_step > 0:
+            # Resumed: what the interrupted run logged from here on is logged again, from the oldest verdict the
+            # checkpoint still had pending (its scalars are logged when it is concluded, now again).
+            tensorboard.purge_from(trainer, min((record.step for record in self._pending), default=trainer.global_step))
         tensorboard.log_layout(trainer)
         # The picture starts at this fit's first step (a resumed fit draws from its checkpoint's step on).
         policy = self._require_policy()
@@ -523,6 +547,8 @@ class AdaptivePrecision(Callback):
         if self._level_history is not None and self._policy is not None:  # the picture to the run's last step
             last = max(trainer.global_step - 1, self._level_history.start)
             tensorboard.log_precision_image(trainer, self._level_history, last, self._levels())
+        if self.verbose:  # a run that went well says so: what ran on SageBwd, what did not and why
+            rank_zero_info(attention_summary(pl_module, self))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -532,6 +558,8 @@ class AdaptivePrecision(Callback):
         problem = checkpoint_file_problem(trainer.ckpt_path)
         if problem and hasattr(exception, "add_note"):  # Python 3.11+
             exception.add_note(problem)
+        if isinstance(exception, KeyboardInterrupt):
+            rank_zero_info(resume_instructions(trainer))
 
     # ----------------------------------------------------------------------------------------- checkpoints
 
@@ -846,7 +874,7 @@ class AdaptivePrecision(Callback):
                 "tokens_per_step": self.tokens_per_step,
                 "tokens_seen": self.tokens_seen,
                 "int8_fraction": self.int8_fraction,
-                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "tokens/accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "skipped_steps": self.skipped_steps,
                 "rollbacks": self.rollbacks,
                 "rollbacks_without_progress": policy.rollbacks_without_progress,
@@ -866,6 +894,14 @@ class AdaptivePrecision(Callback):
         if self._policy is None:
             raise RuntimeError("AdaptivePrecision: the policy is built in on_train_start; this hook ran before it.")
         return self._policy
+
+
+#: The callback's own arguments, for the message about a name that is not one of them.
+_INIT_ARGUMENTS = tuple(
+    name
+    for name, parameter in inspect.signature(AdaptivePrecision.__init__).parameters.items()
+    if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+)
 
 
 def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -942,6 +978,28 @@ def _check_state(state: Mapping[str, Any]) -> None:
         raise ValueError(
             f"{where}: 'pending' must be a list of pending steps (dicts, oldest first); received {state['pending']!r}."
         )
+
+
+def _unknown_argument_message(name: str, value: object) -> str:
+    """What to say about ``AdaptivePrecision(name=value)`` when ``name`` is not one of its arguments: a
+    :class:`~sage_lightning.PolicyConfig` field is shown in ``PolicyConfig``, anything else gets the closest names."""
+    fields = [field.name for field in dataclasses.fields(PolicyConfig)]
+    if name in fields:
+        return (
+            f"AdaptivePrecision: {name} is a threshold or cadence of the policy, not an argument of the callback; "
+            f"received {name}={value!r}. Thresholds live in PolicyConfig: "
+            f"AdaptivePrecision(PolicyConfig({name}={value!r}))."
+        )
+    close = difflib.get_close_matches(name, [*_INIT_ARGUMENTS, *fields], n=1, cutoff=0.6)
+    hint = ""
+    if close and close[0] in fields:
+        hint = f" Did you mean the PolicyConfig field {close[0]!r}: AdaptivePrecision(PolicyConfig({close[0]}=...))?"
+    elif close:
+        hint = f" Did you mean {close[0]!r}?"
+    return (
+        f"AdaptivePrecision: unexpected argument {name}={value!r}.{hint} It takes {', '.join(_INIT_ARGUMENTS)}; "
+        "thresholds and cadences go in its config, a PolicyConfig."
+    )
 
 
 def _check_positive_int(name: str, value: object) -> None:

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from sage_lightning.forward_health import qk_quant_error
 from sage_lightning.interception import bind_sdpa_arguments
 from sage_lightning.kernels import AttentionPrecision, sage_attention
+from sage_lightning.kernels.interface import MAX_TRITON_HEAD_DIM
 from sage_lightning.kernels.reference import exact_attention
 from sage_lightning.ledger import FALLBACK_PREFIX, FORWARD_END, FORWARD_START, SERVED, record, register
 from sage_lightning.masks import CAUSAL, kernel_mask
@@ -57,6 +58,20 @@ class SilentAttentionWarning(UserWarning):
         from sage_lightning.layer import SilentAttentionWarning
 
         warnings.filterwarnings("error", category=SilentAttentionWarning)  # make it fatal in CI
+    """
+
+
+class ReferenceAttentionWarning(UserWarning):
+    """A layer's head dim is larger than the Triton kernels take (:data:`MAX_TRITON_HEAD_DIM`, 128): its calls run
+    SageBwd's PyTorch reference, on a GPU too: the same numerics, but slow and with the whole score matrix in
+    memory (warned once per layer).
+
+    Example::
+
+        import warnings
+        from sage_lightning.layer import ReferenceAttentionWarning
+
+        warnings.filterwarnings("error", category=ReferenceAttentionWarning)  # refuse the slow path in CI
     """
 
 
@@ -168,6 +183,7 @@ class AttentionLayerState:
         self.kept_calls: list[KeptCall] = []
         self._calls_at_forward = 0
         self._warned_silent = False
+        self._warned_reference = False
         self.ledger_key = register(self)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -176,6 +192,7 @@ class AttentionLayerState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A copy (deepcopy, pickle) is a layer of its own: its compiled calls must find it, not the original.
         self.__dict__.update(state)
+        self.__dict__.setdefault("_warned_reference", False)  # a state pickled before the warning existed
         self.ledger_key = register(self)
 
     # ----------------------------------------------------------------------------------------------- levers
@@ -240,6 +257,8 @@ class AttentionLayerState:
         if reason is not None:
             return self._fallback(reason, bound, args, kwargs)
         record(self, self.ledger_key, SERVED)
+        if MAX_TRITON_HEAD_DIM and q.shape[-1] > MAX_TRITON_HEAD_DIM and not self._warned_reference:
+            self._warn_reference(q.shape[-1])
         self._stats_given = self._stats_given or stats is not None
         if stats is not None and self.precision.mode == "sagebwd":
             health = qk_quant_error(q, k, smooth_q=self.precision.smooth_q, smooth_k=self.precision.smooth_k)
@@ -389,6 +408,18 @@ class AttentionLayerState:
             stacklevel=4 + stacklevel,  # rank_zero_warn's own frames, then ours
         )
         return True
+
+    def _warn_reference(self, head_dim: int) -> None:
+        self._warned_reference = True
+        rank_zero_warn(
+            f"Attention layer {self.name!r}: head_dim {head_dim} is larger than the Triton kernels take "
+            f"(up to {MAX_TRITON_HEAD_DIM}), so its calls run SageBwd's PyTorch reference, on a GPU too: the same INT8 "
+            "numerics, but slow and holding the whole score matrix in memory. Use heads of at most "
+            f"{MAX_TRITON_HEAD_DIM}, or leave this layer out of the swap (filter_fn, sage_attention_filter) so it runs "
+            "PyTorch's SDPA. Warned once per layer.",
+            category=ReferenceAttentionWarning,
+            stacklevel=5,
+        )
 
     def _stats_buffer(self, device: torch.device) -> torch.Tensor:
         if self.stats is None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from sage_lightning.console import attention_summary
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import attention_layers, check_precision
 from sage_lightning.layer_checkpoint import CHECKPOINT_KEY, load_layers, save_layers
@@ -146,6 +148,20 @@ class SageAttentionMixin:
         for layer in attention_layers(self).values():
             if layer.calls == 0:
                 layer.warn_if_silent("it made no attention call in the first training batch")
+
+    def on_train_end(self) -> None:
+        """Lightning's hook: the parent's, then, when the Trainer has no ``AdaptivePrecision`` (which prints its own),
+        one line on what ran: the layers served by SageBwd and the calls sent to SDPA, with why
+        (:func:`~sage_lightning.attention_summary`). If you override this hook, call ``super().on_train_end()``.
+        """
+        parent = getattr(super(), "on_train_end", None)
+        if parent is not None:
+            parent()
+        from sage_lightning.callback import AdaptivePrecision  # the callback imports this module
+
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None and not any(isinstance(cb, AdaptivePrecision) for cb in trainer.callbacks):
+            rank_zero_info(attention_summary(self))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Lightning's hook: the parent's, then every attention layer's precision into the checkpoint."""

@@ -2,7 +2,8 @@
 
 ``AdaptivePrecision`` keeps a :class:`LevelHistory` and writes :func:`precision_image` to TensorBoard's Images tab
 (tag ``sage/precision``) at the start of training and at each step with a decision, so a person sees at a glance
-which layers left the fast path, when, how far, and whether they came back. Pure numpy: no plotting package.
+which layers left the fast path, when, how far, and whether they came back. Numpy for the bands; the layer names
+and the step axis are drawn with Pillow (TensorBoard's own dependency), no plotting package.
 
 Example::
 
@@ -13,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -83,21 +85,33 @@ def color_for(level: int, levels: int) -> np.ndarray:
 
 
 def precision_image(
-    history: LevelHistory, last_step: int, levels: int, width: int = 512, row_height: int = 12
+    history: LevelHistory,
+    last_step: int,
+    levels: int,
+    width: int = 512,
+    row_height: int = 12,
+    *,
+    axes: bool = True,
+    min_width: int = 256,
 ) -> np.ndarray:
     """The picture: one band of ``row_height`` pixels per layer (in ``history.layers``' order), one column per
     bin of steps from ``history.start`` to ``last_step`` (at most ``width`` columns), coloured by the level the
-    layer held at the bin's last step; a one-pixel dark line between layers.
+    layer held at the bin's last step; a one-pixel dark line between layers. With ``axes``, each band is named by
+    its layer on the left and the steps are marked below, and a short run's columns are widened to ``min_width``
+    pixels (each step as a block), so the picture reads without the legend.
 
     Args:
         history: the levels over time.
         last_step: the last step to draw.
         levels: how many levels there are (the ladder's rungs plus the base), for the colours.
-        width: the most columns.
+        width: the most columns of steps.
         row_height: pixels per layer.
+        axes: draw the layer names and the step axis (a white margin left and below the bands).
+        min_width: with ``axes``, the least width of the bands in pixels.
 
     Returns:
-        ``uint8`` array ``[3, layers * row_height, columns]`` (TensorBoard's ``CHW``).
+        ``uint8`` array ``[3, H, W]`` (TensorBoard's ``CHW``); without ``axes``, ``H = layers * row_height`` and
+        ``W`` the number of columns.
 
     Example::
 
@@ -117,7 +131,58 @@ def precision_image(
         band[:] = colours[None, :, :]
         if row_height > 2:
             band[-1] = 40  # the line between layers
+    if axes:
+        image = _with_axes(image, history.layers, history.start, last_step, row_height, min_width)
     return image.transpose(2, 0, 1).copy()
+
+
+def _with_axes(
+    bands: np.ndarray, layers: Sequence[str], first: int, last: int, row_height: int, min_width: int
+) -> np.ndarray:
+    """``bands`` (``[H, W, 3]``) widened to ``min_width``, with the layer names on the left and the steps below."""
+    from PIL import Image, ImageDraw, ImageFont  # TensorBoard's own dependency, which its image summaries need
+
+    scale = max(1, -(-min_width // bands.shape[1]))
+    bands = np.repeat(bands, scale, axis=1)
+    font = ImageFont.load_default()
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+
+    def text_size(text: str) -> tuple[int, int]:
+        left, top, right, bottom = measure.textbbox((0, 0), text, font=font)
+        return right - left, bottom
+
+    name_width = max([text_size(name)[0] for name in layers] + [text_size("step")[0]])
+    text_height = text_size("0123456789step")[1]
+    left, below = name_width + 8, text_height + 7
+    height, plot_width = bands.shape[0], bands.shape[1]
+    canvas = Image.new("RGB", (left + plot_width + 4, height + below), (255, 255, 255))
+    canvas.paste(Image.fromarray(bands), (left, 0))
+    draw = ImageDraw.Draw(canvas)
+    dark = (40, 40, 40)
+    for row, name in enumerate(layers):
+        y = row * row_height + (row_height - text_height) // 2
+        draw.text((left - 4 - text_size(name)[0], y), name, fill=dark, font=font)
+    steps = max(1, last - first + 1)
+    ticks = _round_ticks(first, last)
+    label_y = height + 5
+    draw.text((left - 4 - text_size("step")[0], label_y), "step", fill=dark, font=font)
+    right_edge = canvas.width - 1
+    for step in ticks:
+        x = left + int((step - first + 0.5) * plot_width / steps)
+        draw.line([(x, height), (x, height + 3)], fill=dark)
+        label = str(step)
+        x_text = min(max(left, x - text_size(label)[0] // 2), right_edge - text_size(label)[0])
+        draw.text((x_text, label_y), label, fill=dark, font=font)
+    return np.asarray(canvas, dtype=np.uint8)
+
+
+def _round_ticks(first: int, last: int, most: int = 6) -> list[int]:
+    """At most ``most`` round steps (a multiple of 1, 2 or 5 times a power of ten) from ``first`` to ``last``."""
+    span = max(1, last - first)
+    magnitude = 10 ** math.floor(math.log10(span / (most - 1))) if span >= most - 1 else 1
+    every = next(m * magnitude for m in (1, 2, 5, 10) if span / (m * magnitude) <= most - 1)
+    every = max(1, int(every))
+    return list(range(-(-first // every) * every, last + 1, every))
 
 
 def legend(rungs: Sequence[str], layers: Sequence[str]) -> str:

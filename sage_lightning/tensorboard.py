@@ -5,18 +5,20 @@ only). Text events and the custom-scalars layout exist only in TensorBoard, so t
 ``SummaryWriter`` of each :class:`~lightning.pytorch.loggers.TensorBoardLogger`, and only from global rank 0:
 decisions are identical on every rank, one copy is enough.
 
-Tags, all under ``sage/``:
+Tags, all under ``sage/``, named so that TensorBoard's Time Series (which sorts a group's charts by tag) opens on
+what matters: ``sage/int8_fraction``, ``sage/loss`` and the picture ``sage/precision`` come first, the detail after.
 
-* per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
-  ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
-  ``sage/level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder, not a
-  number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0 too);
-* global: ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/int8_fraction`` (the share of layer-steps on their
-  base's low-bit products, INT8 or FP8: :attr:`~sage_lightning.AdaptivePrecision.int8_fraction`),
-  ``sage/accumulate_grad_batches``, ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
-  ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
-  ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``, ``sage/rollbacks_without_progress``
-  (the rollback budget's count);
+* first: ``sage/int8_fraction`` (the share of layer-steps on their base's low-bit products, INT8 or FP8:
+  :attr:`~sage_lightning.AdaptivePrecision.int8_fraction`), ``sage/loss`` (per optimizer step), the image
+  ``sage/precision`` (below);
+* per layer: ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the
+  ladder, not a number format, so it means the same whatever the base's formats are; a base with FP8 products is
+  level 0 too), ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ,
+  dK, dV), ``sage/signals/ds_rel_err/<layer>``, ``sage/signals/qk_rel_err/<layer>`` (the forward's health);
+* global: ``sage/signals/grad_norm``, ``sage/rollbacks``, ``sage/rollbacks_without_progress`` (the rollback budget's
+  count), ``sage/skipped_steps``, ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``,
+  ``sage/spike/grad_norm`` (0 or 1), ``sage/spike/grad_norm_z``, ``sage/tokens_per_step``, ``sage/tokens_seen``,
+  ``sage/tokens/accumulate_grad_batches``;
 * text: ``sage/decisions``, one event per step with decisions, a line per decision; ``sage/precision_legend``
   once, what the picture's colours mean;
 * image: ``sage/precision``, every layer's level over the steps (layers by steps, coloured by rung,
@@ -34,6 +36,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
 from sage_lightning.detectors import LEVELS
 from sage_lightning.policy import Decision, StepOutcome, StepSignals
@@ -58,18 +61,18 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
     """
     return {
         "sage: precision": {
-            "level per layer (0 = base)": ["Multiline", [r"sage/level/.*"]],
+            "level per layer (0 = base)": ["Multiline", [r"sage/precision_level/.*"]],
             "share of layer-steps on INT8/FP8": ["Multiline", [r"sage/int8_fraction"]],
         },
         "sage: signals": {
-            "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
-            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
+            "dS relative error per layer": ["Multiline", [r"sage/signals/ds_rel_err/.*"]],
+            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/signals/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
         },
         "sage: stability": {
             "loss per optimizer step": ["Multiline", [r"sage/loss$"]],
-            "gradient norm": ["Multiline", [r"sage/grad_norm$"]],
+            "gradient norm": ["Multiline", [r"sage/signals/grad_norm$"]],
             "spikes": ["Multiline", [r"sage/spike/.*"]],
             "skipped steps and rollbacks": [
                 "Multiline",
@@ -77,7 +80,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
             ],
         },
         "sage: tokens": {
-            "tokens per step": ["Multiline", [r"sage/tokens_per_step", r"sage/accumulate_grad_batches"]],
+            "tokens per step": ["Multiline", [r"sage/tokens_per_step", r"sage/tokens/accumulate_grad_batches"]],
             "tokens seen": ["Multiline", [r"sage/tokens_seen"]],
         },
     }
@@ -98,7 +101,7 @@ def step_metrics(
         signals: the step's reduced signals.
         outcome: the policy's verdict on it.
         levels: every layer's ladder level.
-        counters: ``tokens_per_step``, ``tokens_seen``, ``int8_fraction``, ``accumulate_grad_batches``,
+        counters: ``tokens_per_step``, ``tokens_seen``, ``int8_fraction``, ``tokens/accumulate_grad_batches``,
             ``skipped_steps``, ``rollbacks``, ``rollbacks_without_progress`` (logged as ``sage/<name>``).
         every: the cadence of the quiet steps' logs.
 
@@ -110,10 +113,10 @@ def step_metrics(
     measured = False
     for name, layer in signals.layers.items():
         if layer.ds_rel_err is not None:
-            metrics[f"sage/ds_rel_err/{name}"] = layer.ds_rel_err
+            metrics[f"sage/signals/ds_rel_err/{name}"] = layer.ds_rel_err
             measured = True
         if layer.qk_rel_err is not None:
-            metrics[f"sage/qk_rel_err/{name}"] = layer.qk_rel_err
+            metrics[f"sage/signals/qk_rel_err/{name}"] = layer.qk_rel_err
             measured = True
         if layer.probe is not None:
             for tensor, values in layer.probe.items():
@@ -126,13 +129,13 @@ def step_metrics(
     if not (measured or spiking or outcome.decisions or signals.step % every == 0):
         return metrics
     for name, level in levels.items():
-        metrics[f"sage/level/{name}"] = float(level)
+        metrics[f"sage/precision_level/{name}"] = float(level)
     for name, value in counters.items():
         metrics[f"sage/{name}"] = float(value)
     if signals.loss is not None:
         metrics["sage/loss"] = signals.loss
     if signals.grad_norm is not None:
-        metrics["sage/grad_norm"] = signals.grad_norm
+        metrics["sage/signals/grad_norm"] = signals.grad_norm
     if outcome.loss is not None:
         metrics["sage/spike/loss"] = float(LEVELS.index(outcome.loss.level))
         if outcome.loss.z is not None:
@@ -163,6 +166,28 @@ def tensorboard_writers(trainer: pl.Trainer) -> list:
     if not trainer.is_global_zero:
         return []
     return [logger.experiment for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)]
+
+
+def purge_from(trainer: pl.Trainer, step: int) -> None:
+    """Tell TensorBoard that this run restarts at ``step``: the events of its earlier files at ``step`` or later are
+    dropped when it reads them (rank 0, TensorBoard loggers).
+
+    A run resumed from the checkpoint of step 100, after its first attempt had logged to step 144 in the same folder,
+    would otherwise show steps 100-144 twice. This writes what ``SummaryWriter(purge_step=step)`` writes when it opens
+    its file, a ``SessionLog.START`` event at ``step``, which TensorBoard's reader takes as a restart; it is done here
+    because Lightning's logger opens its writer before the checkpoint's step is known. Events written before it in the
+    new file (the hyperparameters, at step 0) stay.
+
+    Args:
+        trainer: the Trainer, its checkpoint restored.
+        step: the first step the resumed run logs (``trainer.global_step``).
+
+    Example::
+
+        tensorboard.purge_from(trainer, trainer.global_step)   # in on_train_start of a resumed fit
+    """
+    for writer in tensorboard_writers(trainer):
+        writer._get_file_writer().add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
 
 def log_scalars(trainer: pl.Trainer, metrics: Mapping[str, float], step: int) -> None:

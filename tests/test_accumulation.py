@@ -122,5 +122,5 @@ def test_tokens_per_step_follow_the_accumulation(run: dict) -> None:
     tokens = logger.series("sage/tokens_per_step")
     assert {step: tokens[step] for step in (1, 3, 7)} == {1: 4 * per_batch, 3: 2 * per_batch, 7: 4 * per_batch}
     assert logger.series("sage/tokens_seen")[8] == (4 * 5 + 2 * 4) * per_batch
-    assert logger.series("sage/accumulate_grad_batches")[3] == 2
+    assert logger.series("sage/tokens/accumulate_grad_batches")[3] == 2
     assert run["controller"].tokens_seen == (4 * 5 + 2 * 4) * per_batch

@@ -10,6 +10,7 @@ import io
 import logging
 import math
 import os
+import re
 import shutil
 import traceback
 import weakref
@@ -26,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny_lightning import TinyLM, hparams_session, token_loader, trainer_kwargs
+from tiny_lightning import PressCtrlC, TinyLM, hparams_session, token_loader, trainer_kwargs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_lightning
@@ -42,6 +43,15 @@ def events(root) -> EventAccumulator:
     accumulator = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0, "images": 0})
     accumulator.Reload()
     return accumulator
+
+
+def time_series_order(tag: str) -> list[tuple]:
+    """TensorBoard's order of charts in a Time Series group (its ``compareTagNames``): '/' before anything else,
+    digit runs as numbers, then the characters."""
+    key: list[tuple] = []
+    for token in re.findall(r"/|\d+|[^/\d]", tag):
+        key.append((0, 0, "") if token == "/" else (1, int(token), "") if token.isdigit() else (2, 0, token))
+    return key
 
 
 def decision_texts(accumulator: EventAccumulator) -> list[str]:
@@ -72,11 +82,12 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     accumulator = events(tmp_path)
     scalars = set(accumulator.Tags()["scalars"])
     for layer in LAYERS:
-        assert {f"sage/ds_rel_err/{layer}", f"sage/level/{layer}", f"sage/probe/dQ_cos/{layer}"} <= scalars
+        per_layer = {f"sage/signals/ds_rel_err/{layer}", f"sage/precision_level/{layer}", f"sage/probe/dQ_cos/{layer}"}
+        assert per_layer <= scalars
     assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
-    ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
+    ds_err = [e.value for e in accumulator.Scalars("sage/signals/ds_rel_err/blocks.0.attn")]
     assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
-    assert [e.value for e in accumulator.Scalars("sage/level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
+    assert [e.value for e in accumulator.Scalars("sage/precision_level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
     assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
     # int8 share: 2 layers x 3 steps on INT8 dS, then 2 x 3 with dS in bf16.
     assert [e.value for e in accumulator.Scalars("sage/int8_fraction")][-1] == pytest.approx(0.5)
@@ -84,12 +95,25 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
+    # TensorBoard's Time Series sorts a group's charts by tag: the sage group opens on the share, the loss, the picture.
+    sage_tags = {tag for tag in scalars | set(accumulator.Tags()["images"]) if tag.startswith("sage/")}
+    cards = sorted(sage_tags, key=time_series_order)
+    assert cards[:3] == ["sage/int8_fraction", "sage/loss", "sage/precision"], cards[:6]
     images = accumulator.Images("sage/precision")
     # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
-    assert [image.step for image in images] == [0, 2, 5] and (images[-1].width, images[-1].height) == (6, 24)
+    assert [image.step for image in images] == [0, 2, 5]
     picture = np.asarray(Image.open(io.BytesIO(images[-1].encoded_image_string)).convert("RGB"))
-    assert [tuple(picture[0, step]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [tuple(color_for(3, 6))] * 2
-    assert tuple(picture[12, 5]) == tuple(color_for(3, 6))  # the second layer's band
+    # Two bands of 12 pixels, the 6 steps widened to 43 pixels each, right of the layer names, above the step axis.
+    left = next(x for x in range(picture.shape[1]) if tuple(picture[0, x]) == tuple(PALETTE[0]))
+    at = [left + 43 * step + 21 for step in range(6)]
+    assert [tuple(picture[0, at[step]]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [
+        tuple(color_for(3, 6))
+    ] * 2
+    assert tuple(picture[12, at[5]]) == tuple(color_for(3, 6))  # the second layer's band
+    assert picture.shape[0] > 24 and picture.shape[1] == left + 6 * 43 + 4
+    dark = picture.sum(axis=2) < 300
+    assert dark[:12, :left].any() and dark[12:24, :left].any()  # each band's layer name
+    assert dark[24:, left:].any() and dark[24:, :left].any()  # the step labels, and "step"
     legend = accumulator.Tensors("sage/precision_legend/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "level 3, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
     assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
@@ -650,3 +674,116 @@ def test_the_steps_do_not_walk_the_module_tree(tmp_path, monkeypatch) -> None:
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=6), callbacks=[AdaptivePrecision(verbose=False)])
     trainer.fit(TinyLM(), token_loader(6))
     assert calls == [0]  # on_train_start's listing
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"ds_rel_err_high": 0.1}, "in PolicyConfig: AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.1))"),
+        ({"calm_step": 5}, "Did you mean the PolicyConfig field 'calm_steps'"),
+        ({"snapshot_every": 5}, "Did you mean 'snapshot_every_n_steps'?"),
+    ],
+)
+def test_a_threshold_given_to_the_callback_says_where_it_goes(kwargs: dict, says: str) -> None:
+    """Python's bare "unexpected keyword argument" becomes a message naming the argument and the call that works."""
+    with pytest.raises(TypeError) as info:
+        AdaptivePrecision(**kwargs)
+    (name, value), message = next(iter(kwargs.items())), str(info.value)
+    assert says in message and f"{name}={value!r}" in message
+
+
+class _DropoutAttention(torch.nn.Module):
+    """Calls SDPA with dropout in training: the kernel cannot serve it, so every call goes to SDPA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.5)
+        return out.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_finished_run_prints_one_line_on_what_ran_and_a_notebook_gets_it_too(tmp_path, caplog) -> None:
+    """Silent success no more: after fit, one line names the layers served, the calls sent to SDPA and why, the
+    decisions and the low-bit share; attention_summary gives the same line; the mixin alone prints its part."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    model.blocks[1].attn.forward = _DropoutAttention().forward  # blocks.1.attn: every call falls back
+    controller = AdaptivePrecision()
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=3), callbacks=[controller])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.warns(sage_lightning.layer.AttentionFallbackWarning, match="dropout_p > 0"):
+            trainer.fit(model, token_loader(3))
+    line = sage_lightning.attention_summary(model, controller)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("AdaptivePrecision: 1 of")] == [line]
+    assert line.startswith("AdaptivePrecision: 1 of 2 attention layers ran SageBwd (6 calls, 3 sent to SDPA: 3 dropout")
+    assert line.endswith(f"{len(controller.history)} decisions, low-bit share 1.000, 198 tokens seen"), line
+    assert "\n" not in line
+
+    caplog.clear()
+    quiet = TinyLM()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        L.Trainer(**trainer_kwargs(tmp_path, max_steps=2)).fit(quiet, token_loader(2))
+    printed = [r.getMessage() for r in caplog.records if "ran SageBwd" in r.getMessage()]
+    assert printed == [
+        "sage_lightning: 2 of 2 attention layers ran SageBwd (4 calls, none sent to SDPA); no AdaptivePrecision "
+        "controller"
+    ]
+    with pytest.raises(TypeError, match="model must be the torch.nn.Module.*received Trainer"):
+        sage_lightning.attention_summary(trainer)
+    with pytest.raises(TypeError, match="controller must be .*AdaptivePrecision callback or None; received dict"):
+        sage_lightning.attention_summary(model, {})
+
+
+@pytest.mark.parametrize("check_before_step", [True, False])
+def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_resume(
+    tmp_path, caplog, check_before_step: bool
+) -> None:
+    """Ctrl-C at step 7 of a run checkpointed every 4 steps: the message names the checkpoint and the ckpt_path; the
+    run resumed from step 4 (into the same TensorBoard folder) logs steps 4-7 again, and TensorBoard has each once.
+    Without the check before the step, the checkpoint holds the verdicts of steps 2 and 3, still pending."""
+
+    def run(max_steps: int, callbacks: list, ckpt_path=None) -> TinyLM:
+        torch.manual_seed(0)
+        model = TinyLM()
+        checkpoints = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1, filename="{step}"
+        )
+        logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+        trainer = L.Trainer(
+            **trainer_kwargs(
+                tmp_path, max_steps=max_steps, logger=logger, log_every_n_steps=1, enable_checkpointing=True
+            ),
+            callbacks=[
+                AdaptivePrecision(log_every_n_steps=1, check_before_step=check_before_step),
+                checkpoints,
+                *callbacks,
+            ],
+        )
+        trainer.fit(model, token_loader(12), ckpt_path=ckpt_path)
+        return model
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):  # Lightning's answer to Ctrl-C: on_exception hooks, then exit status 1
+            run(10, [PressCtrlC(7)])
+    (message,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    checkpoint = str(tmp_path / "ckpt" / "step=4.ckpt")
+    assert message.startswith(f"AdaptivePrecision: training interrupted at step 7. Resume from {checkpoint} (step 4)")
+    assert f"ckpt_path={checkpoint!r}" in message
+
+    run(10, [], ckpt_path=checkpoint)
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "images": 0})
+    accumulator.Reload()
+    assert len(glob.glob(str(tmp_path / "tb" / "version_0" / "events.out.tfevents.*"))) == 2
+    for tag in ("sage/loss", "sage/int8_fraction", "sage/precision_level/blocks.0.attn"):
+        steps = [event.step for event in accumulator.Scalars(tag)]
+        assert steps == list(range(10)), (tag, steps)
+    images = [event.step for event in accumulator.Images("sage/precision")]
+    assert images == sorted(set(images)), images
+
+
+def test_an_interrupted_run_without_a_checkpoint_says_how_to_keep_one(tmp_path, caplog) -> None:
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=4), callbacks=[AdaptivePrecision(), PressCtrlC(2)])
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):
+            trainer.fit(TinyLM(), token_loader(4))
+    (message,) = [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()]
+    assert "at step 2. No checkpoint was saved" in message and "ModelCheckpoint(save_on_exception=True)" in message

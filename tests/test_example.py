@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import glob
 import io
+import logging
 import os
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -304,15 +306,19 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tensorboard = os.path.relpath(Path(sys.executable).parent / "tensorboard", REPO)
     assert f"open them: {tensorboard} --logdir" in done.stdout  # runs as printed, .venv/bin/tensorboard here
-    (summary,) = [line for line in done.stdout.splitlines() if line.endswith("tokens seen")]
-    assert re.fullmatch(r"AdaptivePrecision: \d+ decisions?, int8 share [01]\.\d{3}, 12,288 tokens seen", summary)
+    (summary,) = [line for line in done.stderr.splitlines() if line.endswith("tokens seen")]  # Lightning's log
+    assert re.fullmatch(
+        r"AdaptivePrecision: 2 of 2 attention layers ran SageBwd \([\d,]+ calls, none sent to SDPA\), \d+ decisions?, "
+        r"low-bit share [01]\.\d{3}, 12,288 tokens seen",
+        summary,
+    )
 
     run = tmp_path / "runs" / "tiny" / "version_0"
     accumulator = events(run)
     scalars = set(accumulator.Tags()["scalars"])
     for tag in (
-        "sage/ds_rel_err/model.blocks.0.attn",
-        "sage/level/model.blocks.1.attn",
+        "sage/signals/ds_rel_err/model.blocks.0.attn",
+        "sage/precision_level/model.blocks.1.attn",
         "sage/int8_fraction",
         "sage/tokens_per_step",
         "sage/loss",
@@ -576,3 +582,92 @@ def test_command_line_errors_are_one_paragraph_and_leave_nothing(
     assert exit_info.value.code == 2
     assert "too few for one training and one validation window" in capsys.readouterr().err
     assert not root.exists() or not any(root.rglob("*"))  # no empty version_N, no config.yaml
+
+
+def test_the_quickstart_prints_what_matters_and_ends_with_the_summary(capsys: pytest.CaptureFixture) -> None:
+    """Quiet by default: the attention call's four lines, the two lines' summary, and how to see more."""
+    from quickstart import main
+
+    main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) <= 8, lines
+    assert lines[0].startswith("sage_attention on cpu") and lines[-1].startswith("(--verbose adds")
+    assert lines[-2].startswith("AdaptivePrecision: 1 of 1 attention layer ran SageBwd (4 calls, none sent to SDPA)")
+
+
+def test_a_misspelt_command_line_key_shows_the_error_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The one line that matters, and the name meant, before anything else (no 76 lines of usage); an abbreviation
+    is a typo too (argparse would read --trainer.max_step as --trainer.max_steps and train)."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    for typo in ("--trainer.max_stesp=5", "--trainer.max_step=5"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(REPO / "examples/configs/tiny.yaml"), typo])
+        assert exit_info.value.code == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[0] == f"pretrain.py fit: error: unrecognized arguments: {typo}", lines[:3]
+        assert lines[1] == "  did you mean --trainer.max_steps?" and "--help" in lines[2] and len(lines) == 3, lines[:5]
+
+
+def test_a_misspelt_threshold_in_a_config_names_the_key_and_the_right_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A misspelt PolicyConfig field in a config file: where it is and the field meant, not a 17-line union error."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    config = tmp_path / "typo.yaml"
+    config.write_text((REPO / "examples/configs/tiny.yaml").read_text().replace("ds_rel_err_high:", "ds_rel_err_hihg:"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config)])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "pretrain.py fit: error: PolicyConfig (adaptive_precision.init_args.config) has no argument 'ds_rel_err_hihg'",
+        "  did you mean 'ds_rel_err_high' (adaptive_precision.init_args.config.ds_rel_err_high)?",
+        "  (every option: pretrain.py fit --help)",
+    ]
+
+
+def test_ctrl_c_on_the_command_line_prints_the_command_that_resumes(
+    tmp_path: Path,
+    corpus_folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ctrl-C after step 3: the configs' ModelCheckpoint(save_on_exception=True) keeps step 3 in last.ckpt, and the
+    last line is the same command with --ckpt_path; run as printed, it resumes there and finishes."""
+    pytest.importorskip("jsonargparse")
+    from pretrain import main
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py"])
+    root = tmp_path / "out"
+    callbacks = (
+        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {save_last: true, "
+        "save_on_exception: true}}, {class_path: tiny_lightning.PressCtrlC, init_args: {step: 3}}]"
+    )
+    args = [
+        arg
+        for arg in _cli_args(root, corpus_folder, "--trainer.max_steps=5")
+        if not arg.startswith(("--adaptive_precision", "--trainer.callbacks"))
+    ]
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        with pytest.raises(SystemExit):
+            main([*args, callbacks])
+    last = root / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 3
+    resume = capsys.readouterr().out.splitlines()[-1]
+    assert resume.startswith("resume it: ") and resume.endswith(f"--ckpt_path {last}"), resume
+    said = "training interrupted at step 3. ModelCheckpoint(save_on_exception=True) saves this step"
+    assert [r for r in caplog.records if said in r.getMessage()]
+
+    words = shlex.split(resume.removeprefix("resume it: "))
+    assert words[1].endswith("examples/pretrain.py") and words[2] == "fit"
+    cli = main(words[2:])
+    assert cli.trainer.global_step == 5

@@ -40,6 +40,29 @@ def test_readme_states_the_two_lines() -> None:
     assert "callbacks=[AdaptivePrecision()]" in example
 
 
+def test_the_two_lines_say_what_ran_and_not_what_lightning_tells_everyone(
+    caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
+) -> None:
+    """The README's snippet ends with the one line that shows SageBwd ran; Lightning's litlogger tip and its LeafSpec
+    deprecation warning (nothing a user can act on) are gone."""
+    import logging
+
+    from sage_lightning import console
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)  # as in a fresh process: no filter from an earlier test
+        for dropped in [f for f in logger.filters if isinstance(f, console._DropLitLoggerTip)]:
+            logger.removeFilter(dropped)
+    (example,) = blocks(README, "python")
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        exec(compile(example, str(README), "exec"), {})
+    printed = [record.getMessage() for record in caplog.records]
+    summary = "AdaptivePrecision: 1 of 1 attention layer ran SageBwd (4 calls, none sent to SDPA), 0 decisions, "
+    assert [line for line in printed if line.startswith(summary)], printed
+    assert not [line for line in printed if "litlogger" in line]
+    assert not [w for w in recwarn if "LeafSpec" in str(w.message)]
+
+
 @pytest.mark.parametrize("page", [README, DOCS / "usage.md"], ids=lambda p: p.name)
 def test_python_examples_run(page: Path) -> None:
     found = blocks(page, "python")

@@ -269,3 +269,23 @@ def test_torch_compile_traces_the_swap_and_sees_precision_changes() -> None:
     assert torch.equal(compiled(idx)[0], reference(idx)[0])
     assert [layer.calls for layer in attention_layers(model).values()] == [2, 2]
     torch._dynamo.reset()
+
+
+def test_a_head_dim_the_triton_kernels_do_not_take_is_warned_once_per_layer() -> None:
+    """head_dim 160 (> MAX_TRITON_HEAD_DIM, 128) is served by the PyTorch reference: a warning says so, where and why,
+    once per layer however many calls; head_dim 64 gets none."""
+    from sage_lightning.layer import ReferenceAttentionWarning
+
+    model = convert_to_sage_attention(nano(n_embd=320, n_head=2, dropout=0.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(tokens(seq=8)[:, :-1])
+        model(tokens(seq=8)[:, :-1])
+    messages = [str(w.message) for w in caught if issubclass(w.category, ReferenceAttentionWarning)]
+    assert len(messages) == len(NANO_LAYERS)  # one per layer, not per call
+    assert "'transformer.h.0.attn': head_dim 160" in messages[0] and "up to 128" in messages[0]
+    assert "PyTorch reference" in messages[0] and "filter_fn" in messages[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        convert_to_sage_attention(nano(n_embd=128, n_head=2, dropout=0.0))(tokens(seq=8)[:, :-1])
+    assert not [w for w in caught if issubclass(w.category, ReferenceAttentionWarning)]

@@ -10,6 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from google.protobuf import json_format
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -181,3 +182,19 @@ def trainer_kwargs(tmp_path, **overrides) -> dict:
     )
     kwargs.update(overrides)
     return kwargs
+
+
+class PressCtrlC(Callback):
+    """Presses Ctrl-C (raises ``KeyboardInterrupt``) once optimizer step ``step`` is done; LightningCLI finds it as
+    ``tiny_lightning.PressCtrlC``.
+
+    Args:
+        step: the ``trainer.global_step`` after which to interrupt.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
