@@ -7,9 +7,9 @@ as subprocesses (compilation is CPU work and the GPU has room for all of them), 
 H100 or H200 from a bare machine:
 
 1. ``kernel_tests``: ``tests/test_triton_kernels.py``, ``test_hopper_kernels.py``, ``test_gluon_backward.py``,
-   ``test_gluon_dq.py`` and ``tests/test_attn_qat.py`` on CUDA, every test (none
-   stops the others; NaN propagation, saved tensors, routing and ``torch.compile`` among them), with pytest-xdist
-   workers where it is installed. Passes when none fails or errs and none is skipped.
+   ``test_gluon_dq.py``, ``tests/test_attn_qat.py``, ``test_bad_values.py`` and ``test_kernel_paths.py`` on CUDA,
+   every test (none stops the others; NaN propagation, saved tensors, routing and ``torch.compile`` among them),
+   with pytest-xdist workers where it is installed. Passes when none fails or errs and none is skipped.
 2. ``agreement``: the Triton path against the PyTorch reference (same numerics) at full size, N in
    {1000, 4096, 8192}, D in {64, 128}, causal and not, MHA (2 heads) and GQA (4 query heads on 2), for
    :data:`PRECISIONS`; relative L2 of O, dQ, dK, dV and the dS statistics, each under its bound in
@@ -157,6 +157,8 @@ def test_command(work: Path, workers: int) -> list[str]:
         "tests/test_gluon_backward.py",
         "tests/test_gluon_dq.py",
         "tests/test_attn_qat.py",
+        "tests/test_bad_values.py",
+        "tests/test_kernel_paths.py",
     ]
     argv = [sys.executable, "-m", "pytest", *tests]
     argv += ["-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={work / 'kernel-tests.xml'}"]
