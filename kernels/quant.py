@@ -11,7 +11,7 @@ Q, K and V are quantized *confined* (``confine=True``, as the forward calls them
 the block's scale, means and codes, so it leaves the rest of its block as it is, and its row is reported instead
 (per query row, or the first bad key of a head) for the forward to make exactly the outputs NaN that SDPA makes
 non-finite: :func:`.tiles.poison_rows`. Huge finite values are kept: where their scores overflow, SDPA's do too
-(:func:`.tiles.scores_tile` keeps a zero product zero when the scale product overflows).
+(:func:`.tiles.scores_tile` holds a tile's scale to fp32's largest, so a zero product stays zero).
 """
 
 from __future__ import annotations
@@ -135,11 +135,11 @@ def nan_max(x, axis=None):
 
 
 @triton.jit
-def confine_rows(x, valid):
+def confine_rows(x):
     """``(x, bad)``: ``x`` with every NaN or infinity read as 0, and per row (axis 1) whether it held one.
     ``|x| < inf`` is False for NaN too: one compare per element."""
     finite = tl.abs(x) < float("inf")
-    bad = tl.max((valid & ~finite).to(tl.int32), axis=1) > 0
+    bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0  # elements past the tensor were loaded as 0: finite
     return tl.where(finite, x, 0.0), bad
 
 
@@ -390,7 +390,7 @@ def _quantize_rows_kernel(
     x_ptrs = X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd
     x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
     if CONFINE:
-        x, bad = confine_rows(x, valid)
+        x, bad = confine_rows(x)
         _report_bad_rows(ROW_POISON, FIRST_BAD, bad, rows, SEQ, pid_bh, ROWS_OUT, FIRST_OUT)
     if SUBTRACT_MEAN:
         mean = tl.load(MEAN_IN + b * stride_mib + h * stride_mih + cols, mask=cols < HEAD_DIM, other=0.0)
@@ -451,7 +451,7 @@ def _quantize_channels_fp8_kernel(
         valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
         x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
         if CONFINE:
-            x, bad = confine_rows(x, valid)
+            x, bad = confine_rows(x)
             _report_bad_rows(FIRST_BAD, FIRST_BAD, bad, rows, SEQ, pid_bh, False, FIRST_OUT)
         amax = _max_nan(amax, nan_max(tl.abs(x), axis=0))
     scale = fp8_scale(amax)
@@ -462,7 +462,7 @@ def _quantize_channels_fp8_kernel(
         valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
         x = tl.load(base + rows[:, None] * stride_xn, mask=valid, other=0.0).to(tl.float32)
         if CONFINE:
-            x, _ = confine_rows(x, valid)
+            x, _ = confine_rows(x)
         codes = fp8_codes(x, scale[None, :], True)
         tl.store(out + rows[None, :], tl.trans(codes), mask=tl.trans(valid))
 

@@ -62,22 +62,19 @@ def scores_tile(
     ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
-    scale = q_scale * k_scale * qk_scale
+    # At most fp32's largest: two blocks' scales whose product overflows leave a zero product 0 (0 * inf would be NaN
+    # where SDPA's score is finite) and a nonzero one overflows as SDPA's does. One scalar min per tile.
+    scale = tl.minimum(q_scale * k_scale * qk_scale, FLT32_MAX)
     if QK_FMT == "int8":
         products = tl.dot(q, tl.trans(k))
         if scale < _HUGE_SCALE:
             s = int32_scaled(products, scale)
-        else:
-            s = huge_scaled(products.to(tl.float32), scale)
+        else:  # never with healthy inputs: a branch the whole tile takes alike
+            s = products.to(tl.float32) * scale
+    elif QK_FMT == "fp8":
+        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * scale
     else:
-        if QK_FMT == "fp8":
-            products = low_bit_dot(q, tl.trans(k), DOT_PRECISION)
-        else:
-            products = hp_dot(q, tl.trans(k), DOT_PRECISION)
-        if scale < _HUGE_SCALE:
-            s = products * scale
-        else:
-            s = huge_scaled(products, scale)
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * scale
     if SMOOTH_Q:
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
@@ -90,20 +87,11 @@ def scores_tile(
     return s, invalid
 
 
-#: Scale products from here on take :func:`huge_scaled`: :func:`.quant.int32_scaled`'s constant ``1.5 * 2**23 * scale``
-#: overflows fp32 above 2**103, and an infinite scale (two blocks' scales whose product overflows) times a zero product
-#: is NaN. A branch the whole tile takes alike, once per tile: the hot loops never take it with healthy inputs.
+#: fp32's largest finite value: the scale of a score tile is held to it (:func:`scores_tile`).
+FLT32_MAX = tl.constexpr(3.4028234663852886e38)
+#: Scales from here on skip :func:`.quant.int32_scaled`, whose constant ``1.5 * 2**23 * scale`` overflows fp32 above
+#: 2**103, for a plain conversion and multiply.
 _HUGE_SCALE = tl.constexpr(2.0**103)
-
-
-@triton.jit
-def huge_scaled(products, scale):
-    """``products * scale`` (fp32) for a scale of :data:`_HUGE_SCALE` or more, a zero product staying 0.
-
-    A huge row in q and one in k make every other row of their blocks code to 0 and the product of the two blocks'
-    scales overflow: ``0 * inf`` would make those rows NaN where SDPA's scores are finite. A nonzero product
-    overflows as SDPA's own score does (the reference's ``_scores`` reads the same)."""
-    return tl.where(products == 0.0, 0.0, products * scale)
 
 
 @triton.jit

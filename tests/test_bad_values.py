@@ -171,8 +171,9 @@ HUGE = [1e20, 1e30, -1e30, 3e38]
 @pytest.mark.parametrize("value", HUGE, ids=[f"{v:g}" for v in HUGE])
 def test_huge_values_in_q_and_k_give_no_nan_where_sdpa_is_finite(backend, value, monkeypatch):
     """A huge row in q and one in k: ``s_Q * s_K`` overflowed fp32 and ``0 * inf`` made every other row of both
-    blocks NaN (they code to 0). A zero product now stays 0 (tiles.py's ``huge_scaled``); a nonzero one overflows where
-    SDPA's score does. The other rows of the huge row's block lose their resolution, as INT8 per block must."""
+    blocks NaN (they code to 0). A tile's scale is now held to fp32's largest (tiles.py's ``scores_tile``): a zero
+    product stays 0, a nonzero one overflows where SDPA's score does. The other rows of the huge row's block lose
+    their resolution, as INT8 per block must."""
     fn = _backend(backend, monkeypatch)
     bad = _with(_with(_inputs(seed=2), "q", BAD_QUERY, value), "k", BAD_KEY, value)
     out, _ = _run(fn, bad, causal=False)
