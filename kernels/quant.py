@@ -10,8 +10,8 @@ block instead of hiding in an int8 code: int8 has no NaN, and Triton's ``max`` r
 Q, K and V are quantized *confined* (``confine=True``, as the forward calls them): a NaN or infinity is read as 0 by
 the block's scale, means and codes, so it leaves the rest of its block as it is, and its row is reported instead
 (per query row, or the first bad key of a head) for the forward to make exactly the outputs NaN that SDPA makes
-non-finite: :func:`.tiles.poison_rows`. Huge finite values are kept: where their scores overflow, SDPA's do too
-(:func:`.tiles.scores_tile` holds a tile's scale to fp32's largest, so a zero product stays zero).
+non-finite: :func:`.tiles.poison_rows`. Huge finite values are kept as they are (docs/attention-support.md says
+where they still overflow).
 """
 
 from __future__ import annotations

@@ -402,11 +402,7 @@ def _scores(saved: _Saved, geo: _Geometry, tile: int) -> tuple[torch.Tensor, tor
     k_op = _key_tile(saved.k_op, geo, tile)
     k_scale = saved.k_scale[:, :, tile, None]  # [B, Hkv, 1, 1]
     q_scale = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
-    # The scale held to fp32's largest, as the kernels' scores_tile holds it: when two blocks' scales multiply past it
-    # (a huge row in q and one in k: every other row of their blocks codes to 0), a zero product stays 0 instead of
-    # 0 * inf = NaN where SDPA's score is finite, and a nonzero one overflows as SDPA's does.
-    scale = (q_scale * k_scale * geo.scale).clamp(max=torch.finfo(torch.float32).max)
-    s = (saved.q_op @ k_op.transpose(-1, -2)) * scale
+    s = (saved.q_op @ k_op.transpose(-1, -2)) * (q_scale * k_scale * geo.scale)
     if saved.q_mean is not None:
         # The term Q-smoothing dropped: tau * qbar_i . K'_j, with K' as the product saw it (deq(K'^)),
         # so the backward recomputes exactly the same S from the saved tensors.

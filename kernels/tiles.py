@@ -62,19 +62,12 @@ def scores_tile(
     ``MASK=False`` is for a tile the caller knows has no such pair (every key exists and, with ``CAUSAL``, is
     visible to every query of the tile); it skips the mask's compares and selects, and returns an all-False mask.
     """
-    # At most fp32's largest: two blocks' scales whose product overflows leave a zero product 0 (0 * inf would be NaN
-    # where SDPA's score is finite) and a nonzero one overflows as SDPA's does. One scalar min per tile.
-    scale = tl.minimum(q_scale * k_scale * qk_scale, FLT32_MAX)
     if QK_FMT == "int8":
-        products = tl.dot(q, tl.trans(k))
-        if scale < _HUGE_SCALE:
-            s = int32_scaled(products, scale)
-        else:  # never with healthy inputs: a branch the whole tile takes alike
-            s = products.to(tl.float32) * scale
+        s = int32_scaled(tl.dot(q, tl.trans(k)), q_scale * k_scale * qk_scale)
     elif QK_FMT == "fp8":
-        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * scale
+        s = low_bit_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
     else:
-        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * scale
+        s = hp_dot(q, tl.trans(k), DOT_PRECISION) * (q_scale * k_scale * qk_scale)
     if SMOOTH_Q:
         # The term Q-smoothing dropped, tau * qbar . deq(K'^)_j, per key, in fp32 like the reference.
         bias = tl.sum(k.to(tl.float32) * q_mean[None, :], axis=1) * (k_scale * qk_scale)
@@ -85,13 +78,6 @@ def scores_tile(
     else:
         invalid = (offs_m[:, None] < 0) & (offs_n[None, :] < 0)
     return s, invalid
-
-
-#: fp32's largest finite value: the scale of a score tile is held to it (:func:`scores_tile`).
-FLT32_MAX = tl.constexpr(3.4028234663852886e38)
-#: Scales from here on skip :func:`.quant.int32_scaled`, whose constant ``1.5 * 2**23 * scale`` overflows fp32 above
-#: 2**103, for a plain conversion and multiply.
-_HUGE_SCALE = tl.constexpr(2.0**103)
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""A NaN, an infinity or a huge value in one row of q, k or v stays where SDPA keeps it.
+"""A NaN or an infinity in one row of q, k or v stays where SDPA keeps it; a huge row of q leaves the other query
+blocks alone.
 
 What "confined" means, precisely (kernels/quant.py's module docstring has the mechanism): the quantizers of Q, K and V
 read a NaN or infinity as 0, so every scale, mean and code is the one of the same inputs with that value zeroed;
@@ -134,10 +135,13 @@ def _check_forward(backend: str, where: str, value: float, causal: bool, monkeyp
         # Every other row: the same bits as the run with the bad value zeroed (the same codes, scales and means).
         assert torch.equal(out[0, head, ~poisoned], zeroed[0, head, ~poisoned])
     # SDPA's non-finite rows are among ours (its CPU math path spreads a NaN of v to earlier causal rows by 0 * NaN).
-    sdpa = F.scaled_dot_product_attention(*(bad[name].double() for name in "qkv"), is_causal=causal, enable_gqa=True)
+    # On the CPU: CUDA's math path adds the causal mask to the scores, and NaN + -inf spreads a bad key to every row.
+    sdpa = F.scaled_dot_product_attention(
+        *(bad[name].double().cpu() for name in "qkv"), is_causal=causal, enable_gqa=True
+    )
     sdpa_bad = ~sdpa.isfinite().all(dim=-1)
     if not (where == "v" and causal):
-        assert not (sdpa_bad & ~out.isnan().all(dim=-1)).any()
+        assert not (sdpa_bad & ~out.cpu().isnan().all(dim=-1)).any()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "hopper"])
@@ -162,23 +166,6 @@ def test_the_gradients_of_the_other_row_blocks_are_the_zeroed_runs(backend, wher
     assert block_poisoned.any() and not block_poisoned.all()
     assert dq[:, :, block_poisoned].isnan().any()
     torch.testing.assert_close(dq[:, :, ~block_poisoned], dq0[:, :, ~block_poisoned], rtol=0, atol=0)
-
-
-HUGE = [1e20, 1e30, -1e30, 3e38]
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton", "hopper"])
-@pytest.mark.parametrize("value", HUGE, ids=[f"{v:g}" for v in HUGE])
-def test_huge_values_in_q_and_k_give_no_nan_where_sdpa_is_finite(backend, value, monkeypatch):
-    """A huge row in q and one in k: ``s_Q * s_K`` overflowed fp32 and ``0 * inf`` made every other row of both
-    blocks NaN (they code to 0). A tile's scale is now held to fp32's largest (tiles.py's ``scores_tile``): a zero
-    product stays 0, a nonzero one overflows where SDPA's score does. The other rows of the huge row's block lose
-    their resolution, as INT8 per block must."""
-    fn = _backend(backend, monkeypatch)
-    bad = _with(_with(_inputs(seed=2), "q", BAD_QUERY, value), "k", BAD_KEY, value)
-    out, _ = _run(fn, bad, causal=False)
-    sdpa = F.scaled_dot_product_attention(*(bad[name].float() for name in "qkv"), enable_gqa=True)
-    assert out[sdpa.isfinite()].isfinite().all()
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -41,7 +41,7 @@ from ..quant import (
     to_dtype,
     to_e4m3,
 )
-from ..tiles import FLT32_MAX, LOG2E, key_range, poison_rows, scores_tile, tile_mask
+from ..tiles import LOG2E, key_range, poison_rows, scores_tile, tile_mask
 
 #: Head dims the path takes: the tile's D is the operand's (no padding), and 8-bit tensor-core products want
 #: D a multiple of 32.
@@ -151,9 +151,7 @@ def _hopper_forward_kernel(
             a = 1.0
         else:
             x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
-            # At most fp32's largest: two blocks' scales whose product overflows must leave a zero product 0, not
-            # 0 * inf = NaN (tiles.huge_scaled); one scalar min per tile, no branch.
-            a = tl.minimum(q_scale * k_scale * qk_scale, FLT32_MAX)
+            a = q_scale * k_scale * qk_scale
         if start_n >= full_hi:
             x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
         tile_max = tl.max(x, axis=1) * a
