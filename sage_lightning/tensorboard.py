@@ -6,19 +6,20 @@ only). Text events and the custom-scalars layout exist only in TensorBoard, so t
 decisions are identical on every rank, one copy is enough.
 
 Tags, all under ``sage/``, named so that TensorBoard's Time Series (which sorts a group's charts by tag) opens on
-what matters: ``sage/int8_fraction``, ``sage/loss`` and the picture ``sage/precision`` come first, the detail after.
+what matters: after each layer's dS error and the gradient norm (``sage/ds_rel_err/...``, ``sage/grad_norm``: names
+the benchmarks read) come ``sage/int8_fraction``, ``sage/loss`` and the picture ``sage/precision``, then the detail,
+the flat counters last.
 
-* first: ``sage/int8_fraction`` (the share of layer-steps on their base's low-bit products, INT8 or FP8:
-  :attr:`~sage_lightning.AdaptivePrecision.int8_fraction`), ``sage/loss`` (per optimizer step), the image
-  ``sage/precision`` (below);
-* per layer: ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the
-  ladder, not a number format, so it means the same whatever the base's formats are; a base with FP8 products is
-  level 0 too), ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ,
-  dK, dV), ``sage/signals/ds_rel_err/<layer>``, ``sage/signals/qk_rel_err/<layer>`` (the forward's health);
-* global: ``sage/signals/grad_norm``, ``sage/rollbacks``, ``sage/rollbacks_without_progress`` (the rollback budget's
-  count), ``sage/skipped_steps``, ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``,
-  ``sage/spike/grad_norm`` (0 or 1), ``sage/spike/grad_norm_z``, ``sage/tokens_per_step``, ``sage/tokens_seen``,
-  ``sage/tokens/accumulate_grad_batches``;
+* per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
+  ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
+  ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder,
+  not a number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0
+  too);
+* global: ``sage/int8_fraction`` (the share of layer-steps on their base's low-bit products, INT8 or FP8:
+  :attr:`~sage_lightning.AdaptivePrecision.int8_fraction`), ``sage/loss`` (per optimizer step), ``sage/grad_norm``,
+  ``sage/spike/loss`` (0 none, 1 soft, 2 hard), ``sage/spike/loss_z``, ``sage/spike/grad_norm`` (0 or 1),
+  ``sage/spike/grad_norm_z``, ``sage/skipped_steps``, ``sage/rollbacks``, ``sage/rollbacks_without_progress`` (the
+  rollback budget's count), ``sage/tokens_per_step``, ``sage/tokens_seen``, ``sage/tokens/accumulate_grad_batches``;
 * text: ``sage/decisions``, one event per step with decisions, a line per decision; ``sage/precision_legend``
   once, what the picture's colours mean;
 * image: ``sage/precision``, every layer's level over the steps (layers by steps, coloured by rung,
@@ -65,14 +66,14 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
             "share of layer-steps on INT8/FP8": ["Multiline", [r"sage/int8_fraction"]],
         },
         "sage: signals": {
-            "dS relative error per layer": ["Multiline", [r"sage/signals/ds_rel_err/.*"]],
-            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/signals/qk_rel_err/.*"]],
+            "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
+            "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
         },
         "sage: stability": {
             "loss per optimizer step": ["Multiline", [r"sage/loss$"]],
-            "gradient norm": ["Multiline", [r"sage/signals/grad_norm$"]],
+            "gradient norm": ["Multiline", [r"sage/grad_norm$"]],
             "spikes": ["Multiline", [r"sage/spike/.*"]],
             "skipped steps and rollbacks": [
                 "Multiline",
@@ -113,10 +114,10 @@ def step_metrics(
     measured = False
     for name, layer in signals.layers.items():
         if layer.ds_rel_err is not None:
-            metrics[f"sage/signals/ds_rel_err/{name}"] = layer.ds_rel_err
+            metrics[f"sage/ds_rel_err/{name}"] = layer.ds_rel_err
             measured = True
         if layer.qk_rel_err is not None:
-            metrics[f"sage/signals/qk_rel_err/{name}"] = layer.qk_rel_err
+            metrics[f"sage/qk_rel_err/{name}"] = layer.qk_rel_err
             measured = True
         if layer.probe is not None:
             for tensor, values in layer.probe.items():
@@ -135,7 +136,7 @@ def step_metrics(
     if signals.loss is not None:
         metrics["sage/loss"] = signals.loss
     if signals.grad_norm is not None:
-        metrics["sage/signals/grad_norm"] = signals.grad_norm
+        metrics["sage/grad_norm"] = signals.grad_norm
     if outcome.loss is not None:
         metrics["sage/spike/loss"] = float(LEVELS.index(outcome.loss.level))
         if outcome.loss.z is not None:

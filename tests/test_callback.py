@@ -82,10 +82,10 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     accumulator = events(tmp_path)
     scalars = set(accumulator.Tags()["scalars"])
     for layer in LAYERS:
-        per_layer = {f"sage/signals/ds_rel_err/{layer}", f"sage/precision_level/{layer}", f"sage/probe/dQ_cos/{layer}"}
+        per_layer = {f"sage/ds_rel_err/{layer}", f"sage/precision_level/{layer}", f"sage/probe/dQ_cos/{layer}"}
         assert per_layer <= scalars
     assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
-    ds_err = [e.value for e in accumulator.Scalars("sage/signals/ds_rel_err/blocks.0.attn")]
+    ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
     assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
     assert [e.value for e in accumulator.Scalars("sage/precision_level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
     assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
@@ -95,10 +95,12 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "step 2 · blocks.0.attn · precision: `sagebwd:int8=qk,pv,dv,ds;smooth_k` -> `sagebwd:int8=qk,pv,dv;" in text
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
-    # TensorBoard's Time Series sorts a group's charts by tag: the sage group opens on the share, the loss, the picture.
+    # TensorBoard's Time Series sorts a group's charts by tag: the sage group opens on the dS error per layer and the
+    # gradient norm, then the share, the loss and the picture; no flat counter before them.
     sage_tags = {tag for tag in scalars | set(accumulator.Tags()["images"]) if tag.startswith("sage/")}
     cards = sorted(sage_tags, key=time_series_order)
-    assert cards[:3] == ["sage/int8_fraction", "sage/loss", "sage/precision"], cards[:6]
+    first = [*(f"sage/ds_rel_err/{layer}" for layer in LAYERS), "sage/grad_norm"]
+    assert cards[:6] == [*first, "sage/int8_fraction", "sage/loss", "sage/precision"], cards[:8]
     images = accumulator.Images("sage/precision")
     # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
     assert [image.step for image in images] == [0, 2, 5]

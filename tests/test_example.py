@@ -317,7 +317,7 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
     accumulator = events(run)
     scalars = set(accumulator.Tags()["scalars"])
     for tag in (
-        "sage/signals/ds_rel_err/model.blocks.0.attn",
+        "sage/ds_rel_err/model.blocks.0.attn",
         "sage/precision_level/model.blocks.1.attn",
         "sage/int8_fraction",
         "sage/tokens_per_step",
