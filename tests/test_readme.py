@@ -134,10 +134,10 @@ def _final_val_loss(data: dict, attention: str) -> float:
 
 
 def test_performance_line_matches_the_files_it_links() -> None:
-    text = README.read_text()
+    text = (DOCS / "performance.md").read_text()
     line = text.split("<!-- perf-line:", 1)[1].split("\n\n", 1)[0]
-    speed_name = re.search(r"\((benchmarks/results/speed-[^)]+\.json)\)", line).group(1)
-    training_name = re.search(r"\((benchmarks/results/training-[^)]+\.json)\)", line).group(1)
+    speed_name = re.search(r"\(\.\./(benchmarks/results/speed-[^)]+\.json)\)", line).group(1)
+    training_name = re.search(r"\(\.\./(benchmarks/results/training-[^)]+\.json)\)", line).group(1)
     latest_speed, _ = readme_perf.latest("speed-*.json", keep=readme_perf.is_speed_run)
     assert Path(speed_name).name == latest_speed.name, "the performance line names an older speed result"
 
@@ -156,3 +156,25 @@ def test_example_training_table_matches_its_file() -> None:
     summary = {run["attention"]: run for run in json.loads((REPO / name).read_text())["summary"]}
     for label, attention in (("SageBwd", "sage"), ("full precision", "full")):
         assert f"| {label} | {summary[attention]['tokens_per_s']:,.0f} |" in text
+
+
+def test_the_readme_speed_line_is_the_performance_pages() -> None:
+    """The README's one honest line repeats docs/performance.md's figures (which the test above checks)."""
+    perf = " ".join((DOCS / "performance.md").read_text().split("<!-- perf-line:", 1)[1].split("\n\n", 1)[0].split())
+    line = " ".join(README.read_text().split("<!-- speed-line:", 1)[1].split("\n\n", 1)[0].split())
+    ratios = re.search(r"at (\d\.\d\d-\d\.\d\d)x the speed of SDPA's cuDNN backend", perf).group(1)
+    assert f"forward+backward runs at {ratios}x PyTorch's cuDNN attention" in line
+    losses = re.search(r"to a validation loss of (\d\.\d+) against (\d\.\d+)", perf).groups()
+    assert f"validation loss of {losses[0]} against full precision's {losses[1]}" in line
+    assert "(docs/performance.md)" in line
+
+
+def test_the_first_screen_shows_the_two_lines_in_short_paragraphs() -> None:
+    first = README.read_text().splitlines()[:40]
+    text = "\n".join(first)
+    assert "class LM(SageAttentionMixin, L.LightningModule)" in text
+    assert "callbacks=[AdaptivePrecision()]" in text
+    paragraph = 0
+    for line in first:
+        paragraph = paragraph + 1 if line.strip() and not line.startswith(("#", "```")) else 0
+        assert paragraph <= 8, f"a paragraph of more than 8 lines in the README's first 40 lines, at {line!r}"
