@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue #7's evidence, and issue #4's end-to-end speed at sequence 4096, on one GPU: install into the image's
-# python3, then `benchmarks/pretrain_compare.py --matrix evidence` on examples/configs/small.yaml (37M parameters):
+# python3, then `python -m benchmarks.training.pretrain_compare --matrix evidence` on examples/configs/small.yaml (37M parameters):
 #   large-qknorm     64 x 2048 = 131K tokens per step, QK-norm: full (seed 1234), SageBwd fixed, SageBwd +
 #                    controller, full (seed 1235), SageBwd fixed without K-smoothing
 #   small-qknorm     8 x 2048 = 16K tokens per step, QK-norm: full, SageBwd fixed, SageBwd + controller, full seed 1235
 #   large-no-qknorm  131K tokens per step, no QK-norm: full, SageBwd fixed, SageBwd + controller
 #   e2e-seq4096    8 x 4096 tokens per step, 100 steps each: SageBwd fixed, full on SDPA cuDNN, full on SDPA flash
-# then issue #7's per-tensor error table on real activations: benchmarks/attribution.py (reference path, on cuda,
+# then issue #7's per-tensor error table on real activations: benchmarks.training.attribution (reference path, on cuda,
 # every layer, 8 held-out sequences of 2048) on the final model of large-qknorm's first full-precision run, which
 # the matrix saves (--save-checkpoint large-qknorm/full: $WORK/checkpoints/evidence-large-qknorm-full.ckpt, weights
 # only, and the config it trained with beside it as .yaml); about a minute, ATTRIBUTION_MINUTES (2) of the budget
@@ -30,13 +30,13 @@
 # tensorboard.tar.gz and summary.md. Unpack the results, the activations files with them, and commit them all:
 #   tar -xzf evidence.tar.gz -C benchmarks/results --wildcards 'training-*' 'accuracy-*-activations.*'
 #   git add benchmarks/results/training-*-evidence-* benchmarks/results/accuracy-*-activations.*
-#   python benchmarks/results_doc.py    # then commit docs/results.md and docs/images/results
+#   python -m benchmarks.training.results_doc    # then commit docs/results.md and docs/images/results
 #
 # Env: BUDGET_MINUTES (22, the wall time of the matrix and the attribution from the start of the install), CONFIG,
 # CORPUS (site | stdlib), CORPUS_MAX_MB (256), FOLLOW_SECONDS (570), WORK (/tmp/sage-evidence), PYTHON (python3),
-# SKIP_INSTALL (set: no pip install), EXTRA_ARGS (more pretrain_compare.py arguments, given last so they win;
+# SKIP_INSTALL (set: no pip install), EXTRA_ARGS (more pretrain_compare arguments, given last so they win;
 # word-split), ATTRIBUTION_MINUTES (2, kept from the matrix's budget for the attribution; 0: no checkpoint, no
-# attribution), ATTRIBUTION_ARGS (attribution.py's device and sizes, word-split; default --device cuda --batches 8).
+# attribution), ATTRIBUTION_ARGS (attribution's device and sizes, word-split; default --device cuda --batches 8).
 set -uo pipefail
 MODE=${1:-run}
 export PYTHONUNBUFFERED=1
@@ -128,7 +128,7 @@ PY
   budget=$(awk "BEGIN { print $BUDGET_MINUTES - $ATTRIBUTION_MINUTES - ($SECONDS - $begin) / 60 }")
   attribution_on && save=(--save-checkpoint "$ATTRIBUTION_RUN")
   # shellcheck disable=SC2086  # EXTRA_ARGS is word-split on purpose
-  "$PYTHON" benchmarks/pretrain_compare.py --matrix evidence --config "$CONFIG" --budget-minutes "$budget" \
+  "$PYTHON" -m benchmarks.training.pretrain_compare --matrix evidence --config "$CONFIG" --budget-minutes "$budget" \
     --out-dir "$WORK" "${corpus[@]}" "${save[@]}" $EXTRA_ARGS >>"$WORK/evidence.log" 2>&1
   local status=$?
   attribution_on && attribution
@@ -140,7 +140,7 @@ PY
 attribution_on() { awk "BEGIN { exit !($ATTRIBUTION_MINUTES > 0) }"; }
 
 attribution() {
-  # Issue #7's per-tensor error on real activations (benchmarks/attribution.py) from the model the matrix saved,
+  # Issue #7's per-tensor error on real activations (benchmarks.training.attribution) from the model the matrix saved,
   # with the config it trained with; its files go to $WORK, packed with the rest. Its status is not the matrix's.
   local ckpts=("$WORK"/checkpoints/*.ckpt) log="$WORK/evidence.log"
   local ckpt=${ckpts[0]}
@@ -155,7 +155,7 @@ attribution() {
   local note="Checkpoint: the final model of the evidence matrix's $ATTRIBUTION_RUN run (benchmarks/gpu_evidence.sh);"
   note+=" config: the one it trained with, checkpoints/$(basename "${ckpt%.ckpt}").yaml in evidence.tar.gz."
   # shellcheck disable=SC2086  # ATTRIBUTION_ARGS is word-split on purpose
-  OUT="$WORK" timeout "$limit" "$PYTHON" benchmarks/attribution.py --config "${ckpt%.ckpt}.yaml" --checkpoint "$ckpt" \
+  OUT="$WORK" timeout "$limit" "$PYTHON" -m benchmarks.training.attribution --config "${ckpt%.ckpt}.yaml" --checkpoint "$ckpt" \
     --note "$note" $ATTRIBUTION_ARGS >"$WORK/attribution.log" 2>&1
   local status=$?
   if ((status == 0)); then

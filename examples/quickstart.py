@@ -2,15 +2,14 @@
 
 1. A causal GQA attention layer's forward and backward through ``sage_attention`` (bf16, the reference path
    on CPU), compared with PyTorch's own attention in float32, with the layer's dS quantization error.
-2. The per-tensor error table against float64 (``benchmarks/accuracy.py`` at a small size).
+2. The per-tensor error table against float64 (``benchmarks.kernels.accuracy`` at a small size).
 
-Run: ``python examples/quickstart.py`` (add ``--seq 1024`` for the harness's default size).
+Run from the repository root: ``python -m examples.quickstart`` (add ``--seq 1024`` for the harness's default size).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from sage_lightning import AttentionPrecision, sage_attention
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,9 +58,8 @@ def attention_layer_demo(device: str) -> None:
 
 def accuracy_table(seq: int) -> None:
     """The accuracy harness at a small size; its files go to a temporary folder, not benchmarks/results."""
-    spec = importlib.util.spec_from_file_location("accuracy", REPO / "benchmarks" / "accuracy.py")
-    accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(accuracy)
+    from benchmarks.kernels import accuracy
+
     with tempfile.TemporaryDirectory() as tmp:
         accuracy.main(["--seq", str(seq), "--out", str(Path(tmp) / "accuracy-demo.json")])
 

@@ -1,4 +1,5 @@
-"""benchmarks/attribution.py at a tiny size on the CPU: a real checkpoint, the capture, the result file, the errors."""
+"""benchmarks.training.attribution at a tiny size on the CPU: a real checkpoint, the capture, the result file,
+the errors."""
 
 from __future__ import annotations
 
@@ -11,14 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "examples"))
+from benchmarks.kernels import accuracy
+from benchmarks.training import attribution, specs
+from examples.corpus import TextDataModule
 
-import accuracy  # noqa: E402  (benchmarks/ and examples/ are folders of scripts)
-import attribution  # noqa: E402
-import pretrain_compare  # noqa: E402
-from corpus import TextDataModule  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
+
 
 TINY = REPO / "examples" / "configs" / "tiny.yaml"
 SEQ = 64  # the training windows; the model's max_seq_len
@@ -67,7 +66,7 @@ def overrides(changes: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def checkpoint(workdir: Path) -> Path:
-    """``last.ckpt`` of a 3-step run of ``examples/pretrain.py`` (tiny.yaml's ModelCheckpoint), SageBwd attention."""
+    """``last.ckpt`` of a 3-step run of ``examples.pretrain`` (tiny.yaml's ModelCheckpoint), SageBwd attention."""
     pytest.importorskip("jsonargparse")
     from pretrain import main
 
@@ -122,7 +121,7 @@ def test_header_and_files(result: tuple[dict, Path]) -> None:
     assert data == json.loads(json.dumps(returned))
     assert data["kind"] == "accuracy" and data["device"] == "cpu" and data["commit"]
     assert len(data["date"]) == 10 and data["date"][4] == "-"
-    assert data["command"].startswith("python benchmarks/attribution.py") and "torch" in data["versions"]
+    assert data["command"].startswith("python -m benchmarks.training.attribution") and "torch" in data["versions"]
     assert data["config"] == "examples/configs/tiny.yaml" and data["checkpoint"]["step"] == 3
     assert data["capture"]["split"] == "validation (held out)" and data["capture"]["dtype"] == "float32"
     layers = sorted({row["layer"] for row in data["rows"]})
@@ -164,7 +163,7 @@ def test_rows_name_the_source_and_the_shapes(
 
 
 def test_capture_matches_the_model_and_the_loss_gradient(changes: list[str], checkpoint: Path) -> None:
-    config = pretrain_compare.load_config(TINY, changes)
+    config = specs.load_config(TINY, changes)
     data = TextDataModule(**config["data"])
     data.prepare_data()
     module, step = attribution.load_checkpoint(checkpoint, config, data)
@@ -199,7 +198,7 @@ def test_bf16_has_the_smallest_error(from_checkpoint: tuple[dict, Path]) -> None
     rows = from_checkpoint[0]["rows"]
     for kind in dict.fromkeys(row["inputs"] for row in rows):
         for smooth_k in (True, False):
-            table = accuracy._lookup(rows, kind, smooth_k)
+            table = accuracy.lookup(rows, kind, smooth_k)
             for tensor in ("O", "dQ", "dK", "dV"):
                 baseline = table["bf16"][tensor]["rel_l2"]
                 others = {label: by_tensor[tensor]["rel_l2"] for label, by_tensor in table.items() if label != "bf16"}

@@ -1,13 +1,11 @@
-"""benchmarks/multi_gpu.py's comparison of ranks and runs (the runs themselves need two GPUs: docs/controller.md)."""
+"""benchmarks.controller.multi_gpu's comparison of ranks and runs (the runs themselves need two GPUs:
+docs/controller.md)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import multi_gpu  # noqa: E402  (benchmarks/ is a folder of scripts)
+from benchmarks.controller import multi_gpu
 
 
 def record(run: str, rank: int, decisions: list[str], tokens_per_s: float) -> dict:

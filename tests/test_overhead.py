@@ -1,21 +1,17 @@
-"""benchmarks/overhead.py and benchmarks/controller_thresholds.py run at tiny sizes on CPU and write result
+"""benchmarks.controller.overhead and .thresholds run at tiny sizes on CPU and write result
 files in the format of /work/shared/RESULTS.md."""
 
 from __future__ import annotations
 
 import gc
 import json
-import sys
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import controller_thresholds  # noqa: E402  (benchmarks/ is not a package)
-import overhead  # noqa: E402
+from benchmarks.controller import overhead
+from benchmarks.controller import thresholds as controller_thresholds
 
 HEADER = {"kind", "device", "date", "commit", "command", "versions", "rows"}
 TINY = ["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "2"]

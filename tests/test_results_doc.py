@@ -1,7 +1,7 @@
 """Issue #7's tooling end to end on the CPU: benchmarks/gpu_evidence.sh runs a tiny matrix through
-``pretrain_compare.py --matrix evidence`` (the device's code path) and benchmarks/attribution.py on the model of its
-first full-precision run, and benchmarks/results_doc.py turns their files into the results page: tables, figures, and
-every figure traced to its JSON and command."""
+``pretrain_compare --matrix evidence`` (the device's code path) and benchmarks.training.attribution on the model of
+its first full-precision run, and benchmarks.training.results_doc turns their files into the results page: tables,
+figures, and every figure traced to its JSON and command."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.training import results_doc
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-import results_doc  # noqa: E402  (benchmarks/ is a folder of scripts)
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 #: The matrix at toy size: sequences of 16, 4 and 2 per step, 256 tokens per training run (4 and 8 steps), thresholds
@@ -86,7 +86,7 @@ def test_every_training_run_of_the_matrix_sees_the_same_tokens(evidence: dict[st
     for name in ("large-qknorm", "small-qknorm"):
         result = groups[name]
         assert result["kind"] == "training" and result["commit"] == "0123456789"
-        assert result["command"].startswith("python benchmarks/pretrain_compare.py --matrix evidence")
+        assert result["command"].startswith("python -m benchmarks.training.pretrain_compare --matrix evidence")
         assert result["matrix"]["group"] == name and result["matrix"]["tokens_per_run"] == 256
         summaries = {s["run"]: s for s in result["summary"]}
         assert all(s["tokens_seen"] == 256 and not s.get("error") for s in summaries.values())
@@ -185,7 +185,7 @@ def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path],
     # Section 1: the attribution on the matrix's own model.
     assert "## 1. Error attribution with real activations\n\nModel `" in text
     assert "checkpoint `evidence-large-qknorm-full.ckpt` (step 4, trained with full attention)" in text
-    assert "Not measured yet: `benchmarks/attribution.py`" not in text
+    assert "Not measured yet: `benchmarks.training.attribution`" not in text
     large = evidence["groups"]["large-qknorm"]
     final = {r["run"]: r["val_loss"] for r in large["rows"] if r["step"] == 4 and "val_loss" in r}
     assert f"| full | full precision | 4 | 256 | {final['full']:.4f} |" in text
