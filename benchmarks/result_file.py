@@ -96,12 +96,7 @@ def default_path(kind: str, device: str, tag: str = "") -> Path:
 
 
 def to_json(result: dict) -> str:
-    """``result`` as JSON text: the header indented, one row per line.
-
-    Example::
-
-        json.loads(to_json({"kind": "accuracy", "rows": [{"cos": 1.0}]}))["rows"][0]["cos"]   # 1.0
-    """
+    """``result`` as JSON text: the header indented, one row per line."""
     head = json.dumps({key: value for key, value in result.items() if key != "rows"}, indent=1)
     rows = ",\n".join("  " + json.dumps(row) for row in result.get("rows", []))
     return head[:-2] + ',\n "rows": [\n' + rows + "\n ]\n}\n"

@@ -43,10 +43,6 @@ RUNS: dict[str, tuple[int, str]] = {"single": (1, "auto"), "ddp": (2, "ddp"), "f
 class LossFault(Callback):
     """Multiply the loss ``training_step`` returns by ``factor`` (NaN: a real NaN, in the loss and the gradients) on the
     first micro-batch of optimizer step ``step`` (of every step from it with ``every_step``), on global rank ``rank``.
-
-    Example::
-
-        trainer = L.Trainer(callbacks=[LossFault(step=150, factor=float("nan"), rank=1), AdaptivePrecision()])
     """
 
     def __init__(self, step: int, factor: float, rank: int = 0, every_step: bool = False) -> None:

@@ -112,10 +112,6 @@ class TransformerLM(SageAttentionMixin, L.LightningModule):
         heads: attention heads (head dim ``d_model // heads``).
         lr: AdamW learning rate.
         fused: AdamW's fused implementation (what GPU training usually runs).
-
-    Example::
-
-        model = TransformerLM(layers=2, d_model=64, heads=4)
     """
 
     def __init__(
@@ -150,10 +146,6 @@ class TransformerLM(SageAttentionMixin, L.LightningModule):
 def markov_tokens(sequences: int, seq: int, seed: int = 0, branching: int = 8) -> torch.Tensor:
     """Token ids ``[sequences, seq + 1]`` from a fixed random Markov chain: each token has ``branching``
     possible successors, so a model can learn the data and the loss falls as in real training.
-
-    Example::
-
-        markov_tokens(4, 16).shape   # torch.Size([4, 17])
     """
     generator = torch.Generator().manual_seed(seed)
     successors = torch.randint(0, VOCAB, (VOCAB, branching), generator=generator)
@@ -236,10 +228,6 @@ def run_once(
     """Train one setting for ``--warmup`` plus its measured steps (``steps``: that many instead; ``window``: the
     profiled ones, the controller's hooks traced), after collecting what earlier runs left; return its times, step
     count and decisions.
-
-    Example::
-
-        run_once(parse_args(["--device", "cpu", "--steps", "4"]), "no callback", data)
     """
     factory = SETTINGS[label][0]
     if steps is None:
@@ -289,12 +277,7 @@ def _slowest(timer: StepTimer, hooks: dict, args: argparse.Namespace) -> list[di
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line.
-
-    Example::
-
-        parse_args(["--device", "cpu"]).layers   # 8
-    """
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=1024)
@@ -331,12 +314,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def format_table(result: dict) -> str:
-    """The markdown table of one result file, and the defaults' overhead rebuilt from the breakdown rows.
-
-    Example::
-
-        print(format_table(main([...])))
-    """
+    """The markdown table of one result file, and the defaults' overhead rebuilt from the breakdown rows."""
     lines = [
         "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms; / paired baseline) "
         "| median step, rounds (ms) | decisions, rounds | verdicts that waited, rounds "
@@ -404,10 +382,6 @@ def measure_rounds(args: argparse.Namespace, data: torch.Tensor) -> tuple[dict[s
     """``--repeats`` rounds of every setting, each between two baseline runs; returns each setting's runs by round
     (the baseline's: one per round, the medians of that round's baseline runs) and, for the others, by round, the
     mean step time of the two baseline runs around it.
-
-    Example::
-
-        rounds, baselines = measure_rounds(parse_args([...]), data)
     """
     others = [label for label in SETTINGS if label != BASELINE]
     rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
@@ -449,16 +423,7 @@ def measure_rounds(args: argparse.Namespace, data: torch.Tensor) -> tuple[dict[s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Measure every setting, print the table, write the JSON and markdown; returns the JSON dict.
-
-    Args:
-        argv: command-line arguments (``sys.argv[1:]`` when ``None``).
-
-    Example::
-
-        main(["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
-              "--batch", "2", "--steps", "4", "--warmup", "1", "--precision", "32-true", "--out", "/tmp/o.json"])
-    """
+    """Measure every setting, print the table, write the JSON and markdown; returns the JSON dict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)

@@ -94,9 +94,6 @@ class ProfilerWindow(Callback):
     def per_step(self, top: int = 25) -> dict[str, Any]:
         """Milliseconds per profiled step: the ``top`` kernels (or CPU operators) by self device time, and every
         traced hook's host time.
-
-        Raises:
-            RuntimeError: the window never closed (the run ended before ``start_step + steps``).
         """
         if self._averages is None:
             raise RuntimeError(
@@ -123,10 +120,6 @@ def _synchronize(pl_module: L.LightningModule) -> None:
 def format_profile(profiles: dict[str, dict[str, Any]], baseline: str = "no callback", top: int = 12) -> str:
     """Markdown: each setting's kernels that cost more per step than the baseline's, and the controller's hooks'
     host time per step.
-
-    Example::
-
-        print(format_profile({"no callback": base.per_step(), "callback, defaults": defaults.per_step()}))
     """
     base = profiles[baseline]["device_ms"]
     lines = []

@@ -55,9 +55,6 @@ class RunCosts:
 def isolated(device: str) -> Iterator[RunCosts]:
     """Collect every earlier run's garbage and return the CUDA caching allocator's free blocks, then time the
     collector (and count the allocator's retries) until the block ends.
-
-    Args:
-        device: ``"cuda"`` or ``"cpu"``.
     """
     gc.collect()
     cuda = device == "cuda"
@@ -97,12 +94,6 @@ class HookClock:
 
     Args:
         callback: the callback whose hooks are timed (its instance attributes are wrapped; its class is untouched).
-
-    Example::
-
-        clock = HookClock(controller)
-        trainer.fit(model, loader)
-        clock.per_step(skip=20)   # {step: {hook: ms}} of the steps after the first 20
     """
 
     def __init__(self, callback: Callback) -> None:
@@ -157,13 +148,6 @@ class StepTimer(Callback):
     Args:
         step_sync: synchronise the device at every step's end.
         skip: the warm-up steps before the measured window.
-
-    Example::
-
-        timer = StepTimer(step_sync=False, skip=20)
-        trainer = L.Trainer(callbacks=[timer], max_steps=420)
-        trainer.fit(model, loader)
-        timer.step_ms(skip=20), timer.median_step_ms(skip=20)
     """
 
     def __init__(self, step_sync: bool = True, skip: int = 0) -> None:

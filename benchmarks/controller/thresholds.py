@@ -46,10 +46,6 @@ PROBED = ("O", "dQ", "dK", "dV")
 def rungs() -> list[tuple[str, AttentionPrecision]]:
     """The default ladder's settings, cumulative from the SageBwd base (smooth_q shown on its own, as the
     forward's rung; ds_bf16 as reached by a backward signal, without it).
-
-    Example::
-
-        [label for label, _ in rungs()]   # ["base", "smooth_q", "ds_bf16", "full"]
     """
     base = AttentionPrecision()
     return [
@@ -61,12 +57,7 @@ def rungs() -> list[tuple[str, AttentionPrecision]]:
 
 
 def signal_rows(args: argparse.Namespace) -> list[dict]:
-    """Part 1: ``ds_rel_err`` and the probe for every input kind and rung.
-
-    Example::
-
-        rows = signal_rows(parse_args(["--seq", "128"]))
-    """
+    """Part 1: ``ds_rel_err`` and the probe for every input kind and rung."""
     harness = accuracy.parse_args(["--seq", str(args.seq), "--head-dim", str(args.head_dim), "--seed", str(args.seed)])
     rows = []
     for kind in accuracy.input_kinds():
@@ -115,12 +106,7 @@ class _Collect(Logger):
 
 
 def calm_rows(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
-    """Part 2: one row per optimizer step of a calm run, and the decisions it took (expected: none).
-
-    Example::
-
-        rows, decisions = calm_rows(parse_args(["--steps", "40"]))
-    """
+    """Part 2: one row per optimizer step of a calm run, and the decisions it took (expected: none)."""
     torch.manual_seed(args.seed)
     model = overhead.TransformerLM(layers=args.layers, d_model=args.d_model, heads=args.heads, lr=args.lr)
     controller = AdaptivePrecision(PolicyConfig(ds_stats_every_n_steps=5), log_every_n_steps=1, verbose=False)
@@ -196,12 +182,7 @@ def calm_summary(rows: list[dict], decisions: list[str]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line.
-
-    Example::
-
-        parse_args([]).seq   # 1024
-    """
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=1024, help="part 1: sequence length (the harness's default)")
     parser.add_argument("--head-dim", type=int, default=64, help="part 1: head dim (the harness's default)")
@@ -218,12 +199,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> tuple[dict, dict]:
-    """Run both parts on CPU, print the tables, write the two JSON files and their markdown.
-
-    Example::
-
-        signals, calm = main(["--seq", "128", "--steps", "30", "--out-dir", "/tmp/thresholds"])
-    """
+    """Run both parts on CPU, print the tables, write the two JSON files and their markdown."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)

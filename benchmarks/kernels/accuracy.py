@@ -96,19 +96,7 @@ FP4_GRADIENT_TENSORS: tuple[str, ...] = ("O", "dQ", "dK", "dV")
 
 
 def settings(smooth_k: bool, mode: str = "sagebwd") -> list[tuple[str, AttentionPrecision]]:
-    """The precision settings compared, as ``(label, precision)`` pairs.
-
-    Args:
-        smooth_k: K-smoothing on or off for every SageBwd setting.
-        mode: ``"sagebwd"`` (the products one at a time), ``"formats"`` (those, then :func:`fp8_settings`) or
-            ``"attn_qat"`` (simulated NVFP4 beside the bf16 baseline and the SageBwd default).
-
-    Example::
-
-        [label for label, _ in settings(True)][:3]   # ["bf16", "sagebwd", "all7"]
-        [label for label, _ in settings(True, "attn_qat")]   # ["bf16", "sagebwd", "attn_qat", "attn_qat dropin"]
-        [label for label, _ in settings(True, "formats")][-1]   # "all fp8"
-    """
+    """The precision settings compared, as ``(label, precision)`` pairs."""
     if mode not in MODES:
         raise ValueError(f"settings: mode must be one of {MODES}; received {mode!r}")
     bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
@@ -133,10 +121,6 @@ def fp8_settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
     """The FP8 settings of ``--mode formats``, as ``(label, precision)`` pairs: each product alone in FP8 (the
     rest bf16), then the mixes worth running (the INT8 default with pv, ds or both in FP8; the forward in FP8 with
     the default's backward; every product in FP8).
-
-    Example::
-
-        dict(fp8_settings(True))["default, ds fp8"].short_name   # "sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k"
     """
     bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
     default = AttentionPrecision(smooth_k=smooth_k)
@@ -151,12 +135,7 @@ def fp8_settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
 
 
 def input_kinds() -> list[str]:
-    """The names of the input kinds, as written to the ``inputs`` field.
-
-    Example::
-
-        input_kinds()[0]   # "normal sigma=1"
-    """
+    """The names of the input kinds, as written to the ``inputs`` field."""
     names = [f"normal sigma={s:g}" for s in SIGMAS]
     return names + [f"outliers ch={OUTLIER_CHANNELS} offset={OUTLIER_OFFSET:g} scale={OUTLIER_SCALE:g}"]
 
@@ -172,17 +151,7 @@ def _add_outliers(x: torch.Tensor, channels: torch.Tensor, gen: torch.Generator)
 
 
 def make_inputs(kind: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
-    """q, k, v, dO in bf16 on ``args.device`` for one input kind (see the module docstring).
-
-    Args:
-        kind: one of :func:`input_kinds`.
-        args: the parsed command line (shape, seed, device).
-
-    Example::
-
-        x = make_inputs("normal sigma=4", parse_args([]))
-        x["q"].dtype   # torch.bfloat16
-    """
+    """q, k, v, dO in bf16 on ``args.device`` for one input kind (see the module docstring)."""
     gen = torch.Generator().manual_seed(args.seed)
     q_shape = (args.batch, args.heads, args.seq, args.head_dim)
     kv_shape = (args.batch, args.kv_heads, args.seq, args.head_dim)
@@ -201,14 +170,6 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """Cosine similarity and relative L2 error of ``x`` against ``ref``, in float64, flattened.
 
     A cosine above 1 by at most 1e-12 (float64 round-off) is reported as 1.
-
-    Args:
-        x: the tensor measured.
-        ref: the float64 reference, same number of elements.
-
-    Example::
-
-        compare(torch.ones(3), torch.ones(3))   # (1.0, 0.0)
     """
     a, r = x.detach().to(torch.float64).flatten(), ref.detach().to(torch.float64).flatten()
     r_norm = r.norm()
@@ -219,12 +180,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def exact(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
-    """``exact_attention`` (float64) on ``inputs``.
-
-    Example::
-
-        ref = exact(make_inputs("normal sigma=1", parse_args([])), causal=False)
-    """
+    """``exact_attention`` (float64) on ``inputs``."""
     return exact_attention(inputs["q"], inputs["k"], inputs["v"], inputs["do"], is_causal=causal)
 
 
@@ -235,19 +191,7 @@ def measure(
     causal: bool,
     path: str = "reference",
 ) -> dict[str, tuple[float, float]]:
-    """``(cos, rel_l2)`` of every tensor of one SageBwd run against ``ref``.
-
-    Args:
-        inputs, ref: from :func:`make_inputs` and :func:`exact`.
-        precision, causal: the run's setting.
-        path: ``"reference"`` (every intermediate, :data:`TENSORS`) or ``"triton"`` (the kernels' outputs and
-            gradients, :data:`OUTPUT_TENSORS`).
-
-    Example::
-
-        x = make_inputs("normal sigma=1", parse_args([]))
-        measure(x, exact(x, False), AttentionPrecision(), False)["dS"]
-    """
+    """``(cos, rel_l2)`` of every tensor of one SageBwd run against ``ref``."""
     if path == "triton":
         from sage_lightning.kernels.ops import sage_attention_triton
 
@@ -266,10 +210,6 @@ def fp4_gradient(inputs: dict[str, torch.Tensor], causal: bool) -> dict[str, tor
     """The FP4 forward's own straight-through gradient in float64: the Attn-QAT reference on the inputs upcast.
 
     ``tests/test_attn_qat.py`` holds it to a dense float64 formula (agreement to 1e-10).
-
-    Example::
-
-        own = fp4_gradient(make_inputs("normal sigma=1", parse_args([])), causal=False)
     """
     f64 = {name: t.to(torch.float64) for name, t in inputs.items()}
     got = sage_attention_intermediates(
@@ -284,15 +224,7 @@ def finite(x: float) -> float | None:
 
 
 def collect_rows(args: argparse.Namespace) -> list[dict]:
-    """Every result row: input kinds x smooth_k x settings x tensors.
-
-    Args:
-        args: the parsed command line.
-
-    Example::
-
-        rows = collect_rows(parse_args(["--seq", "96", "--head-dim", "32"]))
-    """
+    """Every result row: input kinds x smooth_k x settings x tensors."""
     rows = []
     for kind in args.inputs or input_kinds():
         inputs = make_inputs(kind, args)
@@ -341,12 +273,7 @@ def fmt(x: float | None, digits: int) -> str:
 
 
 def format_tables(rows: list[dict]) -> str:
-    """Markdown tables: for each input kind and smooth_k, cos then rel_l2, rows = settings.
-
-    Example::
-
-        print(format_tables(collect_rows(parse_args(["--seq", "96"]))))
-    """
+    """Markdown tables: for each input kind and smooth_k, cos then rel_l2, rows = settings."""
     lines = []
     kinds = list(dict.fromkeys(row["inputs"] for row in rows))
     for kind in kinds:
@@ -377,12 +304,7 @@ def _worst(by_tensor: dict[str, dict], names: tuple[str, ...], count: int) -> li
 
 
 def error_share(table: dict[str, dict[str, dict]], label: str, tensor: str) -> float:
-    """Share of sagebwd's squared rel_l2 of ``tensor`` that setting ``label`` alone reproduces.
-
-    Example::
-
-        error_share(lookup(rows, "normal sigma=1", True), "only ds", "dQ")   # e.g. 0.8
-    """
+    """Share of sagebwd's squared rel_l2 of ``tensor`` that setting ``label`` alone reproduces."""
     alone, full = table[label][tensor]["rel_l2"], table["sagebwd"][tensor]["rel_l2"]
     return math.nan if alone is None or not full else (alone / full) ** 2
 
@@ -409,23 +331,15 @@ def _kind_summary(table: dict[str, dict[str, dict]], kind: str) -> tuple[list[st
         f"  lowest of P/dP/dS: {low} (study: dS); worst of O/dQ/dK/dV: {', '.join(worst)} (study: dQ, dK) "
         f"-> {'agrees' if ordering else 'DIFFERS'}.",
         f"  ds alone in INT8 gives {ds['dQ']:.0%} of dQ's and {ds['dK']:.0%} of dK's squared rel_l2; "
-        f"largest single INT8 product of sagebwd: dQ {top['dQ'].split()[1]} ({error_share(table, top['dQ'], 'dQ'):.0%}), "
+        f"largest single INT8 product of sagebwd: dQ {top['dQ'].split()[1]} "
+        f"({error_share(table, top['dQ'], 'dQ'):.0%}), "
         f"dK {top['dK'].split()[1]} ({error_share(table, top['dK'], 'dK'):.0%}).",
     ]
     return lines, ordering, ds_dominates(table)
 
 
 def largest_product(table: dict[str, dict[str, dict]], tensor: str) -> str:
-    """The label among :data:`PRODUCT_LABELS` that alone reproduces the largest share of sagebwd's error in ``tensor``.
-
-    Args:
-        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``lookup``).
-        tensor: e.g. ``"dQ"``.
-
-    Example::
-
-        largest_product(lookup(rows, "normal sigma=1", True), "dQ")   # e.g. "only ds"
-    """
+    """The label of :data:`PRODUCT_LABELS` that alone reproduces the largest share of sagebwd's error in ``tensor``."""
 
     def rank(label: str) -> float:
         share = error_share(table, label, tensor)
@@ -442,13 +356,6 @@ def ds_dominates(table: dict[str, dict[str, dict]]) -> bool:
     """Whether ``only ds`` reproduces more than :data:`DOMINANT_SHARE` of sagebwd's squared dQ and dK error.
 
     Squared rel_l2, because errors of independent sources add in squares.
-
-    Args:
-        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``lookup``).
-
-    Example::
-
-        ds_dominates(lookup(rows, "normal sigma=1", True))   # True on N(0,1) inputs
     """
     return min(error_share(table, "only ds", t) for t in ("dQ", "dK")) > DOMINANT_SHARE
 
@@ -460,10 +367,6 @@ def summarize(rows: list[dict]) -> list[str]:
     which of P, dP, dS has the lowest cos, which two of O, dQ, dK, dV are worst, and which share of the
     dQ/dK error (squared rel_l2, errors of independent sources add in squares) switching ``ds`` alone to
     INT8 reproduces, beside the single product that reproduces the most.
-
-    Example::
-
-        print("\\n".join(summarize(rows)))
     """
     if any("against" in row for row in rows):
         return summarize_attn_qat(rows)
@@ -506,13 +409,6 @@ PRODUCT_TENSORS: dict[str, tuple[str, ...]] = {
 def fp8_over_int8(table: dict[str, dict[str, dict]]) -> dict[str, tuple[str, float]]:
     """Per product, ``(tensor, rel_l2 of "only <p> fp8" / rel_l2 of "only <p>")`` on the tensor of
     :data:`PRODUCT_TENSORS` (NaN where either is missing or not finite, or INT8's is zero).
-
-    Args:
-        table: ``{label: {tensor: row}}`` of one input kind and smooth_k (``lookup``) of a ``formats`` run.
-
-    Example::
-
-        fp8_over_int8(lookup(rows, "normal sigma=1", True))["ds"]   # e.g. ("dS", 0.68)
     """
     ratios = {}
     for product, candidates in PRODUCT_TENSORS.items():
@@ -529,10 +425,6 @@ def summarize_formats(rows: list[dict]) -> list[str]:
     """Summary of a ``formats`` run (smooth_k=True): per input kind, rel_l2 of O, dS and the gradients under every
     setting but ``all7`` and the INT8-alone rows' FP8 twins side by side, and FP8's rel_l2 over INT8's for each
     product alone (on the tensor of :data:`PRODUCT_TENSORS`; below 1: FP8 is the more accurate).
-
-    Example::
-
-        print("\\n".join(summarize_formats(rows)))
     """
     lines = ["", "## FP8 (e4m3) against INT8, rel_l2 against float64 (smooth_k=True)", ""]
     for kind in dict.fromkeys(row["inputs"] for row in rows):
@@ -555,10 +447,6 @@ def summarize_formats(rows: list[dict]) -> list[str]:
 def summarize_outputs(rows: list[dict]) -> list[str]:
     """Summary of a run without intermediates (the Triton path): the default setting's output cosines per
     input kind, and whether N(0,1) inputs meet :data:`BAR_COS`.
-
-    Example::
-
-        print("\n".join(summarize_outputs(rows)))
     """
     lines = ["## Summary (setting sagebwd, smooth_k=True)", ""]
     for kind in dict.fromkeys(row["inputs"] for row in rows):
@@ -574,10 +462,6 @@ def summarize_outputs(rows: list[dict]) -> list[str]:
 def summarize_attn_qat(rows: list[dict]) -> list[str]:
     """Summary of an attn_qat run: per input kind, the output cosines of each setting against float64, and of the
     two QAT backwards against the FP4 forward's own gradient.
-
-    Example::
-
-        print("\n".join(summarize_attn_qat(rows)))
     """
     lines = ["## Summary (simulated NVFP4)", ""]
     names = FP4_GRADIENT_TENSORS
@@ -600,12 +484,7 @@ def summarize_attn_qat(rows: list[dict]) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command line.
-
-    Example::
-
-        parse_args(["--seq", "256", "--causal"]).seq   # 256
-    """
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2)
@@ -641,15 +520,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the harness, print the tables and summary, write the JSON and markdown; returns the JSON dict.
-
-    Args:
-        argv: command-line arguments (``sys.argv[1:]`` when ``None``).
-
-    Example::
-
-        result = main(["--seq", "96", "--head-dim", "32", "--out", "/tmp/acc.json"])
-    """
+    """Run the harness, print the tables and summary, write the JSON and markdown; returns the JSON dict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     start = time.perf_counter()

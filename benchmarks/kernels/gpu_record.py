@@ -34,10 +34,6 @@ def kernel_files(root: Path = KERNELS) -> dict[str, str]:
 
     Python's byte-code caches (``__pycache__``, ``*.pyc``) are left out: they are not source and appear when the
     package is imported.
-
-    Example::
-
-        kernel_files()["backward.py"]   # '3f1c...'
     """
     files = {}
     for path in sorted(root.rglob("*")):
@@ -48,23 +44,13 @@ def kernel_files(root: Path = KERNELS) -> dict[str, str]:
 
 
 def digest(files: dict[str, str]) -> str:
-    """One sha256 over the sorted paths and their contents' digests (a file renamed changes it too).
-
-    Example::
-
-        digest(kernel_files())   # the record's "kernels_digest"
-    """
+    """One sha256 over the sorted paths and their contents' digests (a file renamed changes it too)."""
     text = "".join(f"{path}\0{files[path]}\n" for path in sorted(files))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def changed_files(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
-    """``"changed: x"``, ``"added: x"``, ``"removed: x"`` for each file that differs between two listings.
-
-    Example::
-
-        changed_files({"a.py": "1"}, {"a.py": "2", "b.py": "3"})   # ['changed: a.py', 'added: b.py']
-    """
+    """``"changed: x"``, ``"added: x"``, ``"removed: x"`` for each file that differs between two listings."""
     lines = [f"changed: {p}" for p in recorded if p in current and recorded[p] != current[p]]
     lines += [f"added: {p}" for p in current if p not in recorded]
     lines += [f"removed: {p}" for p in recorded if p not in current]
@@ -72,20 +58,7 @@ def changed_files(recorded: dict[str, str], current: dict[str, str]) -> list[str
 
 
 def check_record(record_path: Path = RECORD, kernels: Path = KERNELS) -> list[str]:
-    """What voids the record for the kernels at ``kernels``; an empty list when the record vouches for them.
-
-    Args:
-        record_path: the record ``gpu_verify.py`` wrote.
-        kernels: the folder the record must describe.
-
-    Returns:
-        One line per problem: a missing or unreadable record, files changed since the GPU run (each named),
-        a required check missing or failed.
-
-    Example::
-
-        assert not check_record(), "\\n".join(check_record())
-    """
+    """What voids the record for the kernels at ``kernels``; an empty list when the record vouches for them."""
     how = f"Run `{VERIFY_COMMAND}` on an H100 or H200 and commit {RECORD.relative_to(REPO)}."
     try:
         record: dict[str, Any] = json.loads(record_path.read_text())

@@ -90,12 +90,7 @@ TIME_LIMIT_S = 470
 
 
 def agreement(name: str) -> list[dict[str, Any]]:
-    """Triton against the reference for one precision of :data:`PRECISIONS` over the full-size grid.
-
-    Example::
-
-        rows = agreement("sagebwd")   # on a GPU
-    """
+    """Triton against the reference for one precision of :data:`PRECISIONS` over the full-size grid."""
     from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backend
 
     precision = AttentionPrecision(**PRECISIONS[name])
@@ -261,12 +256,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the four checks side by side, write the record, print a table; returns the record.
-
-    Example::
-
-        record = main(["--out", "/tmp/gpu-verified.json"])
-    """
+    """Run the four checks side by side, write the record, print a table; returns the record."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.agreement:

@@ -15,13 +15,7 @@ from typing import Any
 
 
 def kernel_ms(events: Iterable[Any], iterations: int, *, cpu_time: bool = False) -> dict[str, float]:
-    """Milliseconds per iteration of each kernel in a profile's key averages (its self device time).
-
-    Args:
-        events: ``profile.key_averages()``, or a selection of it.
-        iterations: what the profile covered, to divide by.
-        cpu_time: take an event's self CPU time where it has no device time (a run on the CPU).
-    """
+    """Milliseconds per iteration of each kernel in a profile's key averages (its self device time)."""
     totals: dict[str, float] = {}
     for event in events:
         us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)

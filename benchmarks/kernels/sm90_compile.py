@@ -79,15 +79,6 @@ def blocks_per_sm(registers: int, num_warps: int, shared: int) -> int:
 
     Registers are allocated per warp in units of 256 (8 per thread); each block also has 1 KiB of shared
     memory reserved.
-
-    Args:
-        registers: per thread (``ptxas -v``).
-        num_warps: per block.
-        shared: bytes of shared memory per block.
-
-    Example::
-
-        blocks_per_sm(222, 8, 48 * 1024)  # 1: the register file holds one block of 8 warps at 224 registers
     """
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = SM90_REGS_PER_SM // (per_warp * num_warps) if per_warp else SM90_BLOCKS_PER_SM
@@ -142,10 +133,6 @@ class OfflineHopperDriver(CudaDriver):
 
     Args:
         capability: the compute capability to compile for (90 for H100/H200).
-
-    Example::
-
-        triton.runtime.driver.set_active(OfflineHopperDriver())
     """
 
     def __init__(self, capability: int = 90) -> None:  # CudaDriver.__init__ would load libcuda
@@ -226,10 +213,6 @@ def hot_loop(sass: str) -> dict | None:
     those are quarter-rate (:data:`QUARTER_RATE`) and the opcode counts; ``None`` when there is no such loop.
 
     A loop is a branch back to a lower address; the innermost is the shortest span holding a GMMA.
-
-    Example::
-
-        hot_loop(sass)  # {"instructions": 870, "quarter_rate": 36, "opcodes": {"FMUL": 170, ...}}
     """
     lines = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
     branches = [(a, int(t.group(1), 16)) for a, o, r in lines if o == "BRA" and (t := _BRANCH_TARGET.search(o + r))]
@@ -428,17 +411,6 @@ def report_gluon_compile(
     """The Gluon compile scripts' table (``benchmarks.kernels.gluon_*_compile``): one line per compiled kernel of
     :data:`_RECORDS` (its warps, stages, shared memory, registers, spills, local-memory operations, CTAs per SM,
     hot-loop SASS, ptxas's C7514 (wgmma serialized) and wgmma shapes), and the records as JSON in ``out``.
-
-    Args:
-        title: the first line (what was compiled).
-        out: where the JSON goes, or ``None``.
-        verbose: print each failure's traceback.
-        case_width, kernel_width: column widths.
-        skip: kernels left out of the table (still in the JSON).
-
-    Example::
-
-        report_gluon_compile("Triton 3.6.0, target sm_90 (offline)", Path("x.json"), False, skip=("_dq_kernel",))
     """
     import triton
 

@@ -63,12 +63,7 @@ PASSES = ("fwd", "bwd", "fwd+bwd")
 
 
 def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: str) -> float:
-    """Matrix-product FLOPs of one pass (the convention of FlashAttention's benchmarks).
-
-    Example::
-
-        flops(4, 16, 4096, 128, False, "fwd+bwd")   # 3.5 * 4 * 4 * 16 * 4096**2 * 128
-    """
+    """Matrix-product FLOPs of one pass (the convention of FlashAttention's benchmarks)."""
     forward = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[which] * forward
 
@@ -79,15 +74,6 @@ def check(device: str, impls: tuple[str, ...] = ("sage",)) -> list[dict]:
 
     Agreement is to rounding (a few flipped bf16 values or INT8 codes), far below the INT8 error (~1e-2). FP8
     products sum in fp32 in an order of their own, so their agreement is looser than INT8's exact sums.
-
-    Args:
-        device: ``"cuda"``.
-        impls: keys of :data:`PRECISIONS`, one precision checked per distinct short name (``sage_portable``
-            runs ``sage``'s).
-
-    Example::
-
-        rows = check("cuda", ("sage", "sage_fp8_pv"))
     """
     rows, seen = [], set()
     for impl in impls:
@@ -161,11 +147,6 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
 def pass_calls(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> dict[str, Callable]:
     """The three passes of one implementation on random bf16 CUDA inputs that need gradients, as callables:
     ``fwd``, ``bwd`` (the backward of one forward, its graph retained) and ``fwd+bwd``.
-
-    Example::
-
-        passes = pass_calls("sage", 4, 16, 4096, 128, False)
-        passes["bwd"]()   # one backward
     """
     attention = _attention(impl)
     shape = (batch, heads, seq, head_dim)
@@ -216,11 +197,6 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
 def training_call(seq: int, head_dim: int, causal: bool, tokens: int, warmup: int = 3) -> Callable[[], None]:
     """One SageBwd forward and backward at this benchmark's shape (``batch x seq = tokens``, ``heads = 2048 /
     head_dim``, bf16, random inputs on CUDA), run ``warmup`` times first (compile, autotune, warm), as a callable.
-
-    Example::
-
-        step = training_call(4096, 128, False, 16384)
-        step()   # the kernels of one training call, tuned already
     """
     batch, heads = tokens // seq, 2048 // head_dim
     q, k, v = (
@@ -277,10 +253,6 @@ def table(rows: list[dict]) -> str:
     run timed any of :data:`FP8_IMPLS`, one row per FP8 implementation, shape and pass (:func:`fp8_table`).
 
     An implementation the run did not time (or that refused a shape) leaves its cells ``nan`` or ``-``.
-
-    Example::
-
-        print(table(result["rows"]))
     """
     text = sage_table(rows) if any(r["impl"] == "sage" for r in rows) else ""
     fp8 = fp8_table(rows)
@@ -295,10 +267,6 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 def fp8_table(rows: list[dict]) -> str:
     """Markdown: one row per (shape, pass, FP8 implementation) timed, with its TFLOPS, its ratio to flash, cuDNN and
     the INT8 ``sage`` of the same run, and its peak memory (forward+backward); empty when no FP8 implementation ran.
-
-    Example::
-
-        print(fp8_table(result["rows"]))
     """
     index = {(r["impl"], r["pass"], r["seq"], r["head_dim"], r["causal"]): r for r in rows}
     impls = [impl for impl in FP8_IMPLS if any(r["impl"] == impl for r in rows)]

@@ -91,17 +91,6 @@ def train_checkpoint(config: dict[str, Any], data: TextDataModule, steps: int, d
 
     The config's seed, optimizer, schedule (over ``steps``), precision and gradient clipping; no validation, no
     logger, no controller. The checkpoint is what ``Trainer.save_checkpoint`` writes, as ``ModelCheckpoint`` does.
-
-    Args:
-        config: the parsed YAML.
-        data: its data module.
-        steps: optimizer steps.
-        device: ``"cpu"`` or a CUDA device.
-        path: where the ``.ckpt`` goes.
-
-    Example::
-
-        train_checkpoint(config, data, 200, "cpu", Path("/tmp/tiny-full-200steps.ckpt"))
     """
     L.seed_everything(int(config.get("seed_everything", 0) or 0), workers=True)
     module = runs.build_model(config, specs.parse_run("full"), data)
@@ -130,12 +119,6 @@ def train_checkpoint(config: dict[str, Any], data: TextDataModule, steps: int, d
 def checkpoint_name(path: Path) -> str:
     """A short name for a checkpoint: ``<logger name>/<version>/<file>`` for ``ModelCheckpoint``'s layout under a
     logger's ``version_N`` folder, else the file name (e.g. ``pretrain_compare --save-checkpoint`` files).
-
-    Example::
-
-        checkpoint_name(Path("runs/small/version_0/checkpoints/last.ckpt"))   # "small/version_0/last.ckpt"
-        checkpoint_name(Path("/tmp/sage-evidence/checkpoints/evidence-large-qknorm-full.ckpt"))
-        # "evidence-large-qknorm-full.ckpt"
     """
     if path.parent.name == "checkpoints" and len(path.parts) >= 4 and path.parent.parent.name.startswith("version_"):
         return f"{path.parent.parent.parent.name}/{path.parent.parent.name}/{path.name}"
@@ -149,14 +132,6 @@ def load_checkpoint(path: Path, config: dict[str, Any], data: TextDataModule) ->
     ``configure_model``: the mixin's swap). Every swapped layer is then set to ``mode="full"``, the ladder's last
     rung, which calls PyTorch's SDPA with the model's own arguments: the attention runs in full precision whatever
     the checkpoint was trained with.
-
-    Raises:
-        UsageError: the file is not a ``LlamaPretraining`` checkpoint, or its model disagrees with the config's
-            ``model.config`` or the data's vocabulary.
-
-    Example::
-
-        module, step = load_checkpoint(Path("runs/tiny/version_0/checkpoints/last.ckpt"), config, data)
     """
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -196,13 +171,6 @@ def held_out_batches(data: TextDataModule, seq: int, batches: int, batch_size: i
 
     The split is the one training held out (``data.setup`` with the config's own ``seq_len``); only the window
     length is ``seq``.
-
-    Raises:
-        UsageError: the split holds fewer windows than asked for.
-
-    Example::
-
-        batches = held_out_batches(data, seq=128, batches=2, batch_size=1)   # 2 x {"input_ids": [1, 128], ...}
     """
     data.setup("fit")
     val = data.val_set
@@ -223,27 +191,7 @@ def held_out_batches(data: TextDataModule, seq: int, batches: int, batch_size: i
 def capture(
     module: LlamaPretraining, batches: list[dict[str, torch.Tensor]], device: str, autocast: torch.dtype | None
 ) -> list[dict[str, Any]]:
-    """Every attention call's q, k, v and dO (the LM loss's gradient of its output), batches concatenated.
-
-    Args:
-        module: the model, on ``device``, its attention in full precision (:func:`load_checkpoint`).
-        batches: held-out batches of ``input_ids`` and ``labels``.
-        device: where the batches go.
-        autocast: the autocast dtype of the forward (``None``: none, the model's own dtype).
-
-    Returns:
-        One dict per attention call of a forward, by layer in module order: ``name``, ``q``, ``k``, ``v``, ``do``
-        (each concatenated over the batches), ``is_causal``. The calls are kept by the swapped layers
-        (:attr:`~sage_lightning.AttentionLayerState.keep_calls`), so only the model's swapped attention is captured.
-
-    Raises:
-        RuntimeError: a call went to SDPA (a mask, dropout) or passes a custom scale, or no call was kept.
-
-    Example::
-
-        layers = capture(module, held_out_batches(data, 128, 1, 1), "cpu", None)
-        layers[0]["q"].shape   # [1, n_heads, 128, head_dim]
-    """
+    """Every attention call's q, k, v and dO (the LM loss's gradient of its output), batches concatenated."""
     layers = attention_layers(module)
     per_batch: list[list[dict[str, Any]]] = []
     device_type = torch.device(device).type
@@ -311,16 +259,7 @@ def _refuse_unmeasurable(layers: dict[str, Any], fallbacks: dict[str, int], call
 
 
 def input_statistics(inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Statistics of one layer's inputs that explain its errors (see the module docstring), in float64.
-
-    Args:
-        inputs: ``q``, ``k``, ``v``, ``do`` as measured.
-        ref: :func:`accuracy.exact` of them (its ``P`` and ``lse`` give the scores).
-
-    Example::
-
-        input_statistics(inputs, accuracy.exact(inputs, causal=True))["k_channel_bias_max"]
-    """
+    """Statistics of one layer's inputs that explain its errors (see the module docstring), in float64."""
     q, k, v, do = (inputs[name].double() for name in CAPTURED)
     stats: dict[str, float] = {}
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -344,20 +283,7 @@ def input_statistics(inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tenso
 def layer_rows(
     inputs: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], causal: bool, path: str, common: dict[str, Any]
 ) -> list[dict]:
-    """accuracy.py's rows for one layer: every setting, K-smoothing on and off, every tensor.
-
-    Args:
-        inputs: ``q``, ``k``, ``v``, ``do`` in bf16.
-        ref: :func:`accuracy.exact` of them.
-        causal: the attention call's ``is_causal``.
-        path: ``"reference"`` or ``"triton"`` (``accuracy.measure``).
-        common: the fields every row of the layer shares (``inputs``, ``layer``, shapes, ...).
-
-    Example::
-
-        ref = accuracy.exact(inputs, causal=True)
-        rows = layer_rows(inputs, ref, True, "reference", {"inputs": "activations layer=0 ...", "layer": 0})
-    """
+    """accuracy.py's rows for one layer: every setting, K-smoothing on and off, every tensor."""
     rows = []
     for smooth_k in accuracy.SMOOTH_K["sagebwd"]:
         for label, precision in accuracy.settings(smooth_k):
@@ -370,22 +296,7 @@ def layer_rows(
 def measure_layers(
     captured: list[dict[str, Any]], layers: list[int], source: str, path: str
 ) -> tuple[list[dict], list[dict[str, Any]]]:
-    """accuracy.py's rows and the input statistics of each chosen layer of a capture.
-
-    Args:
-        captured: :func:`capture`'s layers.
-        layers: the indices to measure.
-        source: the ``inputs`` field's tail, e.g. ``"ckpt=small/version_0/last.ckpt step=1500"``.
-        path: ``"reference"`` or ``"triton"``.
-
-    Returns:
-        The rows (every layer, setting, K-smoothing and tensor) and one ``{"layer", "layer_name", "inputs",
-        "stats"}`` per layer.
-
-    Example::
-
-        rows, activations = measure_layers(capture(module, batches, "cpu", None), [0, 3], "ckpt=x step=1", "reference")
-    """
+    """accuracy.py's rows and the input statistics of each chosen layer of a capture."""
     rows, activations = [], []
     for index in layers:
         layer = captured[index]
@@ -413,17 +324,7 @@ def measure_layers(
 
 
 def verdicts(rows: list[dict]) -> list[dict[str, Any]]:
-    """The attribution of each layer and K-smoothing setting, from the rows.
-
-    Returns:
-        One dict per (layer, smooth_k): ``layer``, ``smooth_k``, ``ds_dominates`` (``None`` where the default's
-        gradients are not finite), ``ds_share`` (``{"dQ", "dK"}``: ``only ds``'s share of the default's squared
-        rel_l2) and ``costliest`` (``{tensor: {"product", "rel_l2", "share"}}`` for dQ, dK, dV).
-
-    Example::
-
-        [v["ds_dominates"] for v in verdicts(rows) if v["smooth_k"]]
-    """
+    """The attribution of each layer and K-smoothing setting, from the rows."""
     found = []
     for kind in dict.fromkeys(row["inputs"] for row in rows):
         layer = next(row["layer"] for row in rows if row["inputs"] == kind)
@@ -465,12 +366,7 @@ def _share_text(share: float | None) -> str:
 
 
 def attribution_table(rows: list[dict], found: list[dict[str, Any]]) -> list[str]:
-    """Markdown: per layer and K-smoothing, the default's gradient errors and the costliest INT8 product of each.
-
-    Example::
-
-        print("\\n".join(attribution_table(rows, verdicts(rows))))
-    """
+    """Markdown: per layer and K-smoothing, the default's gradient errors and the costliest INT8 product of each."""
     lines = [
         "| layer | smooth_k | sagebwd dQ cos / rel_l2 | dK | dV | costliest INT8 product for dQ | for dK | for dV "
         "| ds share of dQ, dK | dS dominates |",
@@ -508,10 +404,6 @@ def summary_lines(found: list[dict[str, Any]]) -> list[str]:
     Overall, per K-smoothing setting: "yes" when dS dominates (:func:`accuracy.ds_dominates`) in every layer whose
     gradients are finite, "no" in none, "partly" in between; beside it, in how many layers ds is the costliest
     single INT8 product of both dQ and dK.
-
-    Example::
-
-        print("\n".join(summary_lines(verdicts(rows))))
     """
     lines = []
     for smooth_k in accuracy.SMOOTH_K["sagebwd"]:
@@ -556,12 +448,7 @@ STAT_COLUMNS: tuple[tuple[str, str, int], ...] = (
 
 
 def statistics_table(activations: list[dict[str, Any]]) -> list[str]:
-    """Markdown: the input statistics of every layer (:data:`STAT_COLUMNS`).
-
-    Example::
-
-        print("\\n".join(statistics_table(result["activations"])))
-    """
+    """Markdown: the input statistics of every layer (:data:`STAT_COLUMNS`)."""
     lines = ["| layer | " + " | ".join(title for _, title, _ in STAT_COLUMNS) + " |"]
     lines.append("|---|" + "---:|" * len(STAT_COLUMNS))
     for layer in activations:
@@ -575,12 +462,7 @@ def statistics_table(activations: list[dict[str, Any]]) -> list[str]:
 
 
 def report(rows: list[dict], found: list[dict[str, Any]], activations: list[dict[str, Any]]) -> str:
-    """The markdown body: the answer, the attribution table, the input statistics, accuracy.py's summary and tables.
-
-    Example::
-
-        text = report(rows, verdicts(rows), activations)
-    """
+    """The markdown body: the answer, the attribution table, the input statistics, accuracy.py's summary and tables."""
     return "\n".join(
         [
             "## Does dS dominate?",
@@ -617,12 +499,7 @@ def report(rows: list[dict], found: list[dict[str, Any]], activations: list[dict
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line (see the module docstring).
-
-    Example::
-
-        build_parser().parse_args(["--train-steps", "20"]).train_steps   # 20
-    """
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "small.yaml")
     parser.add_argument(
@@ -652,12 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """Parse and check what needs no model: exactly one source, positive sizes, an existing checkpoint file.
-
-    Example::
-
-        parse_args(build_parser(), ["--train-steps", "20", "--batches", "2"])
-    """
+    """Parse and check what needs no model: exactly one source, positive sizes, an existing checkpoint file."""
     args = parser.parse_args(argv)
     if args.checkpoint is None and args.train_steps is None:
         parser.error(
@@ -678,15 +550,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Nam
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Load or train the model, capture, measure, write the JSON and markdown; returns the JSON dict.
-
-    Args:
-        argv: command-line arguments (``sys.argv[1:]`` when ``None``).
-
-    Example::
-
-        main(["--config", "examples/configs/tiny.yaml", "--train-steps", "5", "--out", "/tmp/acc.json"])
-    """
+    """Load or train the model, capture, measure, write the JSON and markdown; returns the JSON dict."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parse_args(parser, argv)

@@ -31,11 +31,6 @@ def evidence_groups(seed: int, large_batch: int, small_batch: int, seq_len: int)
     initial weights and data order. Full precision and SageBwd fixed train without the controller; K-smoothing off
     is SageBwd fixed. The speed group (issue #4) trains at ``2 * seq_len`` with ``small_batch`` sequences: SageBwd
     against SDPA's cuDNN and flash backends, tokens/s and peak memory.
-
-    Example::
-
-        [group.name for group in evidence_groups(1234, 64, 8, 2048)]
-        # ["large-qknorm", "small-qknorm", "large-no-qknorm", "e2e-seq4096"]
     """
     full = RunSpec(name="full", attention="full", controller=False)
     full_b = RunSpec(name=f"full-seed{seed + 1}", attention="full", controller=False, seed=seed + 1)
@@ -81,25 +76,7 @@ def evidence_groups(seed: int, large_batch: int, small_batch: int, seq_len: int)
 def plan_steps(
     seconds: float, groups: Sequence[tuple[str, int, Sequence[float]]], multiple: int
 ) -> tuple[int, dict[str, int]]:
-    """Steps per group so that every run sees the same tokens and all of them train in ``seconds``.
-
-    Args:
-        seconds: training time available for all runs together.
-        groups: ``(name, tokens_per_step, [tokens/s of each run])`` per group.
-        multiple: the largest group's steps are a multiple of this (the validations fall on whole steps).
-
-    Returns:
-        ``(tokens per run, {group: steps})``.
-
-    Raises:
-        ValueError: ``seconds`` is too short for ``multiple`` steps of the largest group; the message says how much
-            would do.
-
-    Example::
-
-        plan_steps(100.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], multiple=10)
-        # (250000, {"large": 250, "small": 1000}): 100 s / (2 / 1e4 + 1 / 5e3) s per token
-    """
+    """Steps per group so that every run sees the same tokens and all of them train in ``seconds``."""
     unit = max(tokens for _, tokens, _ in groups)
     for name, tokens, _ in groups:
         if unit % tokens:
@@ -121,15 +98,7 @@ def plan_steps(
 
 
 def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str, Any]]:
-    """Run ``--matrix evidence``: warm up and time every setting, plan the steps, then train group by group.
-
-    Args:
-        args: the command line (``--groups``, the batch sizes, ``--budget-minutes`` or ``--tokens-per-run``, ...).
-        argv: the arguments as given, for the files' ``command``.
-
-    Returns:
-        ``{group name: result dict}``, each also written as ``training-<device>-<date>-<tag>-<group>.json``.
-    """
+    """Run ``--matrix evidence``: warm up and time every setting, plan the steps, then train group by group."""
     start = time.perf_counter()
     deadline = None if args.budget_minutes is None else start + 60 * args.budget_minutes
     tag = args.tag or "evidence"
@@ -246,20 +215,7 @@ def warm_up_groups(
     datas: dict[str, TextDataModule],
     tag: str,
 ) -> tuple[dict[tuple[str, str], float | None], dict[str, dict[str, float]], list[float]]:
-    """Warm up every (attention, controller, SDPA backend) of each group once, timed when the steps are planned.
-
-    Args:
-        args: the command line (``--warmup-steps``, ``--calibration-steps``, ``--tokens-per-run``).
-        groups: the matrix's groups.
-        configs: each group's config, by group name.
-        datas: each group's data module (prepared), by group name.
-        tag: the progress lines' prefix.
-
-    Returns:
-        ``{(group, run): tokens/s}`` (``None`` where not timed or failed: a backend that cannot run is found here
-        first), ``{group: {run: warm-up seconds}}``, and each timed warm-up's seconds beyond its steps (the fixed
-        cost of a run: building the model and the Trainer).
-    """
+    """Warm up every (attention, controller, SDPA backend) of each group once, timed when the steps are planned."""
     timed = args.calibration_steps if args.tokens_per_run is None else 0
     speeds: dict[tuple[str, str], float | None] = {}
     warmup_s: dict[str, dict[str, float]] = {g.name: {} for g in groups}
@@ -318,20 +274,6 @@ def plan_matrix(
     The speed groups take ``--speed-steps``. The training groups share what is left of the budget after the speed
     runs, a fixed cost per run (the warm-ups' median beyond their steps, at least 3 s) and the validations, with a
     margin of 15%, at the measured speeds (:func:`plan_steps`); or ``--tokens-per-run`` fixes their tokens.
-
-    Args:
-        args: the command line.
-        groups: the groups to run.
-        datas: each group's data module (batch size and sequence length), by group name.
-        speeds: ``{(group, run): tokens/s}`` from the warm-ups; ``None`` where not measured.
-        overheads: the warm-ups' seconds beyond their steps.
-        deadline: ``time.perf_counter()`` at which the budget ends (``None`` with ``--tokens-per-run`` only).
-
-    Returns:
-        ``({group: steps}, tokens per training run, plan)``.
-
-    Raises:
-        ValueError: the budget is too short (:func:`plan_steps`).
     """
     training = [g for g in groups if not g.speed]
     tokens_per_step = {g.name: datas[g.name].batch_size * datas[g.name].seq_len for g in groups}

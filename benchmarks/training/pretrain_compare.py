@@ -196,12 +196,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the comparison (or ``--matrix``) and write its files; returns the result dict (the matrix: by group).
-
-    Example::
-
-        main(["--config", "examples/configs/tiny.yaml", "--max-steps", "4", "--out-dir", "/tmp/compare"])
-    """
+    """Run the comparison (or ``--matrix``) and write its files; returns the result dict (the matrix: by group)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.plot_only is not None:

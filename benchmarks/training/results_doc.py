@@ -81,11 +81,6 @@ def rows_by_run(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
     Files with a ``runs`` list (``pretrain_compare.py`` since the matrix) name each run in the rows' ``run``; in
     older files ``run`` is the file's tag and the attention tells the runs apart.
-
-    Example::
-
-        rows_by_run({"runs": [], "rows": [{"run": "sage-fixed", "attention": "sage", "step": 10}]})
-        # {"sage-fixed": [{"run": "sage-fixed", ...}]}
     """
     key = "run" if "runs" in result else "attention"
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -100,13 +95,7 @@ def summaries_by_run(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def roles(result: dict[str, Any]) -> dict[str, str]:
-    """``{role: run name}`` for the runs of a matrix group (keys of :data:`ROLES`), from the runs' settings.
-
-    Example::
-
-        roles({"runs": [{"name": "full", "attention": "full", "controller": False, "seed": None,
-                         "smooth_k": None, "smooth_q": None, "sdpa_backend": None}]})   # {"full": "full"}
-    """
+    """``{role: run name}`` for the runs of a matrix group (keys of :data:`ROLES`), from the runs' settings."""
     found: dict[str, str] = {}
     for spec in result.get("runs", []):
         attention, backend = spec.get("attention"), spec.get("sdpa_backend") or "default"
@@ -176,11 +165,7 @@ def decision_records(result: dict[str, Any], run: str) -> list[dict[str, Any]]:
 
 
 def tracked_files(folder: Path) -> set[str]:
-    """Names of the files in ``folder`` that git tracks (committed or staged).
-
-    Raises:
-        SystemExit: ``folder`` is not in a git checkout.
-    """
+    """Names of the files in ``folder`` that git tracks (committed or staged)."""
     done = subprocess.run(["git", "ls-files", "-z", "."], cwd=folder, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"results_doc.py: error: --tracked-only needs a git checkout; {folder}: {done.stderr.strip()}")
@@ -188,15 +173,7 @@ def tracked_files(folder: Path) -> set[str]:
 
 
 def load(folder: Path, only: set[str] | None = None) -> dict[str, Any]:
-    """The result files the page is made of.
-
-    Returns:
-        ``{"matrix": {group: (path, result)}, "earlier": [...], "activations": [...], "synthetic": [...],
-        "smoothing": [...]}``, lists of ``(path, result)``: earlier GPU comparisons, activation attributions, the
-        accuracy harness on the Triton path (synthetic inputs; the current file last), the controller-threshold
-        measurements (with a ``smooth_q`` rung). Of several files of one matrix group the newest (date, then name)
-        is kept.
-    """
+    """The result files the page is made of."""
     matrix: dict[str, tuple[Path, dict[str, Any]]] = {}
     found: dict[str, list[tuple[Path, dict[str, Any]]]] = {
         "earlier": [],
@@ -250,14 +227,6 @@ def _pyplot() -> Any:
 def plot_group(result: dict[str, Any], path: Path) -> bool:
     """Loss curves of every run of a group against tokens seen (left), and each run's validation loss minus full
     precision's with the two seeds' spread shaded (right). ``False`` where matplotlib is missing.
-
-    Args:
-        result: a training result (a matrix group or an earlier comparison).
-        path: the PNG to write.
-
-    Example::
-
-        plot_group(json.loads(Path("benchmarks/results/training-h200-20261121-small.json").read_text()), Path("a.png"))
     """
     plt = _pyplot()
     if plt is None:
@@ -354,16 +323,7 @@ def _source(path: Path, result: dict[str, Any], doc: Path) -> str:
 
 
 def model_source(result: dict[str, Any]) -> str:
-    """The model of an activation attribution as the page names it: its config and, where recorded, its checkpoint.
-
-    Args:
-        result: an ``accuracy-*-activations.json`` of ``benchmarks.training.attribution``.
-
-    Example::
-
-        model_source({"config": "examples/configs/small.yaml", "checkpoint": {"name": "a.ckpt", "step": 9}})
-        # "`examples/configs/small.yaml`, checkpoint `a.ckpt` (step 9)"
-    """
+    """The model of an activation attribution as the page names it: its config and, where recorded, its checkpoint."""
     text = f"`{result.get('config', '')}`"
     checkpoint = result.get("checkpoint") or {}
     if checkpoint.get("name"):
@@ -560,10 +520,6 @@ def dq_error_shares(result: dict[str, Any], inputs: Callable[[str], bool]) -> di
     that of ``sagebwd:int8=qk,pv,dv,ds;smooth_k`` (the defaults), each summed over the rows whose ``inputs`` pass
     ``inputs`` (input kinds, or the layers of an activation capture). The shares include the bf16 rounding every
     setting has, so they can sum to more than one.
-
-    Example::
-
-        dq_error_shares(result, lambda kind: kind == "normal sigma=1")   # {"qk": 0.06, "pv": 0.01, ..., "ds": 0.93}
     """
     total: float = 0.0
     alone: dict[str, float] = {}
@@ -753,18 +709,7 @@ def findings(loaded: dict[str, Any]) -> list[str]:
 
 
 def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False) -> str:
-    """Draw the figures and write the page; returns its text.
-
-    Args:
-        results: the folder of result files.
-        doc: the page to write (links in it are relative to its folder).
-        images: the folder for the figures.
-        tracked_only: read only the result files git tracks.
-
-    Example::
-
-        write_doc(Path("benchmarks/results"), Path("docs/results.md"), Path("docs/images/results"))
-    """
+    """Draw the figures and write the page; returns its text."""
     loaded = load(results, tracked_files(results) if tracked_only else None)
     lines = [
         "# Evidence: SageBwd at small scale, and the controller (issue #7)",
@@ -782,7 +727,8 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         "## The runs and why this size",
         "",
         "`benchmarks/gpu_evidence.sh` runs the whole matrix in one GPU session "
-        "(`python -m benchmarks.training.pretrain_compare --matrix evidence --budget-minutes ...`). The model is `examples/configs/small.yaml` (37M parameters, 8 "
+        "(`python -m benchmarks.training.pretrain_compare --matrix evidence --budget-minutes ...`). The model is "
+        "`examples/configs/small.yaml` (37M parameters, 8 "
         "layers, width 640, GQA 10/5, sequences of 2048, bf16): the largest of our configs that trains the 15 runs "
         "of the matrix to a few tens of millions of tokens each in about 20 minutes of one H100/H200 (2,000 steps of "
         "32K tokens took 152 s with SageBwd on an H200). Groups: 64 sequences per step (131K tokens) and 8 (16K), "
@@ -922,12 +868,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
 
 def main(argv: list[str] | None = None) -> str:
-    """Write the page from the command line; returns its text.
-
-    Example::
-
-        main(["--results", "benchmarks/results", "--doc", "/tmp/results.md", "--images", "/tmp/images"])
-    """
+    """Write the page from the command line; returns its text."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "results.md", help="the page to write")

@@ -64,12 +64,7 @@ class LossCurve(Callback):
 
 
 def build_controller(spec: dict[str, Any] | None) -> AdaptivePrecision | None:
-    """``AdaptivePrecision`` from the config's ``adaptive_precision`` entry (``class_path`` and ``init_args``).
-
-    Example::
-
-        build_controller({"class_path": "sage_lightning.AdaptivePrecision", "init_args": {"config": {}}})
-    """
+    """``AdaptivePrecision`` from the config's ``adaptive_precision`` entry (``class_path`` and ``init_args``)."""
     if spec is None:
         return None
     if spec.get("class_path", "sage_lightning.AdaptivePrecision") not in (
@@ -86,12 +81,7 @@ def build_controller(spec: dict[str, Any] | None) -> AdaptivePrecision | None:
 
 
 def run_controller(config: dict[str, Any], spec: RunSpec) -> AdaptivePrecision | None:
-    """The run's controller: the config's, unless the run turns it off; the defaults where the config has none.
-
-    Example::
-
-        run_controller({"adaptive_precision": None}, RunSpec("sage", "sage", controller=True))   # defaults
-    """
+    """The run's controller: the config's, unless the run turns it off; the defaults where the config has none."""
     entry = config.get("adaptive_precision")
     if spec.controller is False:
         return None
@@ -101,12 +91,7 @@ def run_controller(config: dict[str, Any], spec: RunSpec) -> AdaptivePrecision |
 
 
 def model_config(config: dict[str, Any], data: TextDataModule) -> LlamaConfig:
-    """The model's shape from the config's ``model.config``, its vocabulary and length from the data.
-
-    Example::
-
-        model_config(load_config(Path("examples/configs/tiny.yaml"), []), data).n_layers   # 4
-    """
+    """The model's shape from the config's ``model.config``, its vocabulary and length from the data."""
     return LlamaConfig(
         **{
             **((config.get("model") or {}).get("config") or {}),
@@ -117,12 +102,7 @@ def model_config(config: dict[str, Any], data: TextDataModule) -> LlamaConfig:
 
 
 def build_model(config: dict[str, Any], spec: RunSpec, data: TextDataModule) -> LlamaPretraining:
-    """``LlamaPretraining`` from the config's ``model`` entry, with the run's attention and smoothing.
-
-    Example::
-
-        build_model(load_config(Path("examples/configs/tiny.yaml"), []), parse_run("sage:smooth_k=off"), data)
-    """
+    """``LlamaPretraining`` from the config's ``model`` entry, with the run's attention and smoothing."""
     model_args = {**(config.get("model") or {}), "config": model_config(config, data), "attention": spec.attention}
     model = LlamaPretraining(**model_args)
     changes = {k: v for k, v in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q)) if v is not None}
@@ -134,13 +114,7 @@ def build_model(config: dict[str, Any], spec: RunSpec, data: TextDataModule) -> 
 
 @contextlib.contextmanager
 def sdpa_backend(name: str | None) -> Iterator[None]:
-    """Force PyTorch's SDPA onto one backend (a key of :data:`SDPA_BACKENDS`) while the block runs.
-
-    Example::
-
-        with sdpa_backend("cudnn"):
-            trainer.fit(model, datamodule=data)
-    """
+    """Force PyTorch's SDPA onto one backend (a key of :data:`SDPA_BACKENDS`) while the block runs."""
     member = SDPA_BACKENDS[name or "default"]
     if member is None:
         yield
@@ -156,20 +130,6 @@ def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device:
 
     One forward and backward of SDPA with the model's shapes (one sequence, its query and key/value heads, causal,
     ``enable_gqa`` as the model calls it) under the backend.
-
-    Args:
-        name: a key of :data:`SDPA_BACKENDS`; ``None`` or ``"default"`` checks nothing.
-        cfg: the model's shape.
-        seq_len: the training sequence length.
-        device: ``"cuda"`` or ``"cpu"``, where the run trains.
-        dtype: the attention's dtype under the run's precision (bf16 under ``bf16-mixed``).
-
-    Raises:
-        ValueError: the backend has no kernel for the call; the message names it and what works.
-
-    Example::
-
-        check_sdpa_backend("flash", LlamaConfig.from_name("small"), 2048, "cuda", torch.bfloat16)
     """
     if SDPA_BACKENDS[name or "default"] is None:
         return
@@ -219,21 +179,6 @@ def warm_up(
     CUDA initialises before any run is timed, so no run's time budget pays for them.
 
     A controller in the warm-up measures dS on every step, so the kernels' statistics variant compiles here too.
-
-    Args:
-        config: the run's config (``load_config``).
-        spec: the run (or an attention name, for a run of the config as it is).
-        steps: untimed steps.
-        data: the data module (prepared).
-        timed_steps: timed steps after them.
-        sdpa: the SDPA backend when the run names none (``--sdpa-backend``).
-
-    Returns:
-        The median tokens/s of the timed steps (validation off), or ``None`` when ``timed_steps`` is 0.
-
-    Example::
-
-        warm_up(config, parse_run("sage:controller=off"), 2, data, timed_steps=8)   # e.g. 446000.0
     """
     spec = RunSpec(name=spec, attention=spec) if isinstance(spec, str) else spec
     model = build_model(config, spec, data)
@@ -278,32 +223,7 @@ def run_one(
     save_to: Path | None = None,
     changes: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Train the config once as ``spec`` says; return its rows, summary and decisions.
-
-    Args:
-        config: the config (``load_config``), the Trainer's entries included.
-        spec: the run (or an attention name, for a run of the config as it is).
-        args: the command line (``--sdpa-backend``, and ``--max-steps``/``--max-minutes`` as defaults).
-        data: the data module (prepared).
-        log_dir: the TensorBoard folder; the run logs to ``<run>-<spec.name>/version_0`` in it.
-        run: prefix of the run's TensorBoard name (the file's tag).
-        max_steps: optimizer steps (``--max-steps`` when ``None``; then the config's).
-        max_minutes: wall-clock cap (``--max-minutes`` when ``None``).
-        save_to: where to save the final model (:func:`save_final_model`, the config beside it); ``None``: nowhere.
-        changes: the ``SECTION.KEY=VALUE`` changes that made ``config`` from ``args.config``, for the saved config's
-            header.
-
-    Returns:
-        ``{"rows", "summary", "decisions", "decision_log"}``; the summary has ``checkpoint`` (its path) where the
-        final model was saved.
-
-    Raises:
-        ValueError: a forced SDPA backend that cannot run the model (:func:`check_sdpa_backend`).
-
-    Example::
-
-        run_one(config, parse_run("sage:controller=off"), parse_args([]), data, Path("/tmp/tb"), "tiny", max_steps=4)
-    """
+    """Train the config once as ``spec`` says; return its rows, summary and decisions."""
     spec = RunSpec(name=spec, attention=spec) if isinstance(spec, str) else spec
     backend = spec.sdpa_backend or args.sdpa_backend
     seed = spec.seed if spec.seed is not None else int(config.get("seed_everything", 0) or 0)
@@ -434,21 +354,6 @@ def save_final_model(
     the run used it, every change applied, with the run's seed, attention and steps: give it to attribution.py's
     ``--config``, which takes the data (corpus, tokenizer, held-out split) and the precision from it and checks its
     ``model.config`` against the checkpoint.
-
-    Args:
-        trainer: the run's Trainer, after ``fit``.
-        config: the run's config (:func:`load_config` and the changes).
-        spec: the run.
-        seed: the seed it trained with.
-        path: the ``.ckpt`` to write (its folder is made).
-        source: where the config came from, for the YAML's header comment.
-
-    Returns:
-        ``(checkpoint, config YAML)``.
-
-    Example::
-
-        save_final_model(trainer, config, parse_run("full"), 1234, Path("/tmp/ckpt/tiny-full.ckpt"), "tiny.yaml")
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(path, weights_only=True)
@@ -472,10 +377,6 @@ def save_final_model(
 def steady_tokens_per_s(windows: list[dict[str, float]]) -> float | None:
     """Median tokens/s over the windows after the first tenth of the run (and never the first window, which holds
     the kernels' compilation and autotuning).
-
-    Example::
-
-        steady_tokens_per_s([{"step": s, "tokens_per_s": 100.0} for s in range(10, 110, 10)])   # 100.0
     """
     if not windows:
         return None

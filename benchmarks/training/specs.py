@@ -46,10 +46,6 @@ class RunSpec:
         smooth_k: SageBwd's K-smoothing; the attention's default when ``None``.
         smooth_q: SageBwd's Q-smoothing; the attention's default when ``None``.
         sdpa_backend: a key of :data:`SDPA_BACKENDS` forced while the run trains; ``--sdpa-backend``'s when ``None``.
-
-    Example::
-
-        RunSpec(name="sage-fixed-no-smooth-k", attention="sage", controller=False, smooth_k=False)
     """
 
     name: str
@@ -81,22 +77,12 @@ class Group:
 
 
 def load_config(path: Path, changes: list[str]) -> dict[str, Any]:
-    """The YAML config at ``path`` with ``SECTION.KEY=VALUE`` changes applied (values parsed as YAML).
-
-    Example::
-
-        load_config(Path("examples/configs/tiny.yaml"), ["trainer.max_steps=10"])["trainer"]["max_steps"]   # 10
-    """
+    """The YAML config at ``path`` with ``SECTION.KEY=VALUE`` changes applied (values parsed as YAML)."""
     return apply_changes(yaml.safe_load(path.read_text()), changes, str(path))
 
 
 def apply_changes(config: dict[str, Any], changes: Sequence[str], where: str = "the config") -> dict[str, Any]:
-    """``config`` (changed in place and returned) with ``SECTION.KEY=VALUE`` changes, the values read as YAML.
-
-    Example::
-
-        apply_changes({"data": {"seq_len": 128}}, ["data.seq_len=256"])   # {"data": {"seq_len": 256}}
-    """
+    """``config`` (changed in place and returned) with ``SECTION.KEY=VALUE`` changes, the values read as YAML."""
     for change in changes:
         key, sep, value = change.partition("=")
         if not sep or not key:
@@ -112,16 +98,7 @@ def apply_changes(config: dict[str, Any], changes: Sequence[str], where: str = "
 
 
 def parse_run(text: str) -> RunSpec:
-    """One ``--runs`` entry, ``ATTENTION[:KEY=VALUE,...]``, as a :class:`RunSpec`.
-
-    Raises:
-        ValueError: an unknown attention, key or value; the message names it and what works.
-
-    Example::
-
-        parse_run("sage:controller=off,smooth_k=off")
-        # RunSpec(name="sage-fixed-no-smooth-k", attention="sage", controller=False, smooth_k=False)
-    """
+    """One ``--runs`` entry, ``ATTENTION[:KEY=VALUE,...]``, as a :class:`RunSpec`."""
     attention, _, options = text.partition(":")
     if attention not in ATTENTION_MODES:
         raise ValueError(
@@ -172,12 +149,7 @@ def run_name(
     smooth_q: bool | None = None,
     sdpa_backend: str | None = None,
 ) -> str:
-    """The name a run gets from what sets it apart, e.g. ``sage-fixed-no-smooth-k`` or ``full-seed1235``.
-
-    Example::
-
-        run_name("sage", controller=True)   # "sage-controller"
-    """
+    """The name a run gets from what sets it apart, e.g. ``sage-fixed-no-smooth-k`` or ``full-seed1235``."""
     parts = [attention]
     if controller is True:
         parts.append("controller")
@@ -195,12 +167,7 @@ def run_name(
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
-    """The runs ``--attention`` or ``--runs`` asks for, names made unique (``-2``, ``-3`` for repeats).
-
-    Example::
-
-        [spec.name for spec in run_specs(parse_args(["--attention", "sage", "full"]))]   # ["sage", "full"]
-    """
+    """The runs ``--attention`` or ``--runs`` asks for, names made unique (``-2``, ``-3`` for repeats)."""
     if args.runs is not None:
         specs = [parse_run(text) for text in args.runs]
     else:

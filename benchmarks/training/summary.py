@@ -126,15 +126,7 @@ def add_outcome(result: dict[str, Any], spec: RunSpec, outcome: dict[str, Any]) 
 
 
 def write_result(result: dict[str, Any], out: Path, tag: str, quiet: bool = False, draw: bool = True) -> None:
-    """Write ``out`` (the JSON), its markdown summary and, where matplotlib is installed and ``draw``, its plot.
-
-    Args:
-        result: the result dict.
-        out: the JSON's path; the summary and plot go beside it (``.md``, ``.png``).
-        tag: the summary's title.
-        quiet: do not print the summary.
-        draw: draw the plot (the matrix draws it once per group).
-    """
+    """Write ``out`` (the JSON), its markdown summary and, where matplotlib is installed and ``draw``, its plot."""
     write(result, out)
     lines = compare(result)
     decisions = [f"- {name}: {d}" for name, items in result["decisions"].items() for d in items]
