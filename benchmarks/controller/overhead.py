@@ -1,47 +1,19 @@
 """What ``AdaptivePrecision`` costs per optimizer step: the same training with and without the callback.
 
-A small transformer (by default 8 layers, d_model 1024, 16 heads, seq 2048, batch 4, bf16-mixed; pre-norm
-blocks, causal SDPA attention swapped to SageBwd by ``SageAttentionMixin``, GELU MLP) trains on tokens from a
-fixed random Markov chain (learnable, so the loss moves like a real run's), once per setting:
+A small transformer (by default 8 layers, d_model 1024, 16 heads, seq 2048, batch 4, bf16-mixed, SageBwd attention)
+trains on tokens of a fixed random Markov chain once per setting: ``no callback`` (the baseline), ``callback,
+defaults`` (signals read two steps late from a pinned host copy, no host sync) and the same with
+``check_before_step=True``, ``--steps`` steps each; then, ``--breakdown-steps`` steps each, the per-step cost without
+signals and snapshots, and the dS statistics, the probe or the snapshot alone on every step. ``--profile-steps N``
+profiles ``N`` steps of three settings (``overhead_profile``).
 
-* ``no callback``: the baseline;
-* ``callback, defaults``: ``AdaptivePrecision()`` as a user gets it (dS statistics every 25 steps, a probe every
-  5000, a snapshot every 100, and on every step the gradient norm and one packed all-reduce). The optimizer is
-  AdamW with ``fused=True`` on CUDA, which can skip a non-finite step on the device, so by default the signals
-  of step ``t`` are read at step ``t + 2`` from a pinned host copy, without a host sync;
-* ``callback, defaults, check_before_step=True``: the same, the signals read with one host sync before every
-  optimizer step (what the default does with an optimizer that cannot skip on the device).
-
-These three run ``--steps`` measured steps (1000 by default: the dS statistics and snapshots come at their real
-rate; the probe's share, one step in 5000, is added in the rebuilt estimate below the table). To see where the cost
-goes, five more settings run ``--breakdown-steps`` steps each: signals and snapshots off (the per-step cost, without
-and with the check before the step), and only the dS statistics, the probe or the snapshot, on every step (the cost
-of one such step, to set against its period). ``--profile-steps N`` then profiles ``N`` steps of the baseline, the
-defaults and the dS statistics (``overhead_profile.py``: kernels, and the host time of the callback's hooks).
-
-A run's step time is the wall time of its measured steps over their number (a mean: the rare armed steps are the
-cost being measured), the device synchronised at each step's end. That sync is not what training does: it keeps the
-host from running ahead of the device, and waits for a snapshot's side-stream copies, which training overlaps with
-the next forward and backward. ``--no-step-sync`` synchronises at the window's two ends only (each step's end is then
-a CUDA event, for the median step). Each of ``--repeats`` rounds runs every setting once, in turn (the order
-reversed every other round), with a baseline run before the first, between each two and after the last (as long as
-the longer of its neighbours); every run starts with the earlier runs' Trainers, models and callbacks collected and
-the CUDA cache emptied (``overhead_timing.isolated``: they had stayed alive in reference cycles for several runs).
-Run order mattered (at dc3c3c8 on an H100, the defaults' median step was 42.65 ms in the round they ran early and
-49.33 in the one they ran after the probe and snapshot settings, the baseline's 40.34 and 41.80), so a setting is
-paired with the mean of the two baseline runs around it. Identical runs differ by a few percent (the machine, not
-the code), so each row reports the median over rounds (``step_ms``, ``baseline_step_ms``, its paired baseline's)
-and ``overhead``, the median over rounds of the ratio to the paired baseline; ``round_step_ms`` and
-``round_baseline_step_ms`` keep every round, ``round_median_step_ms`` each round's median step (a cost on every
-step moves it, one on rare steps does not), ``round_decisions`` the callback's decisions, warm-up included (the
-overhead is that of a calm run: an escalation runs another kernel afterwards and a verification probe on the next
-step), ``round_verdict_waits`` the fixed-lag reads that found their step's signals not yet on the host, and
-``round_gc_ms``, ``round_alloc_retries`` the garbage collector's time and the CUDA allocator's retries in each run,
-``round_hook_host_ms`` the controller's own host time per measured step (``overhead_timing.HookClock``:
-``perf_counter`` around its hooks, no sync; median, mean and per hook), which a host-bound step pays in full and
-which does not carry the wall times' run-to-run noise, and ``round_slowest_steps`` each run's three slowest
-measured steps with the hooks' share of each (where a rare stall sits).
-The ``no callback`` row's rounds are the medians of each round's baseline runs.
+A run's step time is the wall time of its measured steps over their number, the device synchronised at each step's
+end (``--no-step-sync``: at the window's ends only). Each of ``--repeats`` rounds runs every setting in turn (the
+order reversed every other round), each paired with the mean of the baseline runs just before and after it (run
+order mattered: at dc3c3c8 on an H100 the defaults' median step was 42.65 ms early in a round and 49.33 ms late), and
+every run starts isolated from the earlier ones (``overhead_timing.isolated``). A row reports medians over rounds
+(``step_ms``, ``baseline_step_ms``, ``overhead``) and every round's figures (``round_*``: step times, decisions,
+late verdict reads, garbage-collector time, allocator retries, the hooks' host time, the slowest steps).
 
 Example::
 

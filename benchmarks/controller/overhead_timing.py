@@ -1,24 +1,10 @@
 """How ``benchmarks.controller.overhead`` times a run, and keeps one run from weighing on the next.
 
 * :class:`StepTimer`: the wall time of each optimizer step (the mean and the median of the measured ones).
-* :class:`HookClock`: the host time of the controller's own hooks per step (``perf_counter`` around each, no sync):
-  what the callback costs a host-bound step, free of the run-to-run noise of the wall times.
-* :func:`isolated`: one setting's run from the same start as every other, and what Python's garbage collector and
-  the CUDA caching allocator cost during it. A Trainer, its LightningModule, the optimizer and the callbacks hold
-  one another in reference cycles (``model.trainer``, ``trainer.strategy.model``, ...), so a run's objects are freed
-  only when the cyclic collector next reaches them; once they are old (a run of hundreds of steps promotes them to
-  the oldest generation) that waits for a full collection, which Python runs only after the objects promoted since
-  the last one reach a quarter of all it tracks (hundreds of thousands once torch and Lightning are imported).
-  With ``overhead.py``'s loop as it was (one process, a new Trainer and model per run, 400 and 200 steps, two
-  rounds; measured on the CPU), the last of the 16 runs started with 14 earlier runs' Trainers, models, optimizers
-  and callbacks still alive: on a GPU, their parameters, gradients and AdamW moments in device memory (1.7 GB a run
-  at the default shape) and the callbacks' snapshots in pinned host memory (up to 2.5 GB a run).
-
-Example::
-
-    with isolated("cuda") as costs:
-        trainer.fit(model, loader)
-    costs.gc_ms, costs.alloc_retries
+* :class:`HookClock`: the host time of the controller's own hooks per step (``perf_counter`` around each, no sync).
+* :func:`isolated`: one setting's run from the same start as every other. A Trainer, its module, optimizer and
+  callbacks hold one another in reference cycles, freed only by a full collection; without it the last of 16 runs
+  started with 14 earlier runs' models and snapshots still alive (up to 4 GB a run on a GPU).
 """
 
 from __future__ import annotations

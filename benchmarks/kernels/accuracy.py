@@ -1,59 +1,20 @@
 """Per-tensor error of SageBwd's PyTorch reference against float64 attention: which product costs what.
 
-For every input kind, every precision setting and K-smoothing on and off, the harness runs
-``sage_attention_intermediates`` (the SageBwd reference, keeping every intermediate) and compares each of
-``O, lse, delta, P, dP, dS, dQ, dK, dV`` with ``exact_attention`` (plain attention in float64) on the same
-inputs. Metrics, computed in float64 on the flattened tensors: cosine similarity ``<x, r> / (|x| |r|)`` and
-relative L2 ``|x - r| / |r|`` (``r`` the float64 reference). A metric that is not finite (the SageBwd
-reference produced a NaN or infinity) is written as JSON ``null`` and ``nan`` in the tables, and the summary
-does not rank that run.
-
-Inputs (``[B, H, N, D]`` for q and dO, ``[B, Hkv, N, D]`` for k and v), drawn in float32 from one
-``torch.Generator`` seeded with ``--seed`` for each input kind (so every kind, and every setting of a kind,
-sees the same standard-normal draws), then cast to bf16. The float64 reference gets these bf16 values
-upcast, so only the attention numerics differ.
-
-* ``normal sigma=S`` for S in 1, 4, 10: q, k ~ N(0, S^2); v, dO ~ N(0, 1).
-* ``outliers ch=4 offset=10 scale=3``: q, k, v, dO ~ N(0, 1), except 4 channels of q and of k (the same
-  channel indices for both, drawn with ``randperm`` from the generator): on those channels
-  ``x = offset * sign + scale * z`` with ``z ~ N(0, 1)`` and ``sign = +-1`` drawn per (batch, head,
-  channel), separately for q and k, and shared by every token. This is the per-channel bias of K that
-  K-smoothing removes (it also sets K's INT8 block scale when smoothing is off); q keeps its bias, since
-  Q-smoothing stays off here.
-
-Settings (``AttentionPrecision``; the JSON ``setting`` field is its ``short_name``, ``label`` the short name
-used in the tables):
-
-* ``bf16``: ``all_bf16()``, SageBwd's tiling with no INT8 (the baseline: bf16 rounding only);
-* ``sagebwd``: ``AttentionPrecision()``, the published SageBwd (six of seven products INT8, dP bf16);
-* ``all7``: ``all_int8()``, dP in INT8 too;
-* ``only qk``, ``only pv``, ``only dv``, ``only dp``, ``only ds``: ``all_bf16()`` with that one product INT8.
-
-Each with ``smooth_k`` True and False (``smooth_q`` False).
-
-``--mode formats`` adds FP8 (e4m3, ``AttentionPrecision``'s ``"fp8"``) to these settings, K-smoothing on and off:
-
-* ``only qk fp8``, ... ``only ds fp8``: ``all_bf16()`` with that one product FP8 (beside the INT8 ``only`` rows);
-* ``default, pv fp8``, ``default, ds fp8``, ``default, pv+ds fp8``: the SageBwd default with those products FP8;
-* ``fp8 fwd, int8 bwd``: qk and pv FP8, the backward's products as the default's (dv, ds INT8, dp bf16);
-* ``all fp8``: ``all_fp8()``, every product FP8 (dp included).
-
-Its summary adds a table of rel_l2 per setting and, per product alone, FP8's rel_l2 over INT8's.
-
-``--mode attn_qat`` measures simulated NVFP4 attention (``AttentionPrecision(mode="attn_qat")``) instead, beside
-the ``bf16`` baseline and the ``sagebwd`` default (both with ``smooth_k``): ``attn_qat`` (Attn-QAT's matched
-backward) and ``attn_qat dropin`` (the drop-in backward). Its reference intermediates are Attn-QAT's (``P`` the
-quantized P the output used, ``delta`` the backward's). Rows against float64 attention carry
-``"against": "float64"``; the two QAT settings' O, dQ, dK, dV are also compared with the gradient of the FP4
-forward itself (``"against": "fp4_float64"``: the Attn-QAT reference in float64 on the same inputs, the
-straight-through gradient of what ran), which the matched backward reproduces and the drop-in one does not.
+For every input kind, precision setting and K-smoothing on and off, ``sage_attention_intermediates`` (the reference,
+keeping every intermediate) is compared on ``O, lse, delta, P, dP, dS, dQ, dK, dV`` with ``exact_attention`` (float64)
+on the same bf16 inputs: cosine similarity and relative L2 in float64 (a non-finite metric is JSON ``null``).
+Inputs: q, k ~ N(0, sigma^2) for sigma in 1, 4, 10 (v, dO ~ N(0, 1)), and 4 outlier channels of q and k (offset 10,
+scale 3: the per-channel bias K-smoothing removes), all from one generator seeded with ``--seed``. Settings: ``bf16``
+(no INT8), ``sagebwd`` (the default), ``all7`` (dP INT8 too) and each product alone in INT8. ``--mode formats`` adds
+FP8 (e4m3) products alone and in mixes; ``--mode attn_qat`` simulated NVFP4 (matched and drop-in backward), also
+against the FP4 forward's own float64 gradient (``"against": "fp4_float64"``). ``--path triton`` measures the kernels'
+outputs and gradients instead of the reference's intermediates.
 
 Example::
 
     python -m benchmarks.kernels.accuracy                      # default size on CPU, writes benchmarks/results/
     python -m benchmarks.kernels.accuracy --seq 512 --causal --out /tmp/acc.json
-    python -m benchmarks.kernels.accuracy --mode attn_qat      # simulated NVFP4 against float64 (and bf16, SageBwd)
-    python -m benchmarks.kernels.accuracy --mode formats --seq 512 --causal   # INT8 and FP8 products side by side
+    python -m benchmarks.kernels.accuracy --mode formats --seq 512 --causal
 """
 
 from __future__ import annotations

@@ -1,52 +1,24 @@
 """Per-tensor error of SageBwd on real attention inputs: activations captured from a trained checkpoint.
 
-``benchmarks.kernels.accuracy`` attributes SageBwd's error to its INT8 products on synthetic inputs. This script asks
-the same question of a trained model (issue #7): does INT8 dS dominate the gradient error, as the SageBwd study
-found at 325M parameters?
+``benchmarks.kernels.accuracy`` asks on synthetic inputs whether INT8 dS dominates the gradient error; this asks it
+of a trained model (issue #7). The model is ``--checkpoint`` (a ``.ckpt`` of ``examples.pretrain``'s
+``LlamaPretraining``) or the config's model trained ``--train-steps`` steps with full-precision attention first.
+``--batches`` held-out batches are run through it with every attention layer in full precision keeping its calls (q,
+k, v as they enter SDPA, and dO from one backward of the LM loss); each chosen layer's inputs then go through the
+accuracy harness's measurement (every setting, K-smoothing on and off). "dS dominates" is the harness's rule
+(``accuracy.ds_dominates``); a tensor's costliest product is the INT8 product whose ``only`` setting alone reproduces
+the largest share of its error.
 
-1. The model: ``--checkpoint`` (a Lightning ``.ckpt`` of ``examples.pretrain``'s ``LlamaPretraining``, as
-   ``ModelCheckpoint`` writes it in a run of ``examples.pretrain`` or ``benchmarks.training.pretrain_compare``), or
-   ``--train-steps N``: the config's model trained N steps first, with full-precision attention (so the captured
-   activations are not shaped by quantization), saved and loaded back the same way. ``--config`` is the YAML it
-   was trained with; it gives the data (corpus, tokenizer, held-out split) and must agree with the checkpoint's
-   model.
-2. Capture: ``--batches`` held-out batches of ``--batch-size`` windows of ``--seq`` tokens, taken in order from
-   the data's validation split (the tail of the corpus, never trained on). One forward of the LM loss keeps
-   every attention call through the swapped layers themselves (``mode="full"`` layers with ``keep_calls`` on:
-   q, k, v exactly as they enter ``scaled_dot_product_attention``: after QK-norm and the rotary
-   embedding, GQA's k and v with their own head count, the call's ``is_causal``); the attention runs in full
-   precision, whatever the checkpoint was trained with. One backward of that loss gives dO, the loss's gradient
-   with respect to each call's output. The forward runs under bf16 autocast where the config trains in bf16, in
-   float32 otherwise. A layer's batches are concatenated along the batch dim (the quantization's blocks and
-   K-smoothing's means never cross a batch, so this is the same as measuring each batch and pooling the errors).
-3. Compare: per captured layer (``--layers``, default all), accuracy.py's measurement on those inputs cast to bf16
-   (``accuracy.measure`` against ``accuracy.exact``, every setting, K-smoothing on and off), plus statistics of
-   the inputs that explain the errors (below).
-
-Output: ``accuracy-<device>-<date>-activations.json`` in the result format (``benchmarks/results/`` by default,
-``$OUT`` when set): accuracy.py's rows with ``inputs`` ``"activations layer=<i> ckpt=<name> step=<n>"`` and
-``layer``, ``layer_name`` fields; the header also holds ``checkpoint``, ``capture``, ``activations`` (the input
-statistics per layer) and ``verdicts`` (the attribution per layer and K-smoothing). A markdown file beside it has
-the attribution table (per layer: the SageBwd default's dQ, dK, dV errors and which single INT8 product costs the
-most in each), an automatic answer to "does dS dominate?" per layer and overall, the input statistics, and
-accuracy.py's full per-tensor tables.
-
-"dS dominates" is accuracy.py's rule (:func:`accuracy.ds_dominates`): INT8 dS alone (``only ds``) reproduces more
-than half of the default's squared rel_l2 of dQ and of dK. The "costliest product" of a tensor is the single
-INT8 product of the default (qk, pv, dv, ds) whose ``only`` setting reproduces the largest share of it.
-
-Input statistics (float64, over every captured token of the layer): ``{q,k,v}_max_abs``, ``{q,k}_rms``;
-``{q,k}_channel_bias_mean`` / ``_max``: ``|mean over tokens| / std over tokens`` per (sequence, head, channel),
-the per-channel bias K-smoothing removes from K (Q-smoothing from Q); ``k_range_over_centered``: ``max |K|`` over
-``max |K - mean_tokens(K)|`` per (sequence, kv head), averaged: how much K-smoothing shrinks K's INT8 step;
-``do_rms``, ``do_max_abs``, ``do_max_over_rms`` (dO's scale and peakiness); ``score_max``: the largest scaled score
-``q.k / sqrt(D)`` the attention kept; ``p_row_max_mean``: the mean over queries of the largest probability.
+Writes ``accuracy-<device>-<date>-activations.{json,md}`` (``benchmarks/results/``, or ``$OUT``): the harness's rows
+with ``inputs`` ``"activations layer=<i> ckpt=<name> step=<n>"``, and in the header the checkpoint, the capture, the
+input statistics per layer and the verdicts. Input statistics (float64, every captured token): max and RMS of q, k,
+v and dO; the per-channel bias ``|mean| / std`` over tokens of q and k (what smoothing removes); ``max |K|`` over
+``max |K - mean(K)|`` (how much K-smoothing shrinks K's INT8 step); the largest scaled score; the mean row maximum
+of P.
 
 Example::
 
-    # CPU smoke run: tiny.yaml trained 20 steps first, one held-out batch
     python -m benchmarks.training.attribution --config examples/configs/tiny.yaml --train-steps 20 --out /tmp/acc.json
-    # a checkpoint of examples/pretrain.py, two layers, on a GPU
     python -m benchmarks.training.attribution --config examples/configs/small.yaml --device cuda --layers 0 7 \\
         --checkpoint runs/small/version_0/checkpoints/last.ckpt
 """

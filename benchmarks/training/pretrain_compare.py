@@ -1,74 +1,34 @@
 """Pretraining with SageBwd against full-precision attention: the same config run once per attention setting.
 
-Reads an example config (``examples/configs/small.yaml`` by default) and trains it once per ``--attention`` value,
-everything else equal: the same seed (so the same initial weights and data order), the same callbacks
-(``AdaptivePrecision`` as the config gives it, and the throughput log), the same step budget. Only the layers'
-starting precision differs (``LlamaPretraining``'s ``attention``). It records each run's training loss per
-optimizer step, its validation loss, its tokens per second, its peak GPU memory and the controller's decisions,
-and writes
+Trains an example config (``examples/configs/small.yaml`` by default) once per ``--attention`` value, everything else
+equal (seed, data order, callbacks, step budget), and records each run's training loss per optimizer step, its
+validation loss, tokens per second, peak GPU memory and the controller's decisions: ``training-<device>-<date>-<tag>``
+``.json`` (kind ``training``), ``.md`` (a summary table) and ``.png`` (where matplotlib is installed; ``--plot-only``
+draws it later), and the runs' TensorBoard logs, in ``--out-dir`` (``$OUT`` when set, else ``benchmarks/results``).
 
-* ``training-<device>-<date>-<tag>.json`` in the format of the project's result files (kind ``training``, one row
-  per logged window of steps, see below),
-* ``training-<device>-<date>-<tag>.md``: a summary table (steady-state tokens/s, losses at the last common
-  step, the ratio of speeds),
-* ``training-<device>-<date>-<tag>.png``: loss and throughput curves, where matplotlib is installed (else
-  ``--plot-only`` draws them later from the JSON),
-* the runs' TensorBoard logs under ``tensorboard/``,
+``--runs`` takes runs that differ in more than the attention, one ``ATTENTION[:KEY=VALUE,...]`` each, keys
+``controller=on|off``, ``seed=N``, ``smooth_k=on|off``, ``smooth_q=on|off``, ``sdpa=BACKEND`` (``default``,
+``cudnn``, ``flash``, ``efficient``, ``math``: the SDPA backend ``full`` layers call) and ``name=NAME``; ``ATTENTION``
+is a key of ``examples.pretrain``'s ``ATTENTION_MODES``. ``--matrix evidence`` runs issue #7's matrix
+(``benchmarks.training.matrix``; ``benchmarks/gpu_evidence.sh`` runs it on the device, ``results_doc`` makes
+``docs/results.md`` of it). ``--save-checkpoint RUN`` (``GROUP/RUN`` under ``--matrix``) keeps one run's final model
+and its config, for ``benchmarks.training.attribution``. The model, data and callbacks are built from the config
+without LightningCLI (no jsonargparse needed); ``--set section.key=value`` changes one entry for every run.
 
-into ``--out-dir`` (default ``$OUT`` when set, else ``benchmarks/results``).
-
-Runs that differ in more than the attention go in ``--runs`` instead, one ``ATTENTION[:KEY=VALUE,...]`` each:
-``controller=on|off`` (``AdaptivePrecision`` attached or not; default: as the config says), ``seed=N``,
-``smooth_k=on|off`` and ``smooth_q=on|off`` (SageBwd's K- and Q-smoothing, for ``sage`` and the ``sage_fp8*``
-settings), ``sdpa=BACKEND`` (the backend of PyTorch's SDPA, which ``full`` layers call: ``default``, ``cudnn``,
-``flash``, ``efficient``, ``math``) and ``name=NAME`` (the run's name in the files; made from the other keys when
-left out). ``--sdpa-backend`` sets the SDPA backend of every run. ``ATTENTION`` is a key of ``examples.pretrain``'s
-``ATTENTION_MODES``: ``sage``, ``sage_fp8_pv``, ``sage_fp8_ds``, ``sage_fp8_pv_ds``, ``sage_fp8`` (SageBwd with
-``pv``, ``ds``, both, or every product in FP8), ``attn_qat``, ``attn_qat_dropin``, ``full``; e.g.
-``sage_fp8_pv:controller=off``.
-
-``--matrix evidence`` runs issue #7's whole matrix (:func:`evidence_groups`): full precision with two seeds,
-SageBwd fixed and SageBwd with the controller, at a large and a small number of tokens per step, with and
-without QK-norm, once without K-smoothing, and an end-to-end speed group at twice the sequence length
-(``e2e-seq4096`` for small.yaml, issue #4) against SDPA's cuDNN and flash backends. Every run of the training
-groups sees the same number of tokens: planned from ``--budget-minutes`` with throughputs measured during the
-warm-ups (or fixed by ``--tokens-per-run``). One result file per group,
-``training-<device>-<date>-<tag>-<group>.json`` (tag ``evidence`` by default), each rewritten after every run, so
-what finished survives an interrupted matrix. ``benchmarks/gpu_evidence.sh`` runs it on the device;
-``benchmarks.training.results_doc`` turns the files into ``docs/results.md``.
-
-``--save-checkpoint RUN`` (``GROUP/RUN`` under ``--matrix``) keeps one run's final model:
-``<out-dir>/checkpoints/<tag>-[<group>-]<run>.ckpt`` (``Trainer.save_checkpoint``, weights only) and the config it
-trained with beside it (``.yaml``, every ``--set`` and group change applied), what ``benchmarks.training.attribution
---checkpoint ... --config ...`` needs to capture real activations from it. No other run writes a checkpoint.
-
-The model, data and callbacks are built here in Python from the config, without LightningCLI, so the script needs
-only what the package itself needs (torch, lightning, tensorboard, numpy; PyYAML comes with lightning), not
-jsonargparse. ``--set section.key=value`` changes one config entry (the value read as YAML) for every run.
-
-Rows (one per ``trainer.log_every_n_steps`` optimizer steps and run): ``run`` (the run's name), ``attention``,
-``tokens_per_step``, ``qk_norm``, ``seed``, ``step`` (optimizer steps done), ``tokens_seen``, ``train_loss`` (mean
-of the per-step training losses in the window), ``tokens_per_s`` (the window's, validation excluded),
-``val_loss`` at the steps that ran validation, ``seconds`` (the window's training wall time) and, on a GPU,
-``peak_mem_mb`` (the run's peak memory, as speed rows carry it). The header's ``summary`` has one entry per run
-(steady tokens/s, peak memory, the controller's share of layer-steps on INT8 or FP8, skipped steps, rollbacks, an
-``error`` where the run failed), ``decisions`` each run's decisions as text and ``decision_log`` the same as
-records (``step``, ``layer``, ``lever``, ``old``, ``new``, ``reason``).
+Rows, one per ``trainer.log_every_n_steps`` steps and run: ``run``, ``attention``, ``tokens_per_step``, ``qk_norm``,
+``seed``, ``step``, ``tokens_seen``, ``train_loss`` (the window's mean), ``tokens_per_s``, ``val_loss`` (where
+validated), ``seconds`` and, on a GPU, ``peak_mem_mb``. The header's ``summary`` has one entry per run, ``decisions``
+and ``decision_log`` the controller's decisions as text and as records.
 
 Example::
 
-    # on one GPU, both runs in one call, each stopped after 2000 steps or 3.3 minutes:
-    python -m benchmarks.training.pretrain_compare --max-steps 2000 --max-minutes 3.3
-    # SageBwd without the controller, with it, and without K-smoothing:
+    python -m benchmarks.training.pretrain_compare --max-steps 2000 --max-minutes 3.3      # on one GPU
     python -m benchmarks.training.pretrain_compare --runs full sage:controller=off sage:controller=on \\
         sage:controller=off,smooth_k=off --max-steps 1000
-    # end-to-end tokens/s at sequence 4096 against SDPA's cuDNN backend:
     python -m benchmarks.training.pretrain_compare --runs sage:controller=off full:controller=off,sdpa=cudnn \\
         --set data.seq_len=4096 --set data.batch_size=8 --max-steps 100 --tag seq4096
-    # issue #7's matrix in 20 minutes, keeping the first full-precision run's model (benchmarks/gpu_evidence.sh):
     python -m benchmarks.training.pretrain_compare --matrix evidence --budget-minutes 20 \\
         --save-checkpoint large-qknorm/full
-    # on a CPU, tiny:
     python -m benchmarks.training.pretrain_compare --config examples/configs/tiny.yaml --max-steps 20 --tag tiny \\
         --out-dir /tmp/compare
 """
