@@ -68,7 +68,7 @@ def overrides(changes: list[str]) -> list[str]:
 def checkpoint(workdir: Path) -> Path:
     """``last.ckpt`` of a 3-step run of ``examples.pretrain`` (tiny.yaml's ModelCheckpoint), SageBwd attention."""
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", ["pretrain.py"])  # pytest's own arguments are not the CLI's

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.training import attribution, matrix, pretrain_compare, runs, specs
+from benchmarks.training import attribution, evidence, matrix, pretrain_compare, runs, specs
 from examples.corpus import TextDataModule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,7 +206,8 @@ def test_a_checkpoint_of_a_run_that_is_not_there_is_refused_before_training(
 
 def test_a_forced_sdpa_backend_that_cannot_run_the_model_is_refused_before_training() -> None:
     import torch
-    from llama import LlamaConfig
+
+    from examples.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=32)
     runs.check_sdpa_backend("math", config, 32, "cpu", torch.float32)
@@ -254,10 +255,9 @@ def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> 
 
 
 def test_the_matrix_groups_match_the_results_page() -> None:
-    import results_doc
 
     groups = matrix.evidence_groups(1234, 64, 8, 2048)
-    assert [g.name for g in groups] == list(results_doc.EVIDENCE_GROUPS)
+    assert [g.name for g in groups] == list(evidence.EVIDENCE_GROUPS)
     assert [r.name for r in groups[0].runs] == [
         "full",
         "sage-fixed",
@@ -266,7 +266,7 @@ def test_the_matrix_groups_match_the_results_page() -> None:
         "sage-fixed-no-smooth-k",
     ]
     for group in groups:
-        found = results_doc.roles({"runs": [dataclasses.asdict(r) for r in group.runs]})
+        found = evidence.roles({"runs": [dataclasses.asdict(r) for r in group.runs]})
         assert sorted(found.values()) == sorted(r.name for r in group.runs)
 
 

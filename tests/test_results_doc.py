@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from benchmarks.training import results_doc
+from benchmarks.training.evidence import EVIDENCE_GROUPS, decision_records, difference, final_val, rows_by_run, verdict
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -196,7 +197,7 @@ def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path],
     )
     floor = abs(final["full-seed1235"] - final["full"])
     assert f"Noise floor: |full - full with the second seed| = {floor:.4f} at step 4" in text
-    assert f"### large-no-qknorm: {results_doc.EVIDENCE_GROUPS['large-no-qknorm']}\n\nNot measured yet." in text
+    assert f"### large-no-qknorm: {EVIDENCE_GROUPS['large-no-qknorm']}\n\nNot measured yet." in text
     # The controller's record: each decision with its step, layer and reason.
     record = large["decision_log"]["sage-controller"][0]
     assert f"| {record['step']} | {record['layer']} | precision | {record['old']} | {record['new']} |" in text
@@ -232,11 +233,11 @@ def test_the_committed_results_give_a_page_that_marks_the_matrix_pending(tmp_pat
     )
     if not list((REPO / "benchmarks/results").glob("training-*-evidence-*.json")):
         assert "**Pending: the matrix has not run on a GPU yet.**" in text
-        for group in results_doc.EVIDENCE_GROUPS:
+        for group in EVIDENCE_GROUPS:
             if not group.startswith("e2e-"):
                 assert re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text)
     small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
-    sage = results_doc.final_val(small, "sage")
+    sage = final_val(small, "sage")
     assert sage == (2000, pytest.approx(0.8135, abs=5e-5)) and f"| sage | 2000 | {sage[1]:.4f} |" in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert (doc.parent / target).is_file(), target
@@ -260,9 +261,9 @@ def test_older_files_and_decisions_written_as_text_are_read() -> None:
             "sage": ["step 500: model.blocks.2.attn precision: sagebwd:int8=qk -> full (probe dQ cos 0.8 < 0.9)"]
         },
     }
-    assert set(results_doc.rows_by_run(old)) == {"sage", "full"}
-    assert results_doc.difference(old, "sage", "full") == (10, pytest.approx(0.1))
-    (record,) = results_doc.decision_records(old, "sage")
+    assert set(rows_by_run(old)) == {"sage", "full"}
+    assert difference(old, "sage", "full") == (10, pytest.approx(0.1))
+    (record,) = decision_records(old, "sage")
     assert record == {
         "step": 500,
         "layer": "model.blocks.2.attn",
@@ -271,9 +272,9 @@ def test_older_files_and_decisions_written_as_text_are_read() -> None:
         "new": "full",
         "reason": "probe dQ cos 0.8 < 0.9",
     }
-    assert results_doc.verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
-    assert results_doc.verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
-    assert results_doc.verdict(None, 0.004) == "not measured yet"
+    assert verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
+    assert verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
+    assert verdict(None, 0.004) == "not measured yet"
 
 
 def test_a_missing_results_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from benchmarks.result_file import REPO, device_name, header, write
-from benchmarks.training import results_doc
+from benchmarks.training.evidence import roles, rows_by_run, runs_tokens, val_points
 from benchmarks.training.specs import RunSpec
 from examples.corpus import TextDataModule
 
@@ -32,9 +33,7 @@ def compare(result: dict[str, Any]) -> list[str]:
         speed = "" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"
         lines.append(f"| {name} | {s['steps']} | {s['wall_s']:.0f} | {speed} | {int8} | {s['decisions']} | {memory} |")
     by_run = {
-        name: rows
-        for name, rows in results_doc.rows_by_run(result).items()
-        if any(r.get("train_loss") is not None for r in rows)
+        name: rows for name, rows in rows_by_run(result).items() if any(r.get("train_loss") is not None for r in rows)
     }
     if len(by_run) > 1:
         common_step = min(max(r["step"] for r in rows if r.get("train_loss") is not None) for rows in by_run.values())
@@ -73,7 +72,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rows in results_doc.rows_by_run(result).items():
+    for name, rows in rows_by_run(result).items():
         train = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
         val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         speed = [(r["step"], r["tokens_per_s"]) for r in rows if r.get("tokens_per_s") is not None]
@@ -152,3 +151,87 @@ def write_result(result: dict[str, Any], out: Path, tag: str, quiet: bool = Fals
 def date_stamp(result: dict[str, Any]) -> str:
     """``YYYYMMDD`` of the result's date."""
     return result["date"].replace("-", "")
+
+
+_COLORS = {
+    "full": "black",
+    "full_seed_b": "0.55",
+    "sage_fixed": "tab:blue",
+    "sage_controller": "tab:orange",
+    "sage_no_smooth_k": "tab:red",
+}
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_group(result: dict[str, Any], path: Path) -> bool:
+    """Loss curves of every run of a group against tokens seen (left), and each run's validation loss minus full
+    precision's with the two seeds' spread shaded (right). ``False`` where matplotlib is missing.
+    """
+    plt = _pyplot()
+    if plt is None:
+        return False
+    runs, found = rows_by_run(result), roles(result)
+    role_of = {name: role for role, name in found.items()}
+    figure, (loss_axis, diff_axis) = plt.subplots(1, 2, figsize=(12, 4.2))
+    full = found.get("full") or ("full" if "full" in runs else "")  # older files: the run named full
+    reference = val_points(runs.get(full, []))
+    for name, rows in runs.items():
+        color = _COLORS.get(role_of.get(name, ""), None)
+        train = [(r["tokens_seen"] / 1e6, r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+        val = [(r["tokens_seen"] / 1e6, r["val_loss"], r["step"]) for r in rows if r.get("val_loss") is not None]
+        if train:
+            (line,) = loss_axis.plot(*zip(*train, strict=True), linewidth=0.8, alpha=0.45, color=color)
+            color = line.get_color()
+        if val:
+            xs, ys, _ = zip(*val, strict=True)
+            loss_axis.plot(xs, ys, "o-", markersize=3, color=color, label=f"{name} (val)")
+            diffs = [(x, y - reference[s]) for x, y, s in val if s in reference and name != full]
+            if diffs:
+                diff_axis.plot(*zip(*diffs, strict=True), "o-", markersize=3, color=color, label=name)
+    seed_b = val_points(runs.get(found.get("full_seed_b", ""), []))
+    band = sorted(
+        (runs_tokens(runs, found["full"], s), abs(seed_b[s] - reference[s])) for s in seed_b if s in reference
+    )
+    if band:
+        xs, spread = zip(*band, strict=True)
+        diff_axis.fill_between(xs, [-v for v in spread], spread, color="0.85", label="|full - full seed 2|")
+    diff_axis.axhline(0.0, color="black", linewidth=0.8)
+    loss_axis.set(
+        xlabel="tokens seen (millions)", ylabel="loss (nats per token)", title="training (thin) and validation"
+    )
+    diff_axis.set(xlabel="tokens seen (millions)", ylabel="val loss - full precision's", title="difference to full")
+    # The first quarter of a run falls far above the rest: scale the axis to where the runs separate.
+    last = max((r["tokens_seen"] for rows in runs.values() for r in rows), default=0)
+    tail = [
+        r[key]
+        for rows in runs.values()
+        for r in rows
+        for key in ("train_loss", "val_loss")
+        if r.get(key) is not None and math.isfinite(r[key]) and r["tokens_seen"] >= 0.25 * last
+    ]
+    if tail:
+        low, high = min(tail), max(tail)
+        loss_axis.set_ylim(low - 0.05 * (high - low) - 1e-3, high + 0.05 * (high - low) + 1e-3)
+    for axis in (loss_axis, diff_axis):
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
+    title = result.get("matrix", {}).get("title") or Path(result.get("config", "")).name
+    figure.suptitle(
+        textwrap.fill(f"{title} - {result['device']}, {result['date']}, commit {result['commit']}", 150), fontsize=9
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
