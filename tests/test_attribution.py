@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.kernels import accuracy
-from benchmarks.training import attribution, specs
+from benchmarks.training import attribution, attribution_report, specs
 from examples.corpus import TextDataModule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_header_and_files(result: tuple[dict, Path]) -> None:
     layers = sorted({row["layer"] for row in data["rows"]})
     assert [a["layer"] for a in data["activations"]] == layers
     for activation in data["activations"]:
-        assert set(activation["stats"]) == {key for key, _, _ in attribution.STAT_COLUMNS} | {
+        assert set(activation["stats"]) == {key for key, _, _ in attribution_report.STAT_COLUMNS} | {
             "q_rms",
             "k_rms",
             "q_channel_bias_max",
@@ -220,7 +220,7 @@ def test_verdicts_follow_from_the_rows(from_checkpoint: tuple[dict, Path]) -> No
         shares = {t: (rel[("only ds", t)] / rel[("sagebwd", t)]) ** 2 for t in ("dQ", "dK")}
         assert verdict["ds_share"] == pytest.approx(shares)
         assert verdict["ds_dominates"] == (min(shares.values()) > 0.5)
-        for tensor in attribution.GRADIENTS:
+        for tensor in attribution_report.GRADIENTS:
             products = ("qk", "pv", "dv", "ds")  # the INT8 products of the default
             top = max(products, key=lambda p, t=tensor: rel[(f"only {p}", t)])
             assert verdict["costliest"][tensor]["product"] == top

@@ -456,26 +456,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--inputs",
-        action="append",
-        choices=input_kinds(),
-        help="an input kind to measure (repeatable; all kinds when left out)",
+        "--inputs", action="append", choices=input_kinds(), help="an input kind (repeatable; default: all)"
     )
-    parser.add_argument(
-        "--path",
-        choices=("reference", "triton"),
-        default="reference",
-        help="reference: every intermediate; triton: the kernels' outputs and gradients (CUDA, or the CPU "
-        "under TRITON_INTERPRET=1)",
-    )
-    parser.add_argument(
-        "--mode",
-        choices=MODES,
-        default="sagebwd",
-        help="sagebwd: SageBwd's products one at a time; formats: those, plus FP8 (e4m3) products alone and in "
-        "mixes; attn_qat: simulated NVFP4 (Attn-QAT, matched and drop-in backward) beside the bf16 baseline and the "
-        "SageBwd default",
-    )
+    parser.add_argument("--path", choices=("reference", "triton"), default="reference",
+                        help="reference: every intermediate; triton: the kernels' outputs and gradients")  # fmt: skip
+    parser.add_argument("--mode", choices=MODES, default="sagebwd",
+                        help="sagebwd: each INT8 product alone; formats: and FP8 products alone and in mixes; "
+                        "attn_qat: simulated NVFP4 beside bf16 and the SageBwd default")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     return parser.parse_args(argv)
 

@@ -1,30 +1,23 @@
 """Compile every Triton kernel of a forward and backward for a Hopper GPU, on a machine without one.
 
-Device time is scarce; a kernel that does not compile under the GPU image's Triton (3.6), needs more shared
-memory than an H100/H200 has, or spills registers, should be found before a device run. This script installs a
-stand-in CUDA driver in Triton (target ``sm_90``, 227 KiB of shared memory per block, launches that do nothing),
-then calls SageBwd's and Attn-QAT's real entry points (forward and backward, so every kernel and every autotuning
-candidate of each is compiled exactly as on the GPU) on CPU tensors that only give shapes and strides. Outputs
-hold garbage: nothing is numerically checked here (the tests and ``benchmarks.kernels.gpu_verify`` do that).
+A kernel that does not compile under the GPU image's Triton (3.6), needs more shared memory than an H100/H200 has, or
+spills registers should be found before a device run. This installs a stand-in CUDA driver in Triton (target
+``sm_90``, 227 KiB of shared memory per block, launches that do nothing) and calls SageBwd's and Attn-QAT's entry
+points on CPU tensors, so every kernel and autotuning candidate is compiled as on the GPU; nothing is numerically
+checked here (the tests and ``benchmarks.kernels.gpu_verify`` do that). Per compiled kernel it reports the launch
+config and tile constexprs, shared memory and whether it fits, registers and spills (``ptxas -v``), blocks per SM,
+the hot loop's SASS size (all, fast path, quarter-rate: :data:`QUARTER_RATE`), and the tensor-core instructions in
+the PTX (``wgmma`` shapes, ``mma.sync``), with local loads and stores in the SASS.
 
-For each compiled kernel it reports: the launch config (warps, stages) and tile constexprs, shared memory and
-whether it fits, registers and spill bytes (``ptxas -v``, Triton's own ptxas), the blocks one SM holds at once
-(occupancy, from registers and shared memory), the size of the hot loop in SASS instructions, the
-instructions left when its conditional regions (a tile's mask) are skipped, and how many are quarter-rate
-(``loop`` column: ``instructions/fast path/quarter-rate``; the conversions and ``MUFU`` that Hopper issues
-at 16 per clock per SM, see :data:`QUARTER_RATE`), and the tensor-core
-instructions in the PTX (Hopper ``wgmma`` by shape and operand type, the older ``mma.sync``), with
-``ld.local``/``st.local`` counts in the SASS.
+Run it with the GPU image's Triton in a CPU-only environment (``TRITON_INTERPRET`` unset)::
 
-Run it with the Triton the GPU image has, in a CPU-only environment (``TRITON_INTERPRET`` must be unset)::
-
-    python -m venv /tmp/tr36 && /tmp/tr36/bin/pip install torch==2.13.0 triton==3.6.0 numpy lightning==2.6.6 \
-        torchmetrics tensorboard     # the CPU build of torch; sage_lightning imports lightning
+    python -m venv /tmp/tr36 && /tmp/tr36/bin/pip install torch==2.13.0 triton==3.6.0 numpy lightning==2.6.6 \\
+        torchmetrics tensorboard
     /tmp/tr36/bin/pip install --no-deps -e .
     /tmp/tr36/bin/python -m benchmarks.kernels.sm90_compile --head-dim 128 --tiles 128x64 128x128 --out /tmp/sm90.json
 
-Exits 1 when an entry point fails (a kernel with no candidate that compiles and fits), so it can gate a
-device run; candidates the autotuner would skip are listed, marked ``!`` (too much shared memory) or FAILED.
+Exits 1 when an entry point fails (a kernel with no candidate that compiles and fits); candidates the autotuner
+would skip are listed, marked ``!`` (too much shared memory) or FAILED.
 """
 
 from __future__ import annotations
@@ -449,13 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         help="SageBwd's kernels: the portable ones, the Hopper path's (kernels/hopper), or both (default)",
     )  # fmt: skip
     parser.add_argument("--attn-qat", action="store_true", help="also compile the Attn-QAT kernels")
-    parser.add_argument(
-        "--formats",
-        nargs="+",
-        default=[],
-        metavar="PRODUCT=FORMAT",
-        help="SageBwd's product formats for the calls, e.g. pv=fp8 ds=fp8 (default: the SageBwd defaults)",
-    )
+    parser.add_argument("--formats", nargs="+", default=[], metavar="PRODUCT=FORMAT",
+                        help="SageBwd's product formats, e.g. pv=fp8 ds=fp8 (default: the defaults)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
     args = parser.parse_args(argv)
@@ -499,13 +487,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{_loop_cell(row):>14}  {mma}"
         )
     if args.out:
-        args.out.write_text(
-            json.dumps(
-                {"triton": triton.__version__, "target": "sm_90", "seq": args.seq,
-                 "rows": [asdict(row) for row in _RECORDS]},
-                indent=1,
-            )
-        )  # fmt: skip
+        rows = [asdict(r) for r in _RECORDS]
+        found = {"triton": triton.__version__, "target": "sm_90", "seq": args.seq, "rows": rows}
+        args.out.write_text(json.dumps(found, indent=1))
     print(f"{len(_RECORDS)} kernels; {skipped} autotuning candidates skipped (do not fit or fail); "
           f"{failures} entry points failed")  # fmt: skip
     return 1 if failures else 0
