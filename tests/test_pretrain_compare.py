@@ -9,9 +9,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks.training import attribution, evidence, matrix, pretrain_compare, runs, specs
-from examples.corpus import TextDataModule
+from benchmarks.training import evidence, matrix, pretrain_compare, runs, specs
+from examples.pretrain import LlamaPretraining
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,16 +67,18 @@ def test_sage_against_full_writes_the_training_result(tmp_path: Path, monkeypatc
     assert "Speed, sage / full:" in markdown and "| sage | 6 |" in markdown
     assert written.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert (tmp_path / "tensorboard" / "tiny-sage" / "version_0").is_dir()
-    # --save-checkpoint full: that run's final model and the config it trained with, as attribution.py reads them.
+    # --save-checkpoint full: that run's final model and the config it trained with.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny-full.ckpt", "tiny-full.yaml"]
     assert summary["full"]["checkpoint"] == str(tmp_path / "checkpoints" / "tiny-full.ckpt")
     assert "checkpoint" not in summary["sage"]
     config = specs.load_config(tmp_path / "checkpoints" / "tiny-full.yaml", [])
     assert config["model"]["attention"] == "full" and config["trainer"]["max_steps"] == 6
     assert config["model"]["config"]["n_layers"] == 2 and config["data"]["max_bytes"] == 300000
-    data = TextDataModule(**config["data"])
-    module, step = attribution.load_checkpoint(tmp_path / "checkpoints" / "tiny-full.ckpt", config, data)
-    assert step == 6 and module.attention == "full" and module.config.n_layers == 2
+    checkpoint = torch.load(tmp_path / "checkpoints" / "tiny-full.ckpt", map_location="cpu", weights_only=False)
+    module = LlamaPretraining.load_from_checkpoint(
+        tmp_path / "checkpoints" / "tiny-full.ckpt", map_location="cpu", weights_only=False
+    )
+    assert checkpoint["global_step"] == 6 and module.attention == "full" and module.config.n_layers == 2
 
 
 def test_set_changes_one_entry_and_names_a_bad_one(tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
 """Issue #7's tooling end to end on the CPU: benchmarks/gpu_evidence.sh runs a tiny matrix through
-``pretrain_compare --matrix evidence`` (the device's code path) and benchmarks.training.attribution on the model of
-its first full-precision run, and benchmarks.training.results_doc turns their files into the results page: tables,
-figures, and every figure traced to its JSON and command."""
+``pretrain_compare --matrix evidence`` (the device's code path), and benchmarks.training.results_doc turns its files
+into the results page: tables, figures, and every figure traced to its JSON and command."""
 
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "XDG_CACHE_HOME": str(root / "cache"),
         "GIT_COMMIT": "0123456789",
         "EXTRA_ARGS": " ".join(TINY),
-        "ATTRIBUTION_ARGS": "--device cpu --batches 2",
     }
     done = subprocess.run(
         ["bash", "benchmarks/gpu_evidence.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
@@ -61,7 +59,7 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results.mkdir()
     # As gpu_evidence.sh's header says to unpack them.
     unpack = ["tar", "-xzf", str(root / "out" / "evidence.tar.gz"), "-C", str(results), "--wildcards"]
-    subprocess.run([*unpack, "training-*", "accuracy-*-activations.*"], check=True)
+    subprocess.run([*unpack, "training-*"], check=True)
     found = {path.stem.split("-evidence-")[1]: json.loads(path.read_text()) for path in results.glob("training-*.json")}
     return {"root": root, "stdout": done.stdout, "results": results, "groups": found}
 
@@ -113,8 +111,8 @@ def test_every_training_run_of_the_matrix_sees_the_same_tokens(evidence: dict[st
     assert groups["large-qknorm"]["decision_log"]["sage-fixed"] == []
 
 
-def test_the_attribution_runs_on_the_model_of_the_first_full_precision_run(evidence: dict[str, Any]) -> None:
-    work, results = evidence["root"] / "work", evidence["results"]
+def test_the_matrix_keeps_the_model_of_the_first_full_precision_run(evidence: dict[str, Any]) -> None:
+    work = evidence["root"] / "work"
     # The matrix saved large-qknorm/full's final model, and the config it trained with beside it.
     checkpoint = work / "checkpoints" / "evidence-large-qknorm-full.ckpt"
     assert checkpoint.is_file() and checkpoint.with_suffix(".yaml").is_file()
@@ -123,45 +121,10 @@ def test_the_attribution_runs_on_the_model_of_the_first_full_precision_run(evide
     large = {s["run"]: s for s in evidence["groups"]["large-qknorm"]["summary"]}
     assert large["full"]["checkpoint"] == str(checkpoint)
     assert not any("checkpoint" in s for n, s in large.items() if n != "full")
-    # The attribution's files sit beside the training files (unpacked by the same command); the weights do not.
-    (found,) = results.glob("accuracy-cpu-*-activations.json")
-    assert found.with_suffix(".md").is_file()
-    result = json.loads(found.read_text())
-    assert result["checkpoint"] == {
-        "name": checkpoint.name,
-        "step": 4,
-        "trained_with": "full",
-        "source": "--checkpoint",
-    }
-    assert result["config"] == str(checkpoint.with_suffix(".yaml")) and result["commit"] == "0123456789"
-    assert result["capture"]["batches"] == 2 and {r["layer"] for r in result["rows"]} == {0}
-    assert "--device cpu --batches 2" in result["command"] and "large-qknorm/full" in result["command"]
     with tarfile.open(evidence["root"] / "out" / "evidence.tar.gz") as archive:
         names = set(archive.getnames())
-    assert "checkpoints/evidence-large-qknorm-full.yaml" in names and "attribution.log" in names
+    assert "checkpoints/evidence-large-qknorm-full.yaml" in names
     assert not any(name.endswith(".ckpt") for name in names)
-    # Its answer in the progress lines and the final report.
-    assert "--- attribution: smooth_k=True: does dS dominate the dQ/dK error?" in evidence["stdout"]
-    assert f"== {found.with_suffix('.md').name}\n- smooth_k=True: does dS dominate" in evidence["stdout"]
-
-
-def test_a_missing_checkpoint_is_said_and_the_run_goes_on(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path / "out"),
-        "WORK": str(tmp_path / "work"),
-        "SKIP_INSTALL": "1",
-        "PYTHON": sys.executable,
-        "CORPUS": "stdlib",
-        "EXTRA_ARGS": "--evals 0",  # the matrix refuses it at once: no run, no checkpoint
-    }
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_evidence.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "--- attribution: not run: no checkpoint in " in done.stdout
-    assert "(the matrix's large-qknorm/full run failed or was not run)" in done.stdout
-    assert done.stdout.rstrip().endswith(f"finished: exit status 2; results in {tmp_path}/out/evidence.tar.gz")
 
 
 def test_the_speed_group_records_a_backend_that_cannot_run(evidence: dict[str, Any]) -> None:
@@ -183,10 +146,8 @@ def page(evidence: dict[str, Any]) -> tuple[str, Path]:
 
 def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path], evidence: dict[str, Any]) -> None:
     text, _ = page
-    # Section 1: the attribution on the matrix's own model.
-    assert "## 1. Error attribution with real activations\n\nModel `" in text
-    assert "checkpoint `evidence-large-qknorm-full.ckpt` (step 4, trained with full attention)" in text
-    assert "Not measured yet: `benchmarks.training.attribution`" not in text
+    # Section 1: no activations file among the matrix's results (the attribution is retired).
+    assert "## 1. Error attribution with real activations\n\nNot measured yet: the attribution on real" in text
     large = evidence["groups"]["large-qknorm"]
     final = {r["run"]: r["val_loss"] for r in large["rows"] if r["step"] == 4 and "val_loss" in r}
     assert f"| full | full precision | 4 | 256 | {final['full']:.4f} |" in text

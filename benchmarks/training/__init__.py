@@ -1,2 +1,1 @@
-"""The pretraining comparison, the evidence matrix, the attribution on real activations, and the pages made from
-their results."""
+"""The pretraining comparison, the evidence matrix, and the pages made from their results."""

@@ -306,7 +306,7 @@ def findings(loaded: dict[str, Any]) -> list[str]:
         else:
             text += f"{path.name} has no single-product settings to attribute dQ's error with; see its table above."
     else:
-        text += "With real activations: not measured yet (benchmarks.training.attribution). "
+        text += "With real activations: not measured yet (the retired attribution.py: results/retired.md). "
     if loaded["synthetic"]:
         path, result = loaded["synthetic"][-1]
         narrow = dq_error_shares(result, lambda kind: kind == "normal sigma=1")

@@ -12,8 +12,9 @@ draws it later), and the runs' TensorBoard logs, in ``--out-dir`` (``$OUT`` when
 is a key of ``examples.pretrain``'s ``ATTENTION_MODES``. ``--matrix evidence`` runs issue #7's matrix
 (``benchmarks.training.matrix``; ``benchmarks/gpu_evidence.sh`` runs it on the device, ``results_doc`` makes
 ``docs/results.md`` of it). ``--save-checkpoint RUN`` (``GROUP/RUN`` under ``--matrix``) keeps one run's final model
-and its config, for ``benchmarks.training.attribution``. The model, data and callbacks are built from the config
-without LightningCLI (no jsonargparse needed); ``--set section.key=value`` changes one entry for every run.
+and its config (the input of the attribution on real activations, retired: ``results/retired.md``). The model, data
+and callbacks are built from the config without LightningCLI (no jsonargparse needed); ``--set section.key=value``
+changes one entry for every run.
 
 Rows, one per ``trainer.log_every_n_steps`` steps and run: ``run``, ``attention``, ``tokens_per_step``, ``qk_norm``,
 ``seed``, ``step``, ``tokens_seen``, ``train_loss`` (the window's mean), ``tokens_per_s``, ``val_loss`` (where
@@ -94,7 +95,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         metavar="RUN | GROUP/RUN",
         help="save this run's final model as <out-dir>/checkpoints/<tag>-<run>.ckpt (GROUP/RUN and "
-        "<tag>-<group>-<run>.ckpt under --matrix), its config beside it as .yaml, for benchmarks.training.attribution",
+        "<tag>-<group>-<run>.ckpt under --matrix), its config beside it as .yaml",
     )
     matrix = parser.add_argument_group("matrix (--matrix evidence)")
     matrix.add_argument("--matrix", default=None, help=f"run a whole matrix of groups: {', '.join(MATRICES)}")

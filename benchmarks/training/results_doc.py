@@ -4,7 +4,7 @@ Reads, in ``--results`` (default ``benchmarks/results``):
 
 * ``training-*.json`` written by ``pretrain_compare``: the groups of ``--matrix evidence`` (their header
   has ``matrix``; the newest file of each group is used) and the earlier comparisons run on a GPU;
-* ``accuracy-*-activations.json`` written by ``attribution``: the per-tensor error of INT8 attention on
+* ``accuracy-*-activations.json`` written by the retired ``attribution.py``: the per-tensor error of INT8 attention on
   activations captured from a trained checkpoint (rows with ``layer`` and ``inputs`` starting ``activations``);
 * ``accuracy-*.json`` of the accuracy harness, for the synthetic-input context of the error attribution.
 
@@ -304,11 +304,9 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         "measured in the warm-ups so that the matrix fits its time budget; learning-rate warmup is a tenth of each "
         "run and the cosine ends at its last step. Validation: the same 64 held-out sequences at ten points of "
         "every run. The corpus (`CORPUS=site`, the default): the Python sources and text files of the GPU image's "
-        "standard library and site-packages, up to 256 MB of byte tokens, so that no run repeats data. After the "
-        "matrix, in the same session, `benchmarks.training.attribution` measures the per-tensor error of section 1 on "
-        "activations captured from the final model of large-qknorm's first full-precision run, saved by the matrix "
-        "with the config it trained with (`--save-checkpoint large-qknorm/full`); every layer, 8 held-out sequences "
-        "of 2048.",
+        "standard library and site-packages, up to 256 MB of byte tokens, so that no run repeats data. The matrix "
+        "keeps the final model of large-qknorm's first full-precision run with the config it trained with "
+        "(`--save-checkpoint large-qknorm/full`), the input of section 1's measurement on real activations.",
         "",
     ]
     if loaded["matrix"]:
@@ -356,11 +354,10 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
             ]
     else:
         lines += [
-            "Not measured yet: `benchmarks.training.attribution` captures activations from a trained checkpoint and "
-            "writes "
-            f"`accuracy-<device>-<date>-activations.json`; `{GPU_COMMAND}` runs it after the matrix, on the final "
-            "model of the matrix's first full-precision run (large-qknorm), and this page shows its table once the "
-            "file is committed. Synthetic inputs are in docs/accuracy.md.",
+            "Not measured yet: the attribution on real activations (`benchmarks/attribution.py`, retired after its CPU "
+            "run: `benchmarks/results/retired.md`) writes `accuracy-<device>-<date>-activations.json` from a trained "
+            "checkpoint such as the one the matrix keeps; this page shows its table once the file is committed. "
+            "Synthetic inputs are in docs/accuracy.md.",
             "",
         ]
 

@@ -349,11 +349,9 @@ def save_final_model(
     """Save a run's final model as a Lightning checkpoint and, beside it, the config it trained with.
 
     The checkpoint is ``Trainer.save_checkpoint``'s with ``weights_only`` (the weights, the hyperparameters and the
-    global step; no optimizer state): ``LlamaPretraining.load_from_checkpoint`` rebuilds the model from it, as
-    ``benchmarks.training.attribution --checkpoint`` does. The YAML beside it (``path`` with ``.yaml``) is the config as
-    the run used it, every change applied, with the run's seed, attention and steps: give it to attribution.py's
-    ``--config``, which takes the data (corpus, tokenizer, held-out split) and the precision from it and checks its
-    ``model.config`` against the checkpoint.
+    global step; no optimizer state): ``LlamaPretraining.load_from_checkpoint`` rebuilds the model from it. The YAML
+    beside it (``path`` with ``.yaml``) is the config as the run used it, every change applied, with the run's seed,
+    attention and steps (what the retired attribution.py of 49163cf takes as ``--config``).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(path, weights_only=True)
@@ -368,7 +366,7 @@ def save_final_model(
         f"the run's seed, attention and steps. Its final model, step {trainer.global_step}, is {path.name} beside it."
         + (f" The run's SageBwd smoothing, which is no config entry: {smoothing}." if smoothing else "")
     )
-    command = f"  python -m benchmarks.training.attribution --config {config_path} --checkpoint {path}"
+    command = f"  python benchmarks/attribution.py --config {config_path} --checkpoint {path}   # at 49163cf"
     header = [*textwrap.wrap(text, 116), command]
     config_path.write_text("".join(f"# {line}\n" for line in header) + yaml.safe_dump(effective, sort_keys=False))
     return path, config_path
