@@ -1,11 +1,5 @@
 """What every result file of ``benchmarks/`` shares (``shared/RESULTS.md``): the header, the commit, the versions, the
-paths and the JSON layout. Every tool writes its files through here.
-
-Example::
-
-    from benchmarks.result_file import header, write
-    result = {**header("speed", "cpu", "benchmarks.kernels.speed", ["--quick"]), "rows": rows}
-    write(result, default_path("speed", "cpu"))
+paths and the JSON layout. Every tool writes its files through here: ``write({**header(...), "rows": rows}, path)``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """Where ``AdaptivePrecision``'s time goes: a window of training steps under ``torch.profiler``, per setting.
 
-``overhead --profile-steps N`` runs the baseline (no callback), the defaults and the dS statistics on
-every step once more, ``N`` steps each after the warm-up, with the profiler on, and reports per optimizer step:
-
-* ``device_ms``: each kernel's (on CUDA; each operator's self time on the CPU) time, so the setting's extra
-  kernels show against the baseline's (the dS-statistics variant of the backward, the forward-health passes,
-  the snapshot's copies);
-* ``host_ms``: the wall time of each of the controller's hooks on the host (``AdaptivePrecision.<hook>`` ranges),
-  where a host sync, or work the host does while the device waits, shows.
-
-Example::
-
-    window = ProfilerWindow(start_step=20, steps=30)
-    trainer = L.Trainer(callbacks=[controller, window], max_steps=50)
-    traced_hooks(controller)
-    trainer.fit(model, loader)
-    window.per_step()   # {"device_ms": {...}, "host_ms": {...}, "steps": 30}
+``overhead --profile-steps N`` runs the baseline, the defaults and the dS statistics on every step once more, ``N``
+steps each after the warm-up, with the profiler on, and reports per optimizer step ``device_ms`` (each kernel's time
+on CUDA, each operator's self time on the CPU: the setting's extra kernels against the baseline's) and ``host_ms``
+(the wall time of each of the controller's hooks, ``AdaptivePrecision.<hook>`` ranges: where a host sync shows).
 """
 
 from __future__ import annotations

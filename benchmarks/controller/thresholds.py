@@ -1,16 +1,11 @@
 """The measurements behind ``PolicyConfig``'s default thresholds (``docs/controller.md`` cites them).
 
-1. **Signals per rung** (``accuracy-<device>-<date>-controller.json``): for each input kind of the accuracy
-   harness (``benchmarks.kernels.accuracy``: same shapes, seed and draws) and each rung of the default ladder (the
-   SageBwd base, ``smooth_q``, ``ds="bf16"``, ``mode="full"``), the two signals exactly as the controller
-   computes them: ``ds_rel_err`` from the kernel's statistics buffer (``tensor: "ds_rel_err"``, in
-   ``rel_l2``), and the probe (``sage_lightning.layer.compare_with_full_precision``: O, dQ, dK, dV against
-   float64 attention).
-2. **A calm run** (``training-<device>-<date>-calm.json``): ``benchmarks.controller.overhead``'s transformer at a small
-   size trained with ``AdaptivePrecision`` (defaults, dS statistics every 5 steps, nothing forced) on its
-   Markov-chain tokens, one row per optimizer step: the loss per step, the gradient norm, the robust z-scores
-   the spike detectors gave them, the measured ``ds_rel_err``. How far calm training's own noise reaches in z
-   is what the spike thresholds must clear.
+1. Signals per rung (``accuracy-<device>-<date>-controller.json``): for each input kind of the accuracy harness and
+   each rung of the default ladder, ``ds_rel_err`` from the kernel's statistics buffer and the probe (O, dQ, dK, dV
+   against float64 attention), exactly as the controller computes them.
+2. A calm run (``training-<device>-<date>-calm.json``): ``overhead``'s transformer at a small size trained with
+   ``AdaptivePrecision`` on its Markov-chain tokens, one row per step: the loss, the gradient norm, the spike
+   detectors' robust z-scores and ``ds_rel_err``. How far calm training's noise reaches is what the thresholds clear.
 
 Example::
 

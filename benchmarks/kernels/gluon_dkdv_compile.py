@@ -1,14 +1,8 @@
-"""Compile the Gluon dK/dV kernel (``kernels/hopper/gluon_backward.py``) for sm_90 on a machine without a GPU,
-beside the portable ``_dkdv_kernel`` it would replace, and print both kernels' resources side by side.
-
-It reuses :mod:`benchmarks.kernels.sm90_compile`'s stand-in CUDA driver and per-kernel report (registers and spills
-from ``ptxas -v``, shared memory, CTAs per SM, the hot loop's SASS size and wgmma shapes); nothing runs and no value
-is checked (the GPU check that did, retired: ``git show 49163cf:benchmarks/gluon_dkdv_check.py``). Run it with the
-GPU image's Triton (3.6)::
+"""Compile the Gluon dK/dV kernel (``kernels/hopper/gluon_backward.py``) for sm_90 without a GPU, beside the portable
+``_dkdv_kernel``, and print both kernels' resources (``sm90_compile``'s stand-in driver and report; nothing runs).
+Run it with the GPU image's Triton (3.6); exits 1 when a Gluon case fails to compile or does not fit::
 
     python -m benchmarks.kernels.gluon_dkdv_compile --head-dim 64 128 --out /tmp/gluon-sm90.json
-
-Exits 1 when a Gluon case fails to compile or does not fit.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Compile the Gluon dQ kernel (``kernels/hopper/gluon_dq.py``) for sm_90 on a machine without a GPU, beside the
-portable ``_dq_kernel`` it would replace, and print both kernels' resources side by side.
-
-It reuses :mod:`benchmarks.kernels.sm90_compile`'s stand-in CUDA driver and per-kernel report (registers and spills
-from ``ptxas -v``, shared memory, CTAs per SM, the hot loop's SASS size and wgmma shapes, and ``serial``: ptxas's
-note C7514 that it serialized the wgmma); nothing runs and no value is checked (the GPU check that did, retired:
-``git show 49163cf:benchmarks/gluon_dq_check.py``). Run it with the GPU image's Triton (3.6)::
+"""Compile the Gluon dQ kernel (``kernels/hopper/gluon_dq.py``) for sm_90 without a GPU, beside the portable
+``_dq_kernel``, and print both kernels' resources (``sm90_compile``'s stand-in driver and report, and ``serial``:
+ptxas's note C7514 that it serialized the wgmma; nothing runs). Run it with the GPU image's Triton (3.6); exits 1
+when a Gluon case fails to compile or does not fit::
 
     python -m benchmarks.kernels.gluon_dq_compile --head-dim 64 128 --out /tmp/gluon-dq-sm90.json
-
-Exits 1 when a Gluon case fails to compile or does not fit.
 """
 
 from __future__ import annotations

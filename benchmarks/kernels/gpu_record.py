@@ -1,15 +1,8 @@
 """The GPU-verification record of ``kernels/``: its digest, and what makes a committed record void.
 
 ``python -m benchmarks.kernels.gpu_verify`` proves the kernels on an H100 or H200 and writes
-``benchmarks/results/gpu-verified.json`` with the digest of every file under ``kernels/``. The CI test
-``tests/test_gpu_record.py`` recomputes the digest on the CPU and fails when the files differ from the record's,
-or when the record holds a failed check: a kernel change lands only with a GPU run of the same files.
-
-Example::
-
-    from benchmarks.kernels.gpu_record import check_record
-    for problem in check_record():
-        print(problem)
+``benchmarks/results/gpu-verified.json`` with the digest of every file under ``kernels/``; ``tests/test_gpu_record.py``
+recomputes it in CI and fails when the files differ or a check failed: a kernel change lands only with its GPU run.
 """
 
 from __future__ import annotations

@@ -1,30 +1,22 @@
 """Prove the kernels on one GPU in one call and write the GPU-verification record (``gpu-verified.json``).
 
-The CPU interpreter does not prove a kernel: it runs ``tl.dot`` in numpy and never sees the GPU's operand layouts,
-and it passed a backward whose dV was wrong on every H100 and H200. This script is the gate a change to
-``kernels/`` goes through (``tests/test_gpu_record.py`` checks its record in CI). Four checks, started side by side
-as subprocesses (compilation is CPU work and the GPU has room for all of them), together under 8 minutes on an
-H100 or H200 from a bare machine:
+The CPU interpreter does not prove a kernel (it passed a backward whose dV was wrong on every H100 and H200): this is
+the gate a change to ``kernels/`` goes through (``tests/test_gpu_record.py`` checks its record in CI). Four checks,
+started side by side as subprocesses, together under 8 minutes on an H100 or H200 from a bare machine:
 
-1. ``kernel_tests``: ``tests/test_triton_kernels.py``, ``test_hopper_kernels.py``, ``test_gluon_backward.py``,
-   ``test_gluon_dq.py`` and ``tests/test_attn_qat.py`` on CUDA, every test (none
-   stops the others; NaN propagation, saved tensors, routing and ``torch.compile`` among them), with pytest-xdist
-   workers where it is installed. Passes when none fails or errs and none is skipped.
-2. ``agreement``: the Triton path against the PyTorch reference (same numerics) at full size, N in
-   {1000, 4096, 8192}, D in {64, 128}, causal and not, MHA (2 heads) and GQA (4 query heads on 2), for
-   :data:`PRECISIONS`; relative L2 of O, dQ, dK, dV and the dS statistics, each under its bound in
-   :data:`BOUNDS` (rounding-level: a few flipped bf16 values or INT8 codes, far under the INT8 error of ~2e-2).
-3. ``accuracy``: ``benchmarks.kernels.accuracy --path triton`` at N=4096, D=128 against float64; the SageBwd default
-   on N(0, 1) inputs must reach the cosine bars of :data:`ACCURACY_BARS` (O and dV 0.999, dQ and dK 0.997).
-4. ``training_parity``: ``benchmarks.training.pretrain_compare`` on the example's small config, 16K tokens per step,
-   SageBwd and full precision, same seed and data, controller off (it would mend a broken kernel),
-   ``--parity-steps`` steps: the final validation losses within :data:`PARITY_TOLERANCE`.
+1. ``kernel_tests``: the Triton, Hopper, Gluon and Attn-QAT kernel tests on CUDA, every test (pytest-xdist workers
+   where installed); passes when none fails, errs or is skipped.
+2. ``agreement``: the Triton path against the PyTorch reference at full size (N in {1000, 4096, 8192}, D in {64, 128},
+   causal and not, MHA and GQA) for :data:`PRECISIONS`: relative L2 of O, dQ, dK, dV and the dS statistics, each
+   under its rounding-level bound in :data:`BOUNDS`.
+3. ``accuracy``: ``benchmarks.kernels.accuracy --path triton`` at N=4096, D=128; the default on N(0, 1) inputs must
+   reach :data:`ACCURACY_BARS` (O and dV 0.999, dQ and dK 0.997 cosine to float64).
+4. ``training_parity``: ``benchmarks.training.pretrain_compare`` on the small config, SageBwd and full precision,
+   controller off, ``--parity-steps`` steps: the final validation losses within :data:`PARITY_TOLERANCE`.
 
-The record (JSON, the header of ``../shared/RESULTS.md`` with ``kind: "gpu-verification"``) holds the sha256 of
-every file under ``kernels/`` and one digest over them (:mod:`gpu_record`), the device, versions and commit, and
-each check's figures with ``passed``; rows are the agreement's ``{precision, seq, head_dim, causal, heads,
-kv_heads, tensor, rel_l2, bound, passed}``. The parts' own files (pytest log, accuracy and training results) go to
-``--work-dir``.
+The record (the header of ``shared/RESULTS.md``, ``kind: "gpu-verification"``) holds the sha256 of every file under
+``kernels/`` and their digest (:mod:`benchmarks.kernels.gpu_record`) and each check's figures with ``passed``; rows
+are the agreement's. The parts' own files go to ``--work-dir``.
 
 Example::
 

@@ -1,11 +1,5 @@
-"""Per-kernel time from a ``torch.profiler`` profile, shared by ``speed.py``'s breakdown and ``overhead_profile.py``.
-
-Example::
-
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-    kernel_ms(prof.key_averages(), 10)   # {"_dkdv_kernel": 4.2, ...}
+"""Per-kernel time from a ``torch.profiler`` profile, shared by ``speed``'s breakdown and ``overhead_profile``:
+``kernel_ms(prof.key_averages(), iterations)`` is ``{"_dkdv_kernel": 4.2, ...}``.
 """
 
 from __future__ import annotations

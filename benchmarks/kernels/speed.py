@@ -1,20 +1,10 @@
 """Speed of SageBwd's Triton kernels against PyTorch's SDPA (flash and cuDNN backends), on one GPU.
 
-One run does the whole check, in this order:
-
-1. correctness: the Triton path against the PyTorch reference at full sizes (N up to 8192, D 64 and 128,
-   causal and not, GQA), relative L2 of O, dQ, dK, dV (``--check``; skipped with ``--no-check``);
-2. timings with ``triton.testing.do_bench`` (median) of forward, backward and forward+backward for ``sage``,
-   ``sdpa_flash`` and ``sdpa_cudnn``, bf16, ``B x N = --tokens`` (16K), heads ``= 2048 / D``; TFLOPS count
-   ``4 B H N Nk D`` per forward, 2.5 times that for the backward, half of both when causal;
-3. peak memory of forward+backward above the inputs, per implementation;
-4. a table, last: our ratio to each backend.
-
-``--impl`` also takes the FP8 mixes of :data:`FP8_IMPLS` (``sage_fp8_pv``, ``sage_fp8_ds``, ``sage_fp8_pv_ds``,
-``sage_fp8``: SageBwd with those products in e4m3), timed as ``sage`` is; ``--check`` then also holds each one's
-Triton path to the reference with its precision, and the table gets a second part with their ratios.
-
-Writes ``benchmarks/results/speed-<device>-<date>.json`` (format: ../shared/RESULTS.md) and a ``.md`` table.
+First the Triton path against the PyTorch reference at full sizes (relative L2 of O, dQ, dK, dV; ``--no-check``
+skips it), then ``triton.testing.do_bench`` medians of forward, backward and forward+backward per implementation,
+bf16, ``B x N = --tokens``, heads ``2048 / D`` (TFLOPS: ``4 B H N Nk D`` per forward, 2.5 times that backward, half
+when causal), the peak memory above the inputs, and a table of our ratio to each backend. ``--impl`` also takes the
+FP8 mixes of :data:`FP8_IMPLS`. Writes ``benchmarks/results/speed-<device>-<date>.json`` and a ``.md`` table.
 
 Example::
 

@@ -1,17 +1,11 @@
 """The README's performance table, generated from the latest committed speed result (and end-to-end training run).
 
-The table sits in README.md between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``; this script
-rewrites what is between them, so the README never shows a figure that is not in ``benchmarks/results/``.
-
-Which result is the latest: among ``speed-*.json`` files written by ``benchmarks.kernels.speed`` (rows with a
-``pass`` field; the probe's files have another shape; none marked ``diagnostic``), the one whose measured commit
-(the header's ``commit``) is the newest in this repository's history; a commit that git does not know (a result
-measured on a copy without ``.git``) counts by the header's ``date``. The end-to-end row comes from the latest
-``training-*-e2e*.json`` (``benchmarks.training.pretrain_compare --tag e2e-...``), when there is one.
-
-The table: for each head dim, sequence length and causal setting of the file, SageBwd's forward and
-forward+backward TFLOPS and their ratios to SDPA's cuDNN and flash backends timed in the same run, against
-issue #4's bars (forward 1.7x cuDNN, forward+backward 1.3x).
+The table sits in README.md between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``; this rewrites
+what is between them, so the README never shows a figure that is not in ``benchmarks/results/``. The latest speed
+result is the ``speed-*.json`` of ``benchmarks.kernels.speed`` (not marked ``diagnostic``) whose measured commit is
+the newest in this repository's history (by the header's ``date`` where git does not know the commit); the
+end-to-end row comes from the latest ``training-*-e2e*.json``. Ratios are to SDPA's backends timed in the same run,
+against issue #4's bars (forward 1.7x cuDNN, forward+backward 1.3x).
 
 Example::
 

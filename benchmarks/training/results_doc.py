@@ -1,21 +1,11 @@
 """docs/results.md from the committed result files: issue #7's evidence, every figure traced to its JSON and command.
 
-Reads, in ``--results`` (default ``benchmarks/results``):
-
-* ``training-*.json`` written by ``pretrain_compare``: the groups of ``--matrix evidence`` (their header
-  has ``matrix``; the newest file of each group is used) and the earlier comparisons run on a GPU;
-* ``accuracy-*-activations.json`` written by the retired ``attribution.py``: the per-tensor error of INT8 attention on
-  activations captured from a trained checkpoint (rows with ``layer`` and ``inputs`` starting ``activations``);
-* ``accuracy-*.json`` of the accuracy harness, for the synthetic-input context of the error attribution.
-
-Draws the figures into ``--images`` (default ``docs/images/results``) with matplotlib where it is installed
-(``pip install "sage-lightning[plots]"``; without it the page is written with the tables and says the figures are
-missing) and writes ``--doc`` (default ``docs/results.md``): loss curves per group, final validation losses against
-full precision with the spread of two full-precision seeds as the noise floor, the controller's record, tokens/s
-and peak memory, and the findings set against the SageBwd study's. Every figure and table names the JSON it comes
-from and the command that made it (the JSON's header). What has not been measured says so; nothing is filled in.
-
-Only the standard library and matplotlib: no torch, so it runs anywhere the repository is checked out.
+Reads ``--results`` (``benchmarks/results``): the ``training-*.json`` of ``pretrain_compare`` (the groups of
+``--matrix evidence``, the newest file of each, and the earlier comparisons run on a GPU), ``accuracy-*-activations``
+``.json`` (the per-tensor error on real activations) and the accuracy harness's files. Draws the figures into
+``--images`` where matplotlib is installed and writes ``--doc``: loss curves per group, final validation losses
+against full precision with two seeds' spread as the noise floor, the controller's record, tokens/s, and the findings
+set against the SageBwd study's. What has not been measured says so. No torch: it runs wherever the repository is.
 
 Example::
 
