@@ -53,5 +53,5 @@ def test_readme_without_markers_is_refused() -> None:
 
 def test_results_folder_must_exist(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "benchmarks.training.readme_perf", "--check", "--results",
-                           str(tmp_path / "missing")], capture_output=True, text=True)  # fmt: skip
+                           str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and "--results must be a folder of result files; received" in done.stderr
