@@ -41,7 +41,7 @@ install: $(STAMP)
 # The pretraining example's tiny config on the CPU: a LLaMA-style model on the Python standard library's source,
 # SageBwd attention steered by AdaptivePrecision; TensorBoard logs in runs/tiny.
 demo: $(STAMP)
-	$(PY) examples/pretrain.py fit --config examples/configs/tiny.yaml
+	$(PY) -m examples.pretrain fit --config examples/configs/tiny.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # Issue #7's evidence, and issue #4's end-to-end speed at sequence 4096, on one GPU: install into the image's
-# python3, then `benchmarks/pretrain_compare.py --matrix evidence` on examples/configs/small.yaml (37M parameters):
+# python3, then `python -m benchmarks.training.pretrain_compare --matrix evidence` on examples/configs/small.yaml (37M parameters):
 #   large-qknorm     64 x 2048 = 131K tokens per step, QK-norm: full (seed 1234), SageBwd fixed, SageBwd +
 #                    controller, full (seed 1235), SageBwd fixed without K-smoothing
 #   small-qknorm     8 x 2048 = 16K tokens per step, QK-norm: full, SageBwd fixed, SageBwd + controller, full seed 1235
 #   large-no-qknorm  131K tokens per step, no QK-norm: full, SageBwd fixed, SageBwd + controller
 #   e2e-seq4096    8 x 4096 tokens per step, 100 steps each: SageBwd fixed, full on SDPA cuDNN, full on SDPA flash
-# then issue #7's per-tensor error table on real activations: benchmarks/attribution.py (reference path, on cuda,
-# every layer, 8 held-out sequences of 2048) on the final model of large-qknorm's first full-precision run, which
-# the matrix saves (--save-checkpoint large-qknorm/full: $WORK/checkpoints/evidence-large-qknorm-full.ckpt, weights
-# only, and the config it trained with beside it as .yaml); about a minute, ATTRIBUTION_MINUTES (2) of the budget
-# kept for it, stopped at twice that. If that run failed there is no checkpoint: the log says so and goes on.
-# Why this size: the 12 training runs plus the speed group fit in BUDGET_MINUTES (22, the attribution's 2 included)
+# The matrix keeps the final model of large-qknorm's first full-precision run (--save-checkpoint large-qknorm/full:
+# $WORK/checkpoints/evidence-large-qknorm-full.ckpt, and the config it trained with beside it as .yaml), the input of
+# the per-tensor error on real activations (the retired attribution.py: benchmarks/results/retired.md).
+# Why this size: the 12 training runs plus the speed group fit in BUDGET_MINUTES (20)
 # of one H100 or H200 at a few tens of millions of tokens per run (small.yaml trains 2,000 steps of 32K tokens in
 # 152 s with SageBwd on an H200); 64 and 8 sequences per step are the study's ratio of 8 (2.1M and 260K tokens per
 # step). Every training run sees the same tokens: the matrix times each setting in its warm-up and plans the steps
@@ -25,18 +23,16 @@
 #   bash benchmarks/gpu_evidence.sh wait                      # follow it again; repeat until it prints "finished"
 # Where no such limit applies, `GIT_COMMIT=<sha> bash benchmarks/gpu_evidence.sh` runs it in the foreground.
 # Every call leaves in $OUT what has finished so far (the device returns at most 8 files): evidence.tar.gz (each
-# group's training-*.json, .md and .png, rewritten after every run; the attribution's
-# accuracy-<device>-<date>-activations.json and .md; the logs; the saved run's config, not its .ckpt),
-# tensorboard.tar.gz and summary.md. Unpack the results, the activations files with them, and commit them all:
-#   tar -xzf evidence.tar.gz -C benchmarks/results --wildcards 'training-*' 'accuracy-*-activations.*'
-#   git add benchmarks/results/training-*-evidence-* benchmarks/results/accuracy-*-activations.*
-#   python benchmarks/results_doc.py    # then commit docs/results.md and docs/images/results
+# group's training-*.json, .md and .png, rewritten after every run; the logs; the saved run's config, not its
+# .ckpt), tensorboard.tar.gz and summary.md. Unpack the results and commit them:
+#   tar -xzf evidence.tar.gz -C benchmarks/results --wildcards 'training-*'
+#   git add benchmarks/results/training-*-evidence-*
+#   python -m benchmarks.training.results_doc    # then commit docs/results.md and docs/images/results
 #
-# Env: BUDGET_MINUTES (22, the wall time of the matrix and the attribution from the start of the install), CONFIG,
+# Env: BUDGET_MINUTES (20, the wall time of the matrix from the start of the install), CONFIG,
 # CORPUS (site | stdlib), CORPUS_MAX_MB (256), FOLLOW_SECONDS (570), WORK (/tmp/sage-evidence), PYTHON (python3),
-# SKIP_INSTALL (set: no pip install), EXTRA_ARGS (more pretrain_compare.py arguments, given last so they win;
-# word-split), ATTRIBUTION_MINUTES (2, kept from the matrix's budget for the attribution; 0: no checkpoint, no
-# attribution), ATTRIBUTION_ARGS (attribution.py's device and sizes, word-split; default --device cuda --batches 8).
+# SKIP_INSTALL (set: no pip install), EXTRA_ARGS (more pretrain_compare arguments, given last so they win;
+# word-split).
 set -uo pipefail
 MODE=${1:-run}
 export PYTHONUNBUFFERED=1
@@ -46,13 +42,11 @@ PYTHON=${PYTHON:-python3}
 CONFIG=${CONFIG:-examples/configs/small.yaml}
 CORPUS=${CORPUS:-site}
 CORPUS_MAX_MB=${CORPUS_MAX_MB:-256}
-BUDGET_MINUTES=${BUDGET_MINUTES:-22}
+BUDGET_MINUTES=${BUDGET_MINUTES:-20}
 FOLLOW_SECONDS=${FOLLOW_SECONDS:-570}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-ATTRIBUTION_MINUTES=${ATTRIBUTION_MINUTES:-2}
-ATTRIBUTION_ARGS=${ATTRIBUTION_ARGS:---device cuda --batches 8}
-# The run whose final model the attribution reads: the first full-precision run of the large group, with QK-norm.
-ATTRIBUTION_RUN=large-qknorm/full
+# The run whose final model the matrix keeps: the first full-precision run of the large group, with QK-norm.
+SAVED_RUN=large-qknorm/full
 # The token file of the corpus goes with the run's scratch, not the home folder.
 export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/sage-cache}
 
@@ -67,11 +61,6 @@ if [[ "$CORPUS" != site && "$CORPUS" != stdlib ]]; then
   echo "gpu_evidence.sh: CORPUS must be site or stdlib; received '$CORPUS'." >&2
   exit 2
 fi
-if [[ ! "$ATTRIBUTION_MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]]; then
-  echo "gpu_evidence.sh: ATTRIBUTION_MINUTES must be a number of minutes >= 0; received '$ATTRIBUTION_MINUTES'." >&2
-  exit 2
-fi
-
 matrix() {
   # The whole matrix in this process; its exit status goes to $WORK/status.
   local begin=$SECONDS
@@ -123,48 +112,15 @@ PY
     echo "--- corpus: $note" >>"$WORK/evidence.log"
     corpus=(--set "data.paths=[\"$WORK/corpus.txt\"]" --corpus-note "$note")
   fi
-  local budget save=()
-  # The attribution's minutes are kept back from the matrix: it runs after the matrix, within BUDGET_MINUTES.
-  budget=$(awk "BEGIN { print $BUDGET_MINUTES - $ATTRIBUTION_MINUTES - ($SECONDS - $begin) / 60 }")
-  attribution_on && save=(--save-checkpoint "$ATTRIBUTION_RUN")
+  local budget
+  budget=$(awk "BEGIN { print $BUDGET_MINUTES - ($SECONDS - $begin) / 60 }")
   # shellcheck disable=SC2086  # EXTRA_ARGS is word-split on purpose
-  "$PYTHON" benchmarks/pretrain_compare.py --matrix evidence --config "$CONFIG" --budget-minutes "$budget" \
-    --out-dir "$WORK" "${corpus[@]}" "${save[@]}" $EXTRA_ARGS >>"$WORK/evidence.log" 2>&1
+  "$PYTHON" -m benchmarks.training.pretrain_compare --matrix evidence --config "$CONFIG" --budget-minutes "$budget" \
+    --out-dir "$WORK" "${corpus[@]}" --save-checkpoint "$SAVED_RUN" $EXTRA_ARGS >>"$WORK/evidence.log" 2>&1
   local status=$?
-  attribution_on && attribution
   # Last: "status" tells the follow-up calls that everything has finished.
   echo "$status" >"$WORK/status"
   return "$status"
-}
-
-attribution_on() { awk "BEGIN { exit !($ATTRIBUTION_MINUTES > 0) }"; }
-
-attribution() {
-  # Issue #7's per-tensor error on real activations (benchmarks/attribution.py) from the model the matrix saved,
-  # with the config it trained with; its files go to $WORK, packed with the rest. Its status is not the matrix's.
-  local ckpts=("$WORK"/checkpoints/*.ckpt) log="$WORK/evidence.log"
-  local ckpt=${ckpts[0]}
-  if [[ ! -f "$ckpt" ]]; then
-    echo "--- attribution: not run: no checkpoint in $WORK/checkpoints (the matrix's $ATTRIBUTION_RUN run failed" \
-      "or was not run)" >>"$log"
-    return 0
-  fi
-  local limit
-  limit=$(awk "BEGIN { print int(120 * $ATTRIBUTION_MINUTES) }")
-  echo "--- attribution: $(basename "$ckpt"), $ATTRIBUTION_ARGS, time limit $limit s" >>"$log"
-  local note="Checkpoint: the final model of the evidence matrix's $ATTRIBUTION_RUN run (benchmarks/gpu_evidence.sh);"
-  note+=" config: the one it trained with, checkpoints/$(basename "${ckpt%.ckpt}").yaml in evidence.tar.gz."
-  # shellcheck disable=SC2086  # ATTRIBUTION_ARGS is word-split on purpose
-  OUT="$WORK" timeout "$limit" "$PYTHON" benchmarks/attribution.py --config "${ckpt%.ckpt}.yaml" --checkpoint "$ckpt" \
-    --note "$note" $ATTRIBUTION_ARGS >"$WORK/attribution.log" 2>&1
-  local status=$?
-  if ((status == 0)); then
-    grep -E "^- smooth_k=|^wrote " "$WORK/attribution.log" | sed -E 's/^(- )?/--- attribution: /' >>"$log"
-  else
-    local why="exit $status"
-    ((status == 124)) && why+=", stopped after $limit s"
-    echo "--- attribution: failed ($why): $(grep -v Warning "$WORK/attribution.log" | tail -1)" >>"$log"
-  fi
 }
 
 running() { [[ -f "$WORK/pid" ]] && kill -0 "$(cat "$WORK/pid")" 2>/dev/null; }
@@ -202,11 +158,6 @@ report() {
     [[ -f "$md" ]] || continue
     echo "== $(basename "$md")"
     grep -E "^\| |^Speed" "$md"
-  done
-  for md in "$WORK"/accuracy-*-activations.md; do
-    [[ -f "$md" ]] || continue
-    echo "== $(basename "$md")"
-    grep -E "^- smooth_k=" "$md"
   done
   if [[ -f "$WORK/status" ]]; then
     echo "finished: exit status $(cat "$WORK/status"); results in $OUT/evidence.tar.gz"

@@ -1,6 +1,6 @@
-# Sourced by the gpu_*.sh drivers that install into the image's python3 and write into $OUT: strict mode, OUT and
-# PYTHON with their defaults, the corpus' token cache in the run's scratch (not the home folder), the package
-# installed (unless SKIP_INSTALL is set; the log in $OUT/install.log).
+# The install into the device image's python3, before a tool runs there (the log in $OUT/install.log; SKIP_INSTALL
+# set: none), with OUT and PYTHON's defaults and the corpus' token cache in the run's scratch. Run it, or source it:
+#   bash benchmarks/gpu_setup.sh && GIT_COMMIT=<sha> python3 -m benchmarks.kernels.gpu_verify --out "$OUT/gpu-verified.json"
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -9,7 +9,7 @@ from then on.
 
 Example::
 
-    from corpus import TextDataModule
+    from examples.corpus import TextDataModule
 
     data = TextDataModule(seq_len=256, batch_size=8)      # the standard library's source, byte tokens
     data.prepare_data()                                    # tokenizes once (a second or two), then reuses

@@ -9,7 +9,7 @@ One file, one config dataclass with named presets, the attention call as a metho
 Example::
 
     import torch
-    from llama import Llama, LlamaConfig
+    from examples.llama import Llama, LlamaConfig
 
     model = Llama(LlamaConfig.from_name("tiny"))
     logits = model(torch.randint(0, 256, (2, 64)))      # [2, 64, padded_vocab_size]

@@ -2,16 +2,16 @@
 
 Run it from the repository root (after ``make demo`` or ``make test`` has set up ``.venv``)::
 
-    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml    # CPU, a few minutes
+    .venv/bin/python -m examples.pretrain fit --config examples/configs/tiny.yaml    # CPU, a few minutes
     .venv/bin/tensorboard --logdir runs                                              # the sage/ charts
 
 The same run with full-precision attention, everything else equal::
 
-    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml --model.attention full
+    .venv/bin/python -m examples.pretrain fit --config examples/configs/tiny.yaml --model.attention full
 
 Without the controller (SageBwd all the way, nothing adapts)::
 
-    .venv/bin/python examples/pretrain.py fit --config examples/configs/tiny.yaml --adaptive_precision null
+    .venv/bin/python -m examples.pretrain fit --config examples/configs/tiny.yaml --adaptive_precision null
 
 Where things go: ``--trainer.default_root_dir DIR`` (``runs`` in the configs) holds the TensorBoard logs and the
 checkpoints of each run, ``DIR/<name>/version_N``. ``--ckpt_path DIR/<name>/version_N/checkpoints/last.ckpt``
@@ -20,7 +20,7 @@ resumes that run into the same ``version_N`` and continues exactly where it stop
 Any argument of the model (``--model.config.n_layers 8``), the data (``--data.paths my_text/``), the
 Trainer (``--trainer.max_steps 500``) or the callback
 (``--adaptive_precision.init_args.config.ds_rel_err_high 0.15``) can be changed on the command line;
-``.venv/bin/python examples/pretrain.py fit --help`` lists them and ``--print_config`` shows the resolved configuration.
+``.venv/bin/python -m examples.pretrain fit --help`` lists them and ``--print_config`` shows the resolved configuration.
 A misspelt option or config key is reported first, with the name meant where one is close (:class:`PretrainParser`).
 LightningCLI needs ``jsonargparse[signatures]`` (``pip install "sage-lightning[examples]"``; ``make demo``
 installs it).
@@ -56,6 +56,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import _format_summ
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+from examples.corpus import TextDataModule
+from examples.llama import Llama, LlamaConfig
 from sage_lightning import (
     AdaptivePrecision,
     AttentionPrecision,
@@ -67,10 +69,6 @@ from sage_lightning import (
 from sage_lightning.callback import count_tokens
 from sage_lightning.console import newest_checkpoint, quiet_lightning_noise
 from sage_lightning.layer_checkpoint import checkpoint_file_problem
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts, not a package)
-from llama import Llama, LlamaConfig  # noqa: E402
 
 #: ``attention`` -> the starting precision of every attention layer.
 ATTENTION_MODES: dict[str, AttentionPrecision] = {
@@ -843,10 +841,14 @@ def main(args: list[str] | None = None) -> PretrainCLI:
         trainer_defaults={
             "default_root_dir": "runs",
             # save_dir comes from default_root_dir (linked in PretrainCLI.add_arguments_to_parser).
-            "logger": {"class_path": "pretrain.PretrainLogger"},
+            "logger": {"class_path": "examples.pretrain.PretrainLogger"},
         },
     )
 
 
 if __name__ == "__main__":
-    main()
+    # Run as ``python -m examples.pretrain``: the configs name ``examples.pretrain.PretrainLogger``, so the command
+    # line runs from that module too, not from a second copy of its classes in ``__main__``.
+    from examples.pretrain import main as run
+
+    run()

@@ -4,16 +4,16 @@
    on CPU), compared with PyTorch's own attention in float32, with the layer's dS quantization error.
 2. The README's two lines in a LightningModule and a Trainer: four optimizer steps of a tiny model, ending with the
    line that says what ran on SageBwd (:func:`sage_lightning.attention_summary`).
-3. With ``--verbose``: the per-tensor error table against float64 (``benchmarks/accuracy.py`` at a small size),
+3. With ``--verbose``: the per-tensor error table against float64 (``benchmarks.kernels.accuracy`` at a small size),
    and Lightning's own console output for step 2.
 
-Run: ``python examples/quickstart.py`` (``--verbose`` for the table, ``--seq 1024`` for the harness's default size).
+Run from the repository root: ``python -m examples.quickstart`` (``--verbose`` for the table, ``--seq 1024`` for
+the harness's default size).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import tempfile
 import time
@@ -25,8 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, SageAttentionMixin, attention_summary, sage_attention
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def cosine(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -120,9 +118,8 @@ def lightning_demo(verbose: bool) -> None:
 
 def accuracy_table(seq: int) -> None:
     """The accuracy harness at a small size; its files go to a temporary folder, not benchmarks/results."""
-    spec = importlib.util.spec_from_file_location("accuracy", REPO / "benchmarks" / "accuracy.py")
-    accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(accuracy)
+    from benchmarks.kernels import accuracy
+
     with tempfile.TemporaryDirectory() as tmp:
         accuracy.main(["--seq", str(seq), "--out", str(Path(tmp) / "accuracy-demo.json")])
 
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
         accuracy_table(args.seq)
     else:
-        print("(--verbose adds the per-tensor error table against float64, benchmarks/accuracy.py)")
+        print("(--verbose adds the per-tensor error table against float64, benchmarks.kernels.accuracy)")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,14 @@
-"""The accuracy harness (benchmarks/accuracy.py) at a tiny size: file format, row schema, sane metrics."""
+"""The accuracy harness (benchmarks.kernels.accuracy) at a tiny size: file format, row schema, sane metrics."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import accuracy  # noqa: E402  (benchmarks/ is not a package)
+from benchmarks.kernels import accuracy
 
 ROW_KEYS = {
     "path",
@@ -50,7 +47,7 @@ def test_header_and_files(result: tuple[dict, Path, list]) -> None:
     assert data == json.loads(json.dumps(returned))
     assert data["kind"] == "accuracy" and data["device"] == "cpu"
     assert len(data["date"]) == 10 and data["date"][4] == "-" and data["commit"]
-    assert data["command"].startswith("python benchmarks/accuracy.py") and argv[-1] in data["command"]
+    assert data["command"].startswith("python -m benchmarks.kernels.accuracy") and argv[-1] in data["command"]
     assert "torch" in data["versions"]
     assert out.with_suffix(".md").read_text().count("| bf16 |") == 2 * 2 * len(accuracy.input_kinds())
 

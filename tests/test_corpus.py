@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import corpus  # noqa: E402  (examples/ is a folder of scripts)
-from corpus import ByteTokenizer, TextDataModule, corpus_files, stdlib_files  # noqa: E402
+from examples import corpus
+from examples.corpus import ByteTokenizer, TextDataModule, corpus_files, stdlib_files
 
 
 @pytest.fixture

@@ -22,13 +22,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 from tiny_lightning import hparams_session
 
+from examples.corpus import TextDataModule
+from examples.llama import PRESETS, Llama, LlamaConfig
+from examples.pretrain import LlamaPretraining, TokensPerSecond, warmup_cosine
 from sage_lightning import AdaptivePrecision, PolicyConfig, attention_layers
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
-from corpus import TextDataModule  # noqa: E402  (examples/ is a folder of scripts)
-from llama import PRESETS, Llama, LlamaConfig  # noqa: E402
-from pretrain import LlamaPretraining, TokensPerSecond, warmup_cosine  # noqa: E402
 
 TINY = LlamaConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, qk_norm=True, max_seq_len=32)
 
@@ -217,7 +216,7 @@ def test_the_progress_bar_reads_in_80_columns(corpus_folder: Path, tmp_path: Pat
     """In an 80-column terminal no metric breaks over two lines: they have a line of their own under the bar,
     counts print as integers and shares with their decimals."""
     rich = pytest.importorskip("rich")
-    from pretrain import StepProgressBar
+    from examples.pretrain import StepProgressBar
 
     screen = io.StringIO()
     bar = StepProgressBar(console_kwargs={"file": screen, "width": 80, "force_terminal": True, "color_system": None})
@@ -247,7 +246,7 @@ def test_pretrain_logger_writes_one_hparams_session_and_no_epoch(tmp_path: Path)
     """The first hyperparameters call writes the session (the controller's, with the module's), with the losses as
     its metrics and no value logged for them; Lightning's ``epoch`` is left out. With ``default_hp_metric`` it is
     Lightning's logger."""
-    from pretrain import PretrainLogger
+    from examples.pretrain import PretrainLogger
 
     logger = PretrainLogger(tmp_path, name="run")
     logger.log_hyperparams({"lr": 0.1, "adaptive_precision": {"config": {"calm_steps": 50}}})
@@ -280,11 +279,12 @@ def test_pretrain_logger_writes_one_hparams_session_and_no_epoch(tmp_path: Path)
 
 
 def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> None:
-    """``python examples/pretrain.py fit --config examples/configs/tiny.yaml`` for a few steps, as a user runs it."""
+    """``python -m examples.pretrain fit --config examples/configs/tiny.yaml`` for a few steps, as a user runs it."""
     pytest.importorskip("jsonargparse")
     command = [
         sys.executable,
-        "examples/pretrain.py",
+        "-m",
+        "examples.pretrain",
         "fit",
         "--config",
         "examples/configs/tiny.yaml",
@@ -354,7 +354,7 @@ def test_command_line_trains_and_writes_the_sage_dashboard(tmp_path: Path) -> No
 def test_command_line_switches(tmp_path: Path, corpus_folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--model.attention full`` and ``--adaptive_precision null``: the two switches, in the process."""
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])  # pytest's own arguments are not the CLI's
 
@@ -394,7 +394,7 @@ def test_command_line_refuses_an_unknown_attention(
     tmp_path: Path, corpus_folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     with pytest.raises(SystemExit) as exit_info:
@@ -408,7 +408,7 @@ def test_command_line_refuses_an_unknown_attention(
 @pytest.mark.parametrize("name", ["tiny", "small", "llama-325m"])
 def test_every_config_parses(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     with pytest.raises(SystemExit) as exit_info:
@@ -499,7 +499,7 @@ def test_loader_state_at_an_epoch_end_starts_the_next_epoch(tmp_path: Path, corp
 
 def test_ranks_read_disjoint_shards_of_one_order() -> None:
     """Under DDP each rank takes its shard of the epoch's order; Lightning keeps the sampler (a DistributedSampler)."""
-    from corpus import EpochShuffle
+    from examples.corpus import EpochShuffle
 
     ranks = [EpochShuffle(11, seed=5, num_replicas=2, rank=rank) for rank in (0, 1)]
     assert all(isinstance(sampler, torch.utils.data.DistributedSampler) for sampler in ranks)
@@ -538,7 +538,7 @@ def test_command_line_folders_resume_and_hparams(
 ) -> None:
     """default_root_dir holds logs and checkpoints; --ckpt_path resumes into the same version; hparams.yaml."""
     pytest.importorskip("jsonargparse")
-    from pretrain import StepProgressBar, main
+    from examples.pretrain import StepProgressBar, main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     monkeypatch.chdir(tmp_path)  # nothing may land in the working folder
@@ -564,7 +564,7 @@ def test_command_line_errors_are_one_paragraph_and_leave_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     root = tmp_path / "out"

@@ -3,16 +3,15 @@ clipping refuses for optimizers that unscale gradients themselves."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import lightning as L
 import torch
 
+from examples.llama import LlamaConfig
+from examples.pretrain import LlamaPretraining
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))
-from llama import LlamaConfig  # noqa: E402  (examples/ is a folder of scripts)
-from pretrain import LlamaPretraining  # noqa: E402
 
 TINY = LlamaConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=16, vocab_size=256)
 

@@ -2,7 +2,7 @@
 rules that pick them, and on a Hopper GPU their gradients against ``_dkdv_kernel``'s, bit for bit.
 
 The CPU interpreter cannot run Gluon, so the kernel's own tests run only on an sm_90 GPU (in
-``benchmarks/gpu_verify.py``'s kernel tests, whose record CI checks); the dispatch rule is tested everywhere.
+``benchmarks.kernels.gpu_verify``'s kernel tests, whose record CI checks); the dispatch rule is tested everywhere.
 """
 
 from __future__ import annotations

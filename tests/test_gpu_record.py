@@ -1,4 +1,5 @@
-"""The GPU gate: ``kernels/`` must be the files that ``benchmarks/gpu_verify.py`` proved on a GPU, every check passed.
+"""The GPU gate: ``kernels/`` must be the files that ``benchmarks.kernels.gpu_verify`` proved on a GPU, every check
+passed.
 
 The interpreter passed a backward whose dV was wrong on every H100 and H200 (0fd6d4e); from then on a change to
 ``kernels/`` lands only with the GPU-verification record of the same files (``benchmarks/results/gpu-verified.json``).
@@ -8,13 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.kernels.gpu_record import KERNELS, RECORD, REQUIRED_CHECKS, VERIFY_COMMAND, check_record
 
-from gpu_record import KERNELS, RECORD, REQUIRED_CHECKS, VERIFY_COMMAND, check_record  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_kernels_are_the_files_verified_on_the_gpu():

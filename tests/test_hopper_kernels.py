@@ -3,7 +3,7 @@
 On a CPU-only machine the Hopper kernels run in Triton's interpreter with the path forced
 (``SAGE_LIGHTNING_HOPPER=force``); on a Hopper GPU the same tests run on CUDA. The interpreter proves the
 logic only: what it cannot see (the GPU's operand layouts, TMA) is proven on the device by
-``benchmarks/gpu_verify.py``, whose record CI checks.
+``benchmarks.kernels.gpu_verify``, whose record CI checks.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
-"""benchmarks/overhead.py and benchmarks/controller_thresholds.py run at tiny sizes on CPU and write result
+"""benchmarks.controller.overhead and .thresholds run at tiny sizes on CPU and write result
 files in the format of /work/shared/RESULTS.md."""
 
 from __future__ import annotations
 
 import gc
 import json
-import sys
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import controller_thresholds  # noqa: E402  (benchmarks/ is not a package)
-import overhead  # noqa: E402
+from benchmarks.controller import overhead
+from benchmarks.controller import thresholds as controller_thresholds
 
 HEADER = {"kind", "device", "date", "commit", "command", "versions", "rows"}
 TINY = ["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "2"]
@@ -51,7 +47,7 @@ def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
 
 def test_the_hook_clock_charges_each_hook_to_its_optimizer_step() -> None:
     """on_train_batch_end runs after the optimizer step moved global_step on: it still counts for its own step."""
-    from overhead_timing import HookClock
+    from benchmarks.controller.overhead_timing import HookClock
 
     class Trainer:
         global_step = 0
@@ -138,7 +134,7 @@ def test_overhead_profiles_where_the_time_goes(tmp_path, monkeypatch) -> None:
 
 
 def test_a_profile_window_the_run_never_reaches_says_so() -> None:
-    from overhead_profile import ProfilerWindow
+    from benchmarks.controller.overhead_profile import ProfilerWindow
 
     window = ProfilerWindow(start_step=5, steps=10)
     with pytest.raises(RuntimeError, match="steps 5 to 14 were not all run"):
@@ -179,7 +175,7 @@ def test_each_setting_is_paired_with_the_baseline_runs_around_it(tmp_path, monke
 def test_a_run_starts_with_the_earlier_runs_collected() -> None:
     """A Trainer and its model hold each other in reference cycles: what an earlier run left is collected before the
     next starts, and the collector's time during the run is measured."""
-    from overhead_timing import isolated
+    from benchmarks.controller.overhead_timing import isolated
 
     class Run:
         pass

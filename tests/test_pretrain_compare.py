@@ -1,4 +1,4 @@
-"""benchmarks/pretrain_compare.py at tiny sizes on the CPU: both runs, the result file, the summary."""
+"""benchmarks.training.pretrain_compare at tiny sizes on the CPU: both runs, the result file, the summary."""
 
 from __future__ import annotations
 
@@ -6,17 +6,15 @@ import dataclasses
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from benchmarks.training import evidence, matrix, pretrain_compare, runs, specs
+from examples.pretrain import LlamaPretraining
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "examples"))
-import attribution  # noqa: E402  (benchmarks/ and examples/ are folders of scripts)
-import pretrain_compare  # noqa: E402
-from corpus import TextDataModule  # noqa: E402
 
 #: The row fields every training result carries (shared/RESULTS.md).
 ROW_FIELDS = {"run", "attention", "tokens_per_step", "qk_norm", "seed", "step", "tokens_seen", "train_loss"}
@@ -69,29 +67,31 @@ def test_sage_against_full_writes_the_training_result(tmp_path: Path, monkeypatc
     assert "Speed, sage / full:" in markdown and "| sage | 6 |" in markdown
     assert written.with_suffix(".png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     assert (tmp_path / "tensorboard" / "tiny-sage" / "version_0").is_dir()
-    # --save-checkpoint full: that run's final model and the config it trained with, as attribution.py reads them.
+    # --save-checkpoint full: that run's final model and the config it trained with.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny-full.ckpt", "tiny-full.yaml"]
     assert summary["full"]["checkpoint"] == str(tmp_path / "checkpoints" / "tiny-full.ckpt")
     assert "checkpoint" not in summary["sage"]
-    config = pretrain_compare.load_config(tmp_path / "checkpoints" / "tiny-full.yaml", [])
+    config = specs.load_config(tmp_path / "checkpoints" / "tiny-full.yaml", [])
     assert config["model"]["attention"] == "full" and config["trainer"]["max_steps"] == 6
     assert config["model"]["config"]["n_layers"] == 2 and config["data"]["max_bytes"] == 300000
-    data = TextDataModule(**config["data"])
-    module, step = attribution.load_checkpoint(tmp_path / "checkpoints" / "tiny-full.ckpt", config, data)
-    assert step == 6 and module.attention == "full" and module.config.n_layers == 2
+    checkpoint = torch.load(tmp_path / "checkpoints" / "tiny-full.ckpt", map_location="cpu", weights_only=False)
+    module = LlamaPretraining.load_from_checkpoint(
+        tmp_path / "checkpoints" / "tiny-full.ckpt", map_location="cpu", weights_only=False
+    )
+    assert checkpoint["global_step"] == 6 and module.attention == "full" and module.config.n_layers == 2
 
 
 def test_set_changes_one_entry_and_names_a_bad_one(tmp_path: Path) -> None:
-    config = pretrain_compare.load_config(
+    config = specs.load_config(
         REPO / "examples/configs/small.yaml", ["data.seq_len=1024", "model.config.qk_norm=false"]
     )
     assert config["data"]["seq_len"] == 1024 and config["model"]["config"]["qk_norm"] is False
     with pytest.raises(ValueError, match="--set takes SECTION.KEY=VALUE"):
-        pretrain_compare.load_config(REPO / "examples/configs/small.yaml", ["data.seq_len"])
+        specs.load_config(REPO / "examples/configs/small.yaml", ["data.seq_len"])
 
 
 def test_the_controller_is_built_from_the_config() -> None:
-    controller = pretrain_compare.build_controller(
+    controller = runs.build_controller(
         {
             "class_path": "sage_lightning.AdaptivePrecision",
             "init_args": {
@@ -102,18 +102,16 @@ def test_the_controller_is_built_from_the_config() -> None:
     )
     assert controller.snapshot_every_n_steps == 7 and controller.config.ds_rel_err_high == 0.3
     assert [rung.name for rung in controller.config.ladder] == ["ds"]
-    assert pretrain_compare.build_controller(None) is None
+    assert runs.build_controller(None) is None
 
 
 def test_runs_name_what_sets_them_apart_and_refuse_bad_entries() -> None:
-    spec = pretrain_compare.parse_run("sage:controller=off,smooth_k=off")
-    assert spec == pretrain_compare.RunSpec(
-        name="sage-fixed-no-smooth-k", attention="sage", controller=False, smooth_k=False
-    )
-    assert pretrain_compare.parse_run("full:seed=7,sdpa=cudnn").name == "full-seed7-cudnn"
-    assert pretrain_compare.parse_run("sage:controller=on,name=adaptive").name == "adaptive"
+    spec = specs.parse_run("sage:controller=off,smooth_k=off")
+    assert spec == specs.RunSpec(name="sage-fixed-no-smooth-k", attention="sage", controller=False, smooth_k=False)
+    assert specs.parse_run("full:seed=7,sdpa=cudnn").name == "full-seed7-cudnn"
+    assert specs.parse_run("sage:controller=on,name=adaptive").name == "adaptive"
     args = pretrain_compare.parse_args(["--runs", "full", "full", "sage:controller=off"])
-    assert [s.name for s in pretrain_compare.run_specs(args)] == ["full", "full-2", "sage-fixed"]
+    assert [s.name for s in specs.run_specs(args)] == ["full", "full-2", "sage-fixed"]
     for text, named in (
         ("fast", "the attention must be one of"),
         ("sage:smoothk=off", "KEY one of name, controller"),
@@ -124,28 +122,28 @@ def test_runs_name_what_sets_them_apart_and_refuse_bad_entries() -> None:
         ("sage:name=a b", "name must be letters"),
     ):
         with pytest.raises(ValueError, match=named):
-            pretrain_compare.parse_run(text)
+            specs.parse_run(text)
 
 
 def test_fp8_runs_parse_like_sage_and_bad_names_say_what_works() -> None:
-    assert pretrain_compare.parse_run("sage_fp8_pv:controller=off") == pretrain_compare.RunSpec(
+    assert specs.parse_run("sage_fp8_pv:controller=off") == specs.RunSpec(
         name="sage_fp8_pv-fixed", attention="sage_fp8_pv", controller=False
     )
     # The sage_fp8* settings are SageBwd: its smoothing switches apply to them.
-    spec = pretrain_compare.parse_run("sage_fp8:smooth_k=off,smooth_q=on")
+    spec = specs.parse_run("sage_fp8:smooth_k=off,smooth_q=on")
     assert (spec.name, spec.smooth_k, spec.smooth_q) == ("sage_fp8-no-smooth-k-smooth-q", False, True)
     args = pretrain_compare.parse_args(["--attention", "sage_fp8_ds", "sage_fp8_pv_ds", "full"])
-    assert [s.attention for s in pretrain_compare.run_specs(args)] == ["sage_fp8_ds", "sage_fp8_pv_ds", "full"]
+    assert [s.attention for s in specs.run_specs(args)] == ["sage_fp8_ds", "sage_fp8_pv_ds", "full"]
     with pytest.raises(
         ValueError,
         match=r"--runs 'sage_fp4:controller=off': the attention must be one of sage, "
         r"sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8, .*full; received 'sage_fp4'",
     ):
-        pretrain_compare.parse_run("sage_fp4:controller=off")
+        specs.parse_run("sage_fp4:controller=off")
     with pytest.raises(ValueError, match=r"--attention must be among sage, sage_fp8_pv, .*; received 'fp8'"):
-        pretrain_compare.run_specs(pretrain_compare.parse_args(["--attention", "sage", "fp8"]))
+        specs.run_specs(pretrain_compare.parse_args(["--attention", "sage", "fp8"]))
     with pytest.raises(ValueError, match="give them to sage, sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8 runs"):
-        pretrain_compare.parse_run("attn_qat:smooth_q=on")
+        specs.parse_run("attn_qat:smooth_q=on")
 
 
 def test_an_fp8_run_trains_and_records_its_precision(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -211,27 +209,26 @@ def test_a_checkpoint_of_a_run_that_is_not_there_is_refused_before_training(
 
 def test_a_forced_sdpa_backend_that_cannot_run_the_model_is_refused_before_training() -> None:
     import torch
-    from llama import LlamaConfig
+
+    from examples.llama import LlamaConfig
 
     config = LlamaConfig(vocab_size=256, n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=32)
-    pretrain_compare.check_sdpa_backend("math", config, 32, "cpu", torch.float32)
-    pretrain_compare.check_sdpa_backend("default", config, 32, "cpu", torch.float32)
+    runs.check_sdpa_backend("math", config, 32, "cpu", torch.float32)
+    runs.check_sdpa_backend("default", config, 32, "cpu", torch.float32)
     with pytest.raises(ValueError, match="sdpa=cudnn: PyTorch's SDPA has no cudnn kernel .*4 query and 2 key/value"):
-        pretrain_compare.check_sdpa_backend("cudnn", config, 32, "cpu", torch.float32)
+        runs.check_sdpa_backend("cudnn", config, 32, "cpu", torch.float32)
 
 
 def test_the_plan_gives_every_run_the_same_tokens_within_the_time() -> None:
-    tokens, steps = pretrain_compare.plan_steps(
-        100.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], multiple=10
-    )
+    tokens, steps = matrix.plan_steps(100.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], multiple=10)
     assert (tokens, steps) == (250_000, {"large": 250, "small": 1000})
     # Rounded down to whole multiples of the validations: never over the time.
-    tokens, steps = pretrain_compare.plan_steps(99.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
+    tokens, steps = matrix.plan_steps(99.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
     assert steps == {"large": 240, "small": 960} and tokens == 240_000
     with pytest.raises(ValueError, match="too little for 10 steps of 1000 tokens in each of the 3 runs"):
-        pretrain_compare.plan_steps(1.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
+        matrix.plan_steps(1.0, [("large", 1000, [1e4, 1e4]), ("small", 250, [5e3])], 10)
     with pytest.raises(ValueError, match="do not divide"):
-        pretrain_compare.plan_steps(100.0, [("large", 1000, [1e4]), ("small", 300, [1e4])], 10)
+        matrix.plan_steps(100.0, [("large", 1000, [1e4]), ("small", 300, [1e4])], 10)
 
 
 def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> None:
@@ -239,7 +236,7 @@ def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> 
     import time
     from types import SimpleNamespace
 
-    groups = pretrain_compare.evidence_groups(1, 4, 1, 100)
+    groups = matrix.evidence_groups(1, 4, 1, 100)
     datas = {
         "large-qknorm": SimpleNamespace(batch_size=4, seq_len=100),
         "small-qknorm": SimpleNamespace(batch_size=1, seq_len=100),
@@ -249,7 +246,7 @@ def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> 
     speeds = {(g.name, r.name): 1000.0 for g in groups for r in g.runs}
     speeds[("e2e-seq200", "full-cudnn")] = None  # its warm-up failed: planned at the slowest measured speed
     args = argparse.Namespace(budget_minutes=10.0, tokens_per_run=None, speed_steps=10, evals=10, val_sequences=4)
-    steps, tokens, plan = pretrain_compare.plan_matrix(
+    steps, tokens, plan = matrix.plan_matrix(
         args, groups, datas, speeds, overheads=[4.0, 6.0], deadline=time.perf_counter() + 600
     )
     # 600 s - 3 speed runs (2000 tokens at 1000/s + 5 s) - 12 runs x 5 s - validation (12 x 4000 / 3000 s),
@@ -261,10 +258,9 @@ def test_the_matrix_plan_subtracts_the_speed_group_and_each_run_s_overhead() -> 
 
 
 def test_the_matrix_groups_match_the_results_page() -> None:
-    import results_doc
 
-    groups = pretrain_compare.evidence_groups(1234, 64, 8, 2048)
-    assert [g.name for g in groups] == list(results_doc.EVIDENCE_GROUPS)
+    groups = matrix.evidence_groups(1234, 64, 8, 2048)
+    assert [g.name for g in groups] == list(evidence.EVIDENCE_GROUPS)
     assert [r.name for r in groups[0].runs] == [
         "full",
         "sage-fixed",
@@ -273,19 +269,19 @@ def test_the_matrix_groups_match_the_results_page() -> None:
         "sage-fixed-no-smooth-k",
     ]
     for group in groups:
-        found = results_doc.roles({"runs": [dataclasses.asdict(r) for r in group.runs]})
+        found = evidence.roles({"runs": [dataclasses.asdict(r) for r in group.runs]})
         assert sorted(found.values()) == sorted(r.name for r in group.runs)
 
 
 def test_warm_up_times_its_last_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    config = pretrain_compare.load_config(
+    config = specs.load_config(
         REPO / "examples/configs/tiny.yaml",
         ["data.max_bytes=100000", "data.seq_len=16", "data.batch_size=2", "model.config.n_layers=1"],
     )
     data = pretrain_compare.TextDataModule(**config["data"])
     data.prepare_data()
-    spec = pretrain_compare.parse_run("sage:controller=on")
-    speed = pretrain_compare.warm_up(config, spec, steps=1, data=data, timed_steps=2)
+    spec = specs.parse_run("sage:controller=on")
+    speed = runs.warm_up(config, spec, steps=1, data=data, timed_steps=2)
     assert speed is not None and speed > 0
-    assert pretrain_compare.warm_up(config, spec, steps=1, data=data) is None
+    assert runs.warm_up(config, spec, steps=1, data=data) is None

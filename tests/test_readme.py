@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.training import readme_perf
+
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = REPO / "docs"
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import readme_perf  # noqa: E402  (benchmarks/ is a folder of scripts)
 
 
 def blocks(path: Path, language: str) -> list[str]:

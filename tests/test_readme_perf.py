@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.training import readme_perf
 
-import readme_perf  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _speed_file(folder: Path, name: str, date: str, sage_ms: float, **extra: object) -> None:
@@ -28,7 +27,7 @@ def _speed_file(folder: Path, name: str, date: str, sage_ms: float, **extra: obj
 
 def test_readme_table_is_up_to_date() -> None:
     """The committed README shows exactly what the committed results give (run readme_perf.py if not)."""
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "readme_perf.py"), "--check"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.training.readme_perf", "--check"], cwd=REPO,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr
 
@@ -53,6 +52,6 @@ def test_readme_without_markers_is_refused() -> None:
 
 
 def test_results_folder_must_exist(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "readme_perf.py"), "--check", "--results",
-                           str(tmp_path / "missing")], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "benchmarks.training.readme_perf", "--check", "--results",
+                           str(tmp_path / "missing")], cwd=REPO, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and "--results must be a folder of result files; received" in done.stderr

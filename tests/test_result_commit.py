@@ -1,4 +1,4 @@
-"""The commit a result file records (``benchmarks/accuracy._commit``): ``$GIT_COMMIT`` first, else HEAD, marked
+"""The commit a result file records (``benchmarks.result_file.commit``): ``$GIT_COMMIT`` first, else HEAD, marked
 ``+dirty`` when the tracked files differ from it (a device copy once carried a stale ``.git`` and every file
 written there named the wrong commit)."""
 
@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import accuracy  # noqa: E402
+from benchmarks import result_file
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git reads the commit")
 
@@ -29,22 +26,22 @@ def _repo(tmp_path: Path) -> str:
 
 def test_the_environment_names_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GIT_COMMIT", "abc1234")
-    assert accuracy._commit() == "abc1234"
+    assert result_file.commit() == "abc1234"
 
 
 @needs_git
 def test_head_is_marked_dirty_when_tracked_files_differ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sha = _repo(tmp_path)
     monkeypatch.delenv("GIT_COMMIT", raising=False)
-    monkeypatch.setattr(accuracy, "REPO", tmp_path)
+    monkeypatch.setattr(result_file, "REPO", tmp_path)
     (tmp_path / "untracked.txt").write_text("not part of the code\n")
-    assert accuracy._commit() == sha
+    assert result_file.commit() == sha
     (tmp_path / "a.txt").write_text("two\n")
-    assert accuracy._commit() == sha + "+dirty"
+    assert result_file.commit() == sha + "+dirty"
 
 
 def test_no_repository_gives_unknown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GIT_COMMIT", raising=False)
-    monkeypatch.setattr(accuracy, "REPO", tmp_path)
+    monkeypatch.setattr(result_file, "REPO", tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
-    assert accuracy._commit() == "unknown"
+    assert result_file.commit() == "unknown"

@@ -1,7 +1,6 @@
 """Issue #7's tooling end to end on the CPU: benchmarks/gpu_evidence.sh runs a tiny matrix through
-``pretrain_compare.py --matrix evidence`` (the device's code path) and benchmarks/attribution.py on the model of its
-first full-precision run, and benchmarks/results_doc.py turns their files into the results page: tables, figures, and
-every figure traced to its JSON and command."""
+``pretrain_compare --matrix evidence`` (the device's code path), and benchmarks.training.results_doc turns its files
+into the results page: tables, figures, and every figure traced to its JSON and command."""
 
 from __future__ import annotations
 
@@ -17,9 +16,10 @@ from typing import Any
 
 import pytest
 
+from benchmarks.training import results_doc
+from benchmarks.training.evidence import EVIDENCE_GROUPS, decision_records, difference, final_val, rows_by_run, verdict
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-import results_doc  # noqa: E402  (benchmarks/ is a folder of scripts)
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 #: The matrix at toy size: sequences of 16, 4 and 2 per step, 256 tokens per training run (4 and 8 steps), thresholds
@@ -50,7 +50,6 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "XDG_CACHE_HOME": str(root / "cache"),
         "GIT_COMMIT": "0123456789",
         "EXTRA_ARGS": " ".join(TINY),
-        "ATTRIBUTION_ARGS": "--device cpu --batches 2",
     }
     done = subprocess.run(
         ["bash", "benchmarks/gpu_evidence.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
@@ -60,7 +59,7 @@ def evidence(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results.mkdir()
     # As gpu_evidence.sh's header says to unpack them.
     unpack = ["tar", "-xzf", str(root / "out" / "evidence.tar.gz"), "-C", str(results), "--wildcards"]
-    subprocess.run([*unpack, "training-*", "accuracy-*-activations.*"], check=True)
+    subprocess.run([*unpack, "training-*"], check=True)
     found = {path.stem.split("-evidence-")[1]: json.loads(path.read_text()) for path in results.glob("training-*.json")}
     return {"root": root, "stdout": done.stdout, "results": results, "groups": found}
 
@@ -86,7 +85,7 @@ def test_every_training_run_of_the_matrix_sees_the_same_tokens(evidence: dict[st
     for name in ("large-qknorm", "small-qknorm"):
         result = groups[name]
         assert result["kind"] == "training" and result["commit"] == "0123456789"
-        assert result["command"].startswith("python benchmarks/pretrain_compare.py --matrix evidence")
+        assert result["command"].startswith("python -m benchmarks.training.pretrain_compare --matrix evidence")
         assert result["matrix"]["group"] == name and result["matrix"]["tokens_per_run"] == 256
         summaries = {s["run"]: s for s in result["summary"]}
         assert all(s["tokens_seen"] == 256 and not s.get("error") for s in summaries.values())
@@ -112,8 +111,8 @@ def test_every_training_run_of_the_matrix_sees_the_same_tokens(evidence: dict[st
     assert groups["large-qknorm"]["decision_log"]["sage-fixed"] == []
 
 
-def test_the_attribution_runs_on_the_model_of_the_first_full_precision_run(evidence: dict[str, Any]) -> None:
-    work, results = evidence["root"] / "work", evidence["results"]
+def test_the_matrix_keeps_the_model_of_the_first_full_precision_run(evidence: dict[str, Any]) -> None:
+    work = evidence["root"] / "work"
     # The matrix saved large-qknorm/full's final model, and the config it trained with beside it.
     checkpoint = work / "checkpoints" / "evidence-large-qknorm-full.ckpt"
     assert checkpoint.is_file() and checkpoint.with_suffix(".yaml").is_file()
@@ -122,45 +121,10 @@ def test_the_attribution_runs_on_the_model_of_the_first_full_precision_run(evide
     large = {s["run"]: s for s in evidence["groups"]["large-qknorm"]["summary"]}
     assert large["full"]["checkpoint"] == str(checkpoint)
     assert not any("checkpoint" in s for n, s in large.items() if n != "full")
-    # The attribution's files sit beside the training files (unpacked by the same command); the weights do not.
-    (found,) = results.glob("accuracy-cpu-*-activations.json")
-    assert found.with_suffix(".md").is_file()
-    result = json.loads(found.read_text())
-    assert result["checkpoint"] == {
-        "name": checkpoint.name,
-        "step": 4,
-        "trained_with": "full",
-        "source": "--checkpoint",
-    }
-    assert result["config"] == str(checkpoint.with_suffix(".yaml")) and result["commit"] == "0123456789"
-    assert result["capture"]["batches"] == 2 and {r["layer"] for r in result["rows"]} == {0}
-    assert "--device cpu --batches 2" in result["command"] and "large-qknorm/full" in result["command"]
     with tarfile.open(evidence["root"] / "out" / "evidence.tar.gz") as archive:
         names = set(archive.getnames())
-    assert "checkpoints/evidence-large-qknorm-full.yaml" in names and "attribution.log" in names
+    assert "checkpoints/evidence-large-qknorm-full.yaml" in names
     assert not any(name.endswith(".ckpt") for name in names)
-    # Its answer in the progress lines and the final report.
-    assert "--- attribution: smooth_k=True: does dS dominate the dQ/dK error?" in evidence["stdout"]
-    assert f"== {found.with_suffix('.md').name}\n- smooth_k=True: does dS dominate" in evidence["stdout"]
-
-
-def test_a_missing_checkpoint_is_said_and_the_run_goes_on(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path / "out"),
-        "WORK": str(tmp_path / "work"),
-        "SKIP_INSTALL": "1",
-        "PYTHON": sys.executable,
-        "CORPUS": "stdlib",
-        "EXTRA_ARGS": "--evals 0",  # the matrix refuses it at once: no run, no checkpoint
-    }
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu_evidence.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "--- attribution: not run: no checkpoint in " in done.stdout
-    assert "(the matrix's large-qknorm/full run failed or was not run)" in done.stdout
-    assert done.stdout.rstrip().endswith(f"finished: exit status 2; results in {tmp_path}/out/evidence.tar.gz")
 
 
 def test_the_speed_group_records_a_backend_that_cannot_run(evidence: dict[str, Any]) -> None:
@@ -182,10 +146,8 @@ def page(evidence: dict[str, Any]) -> tuple[str, Path]:
 
 def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path], evidence: dict[str, Any]) -> None:
     text, _ = page
-    # Section 1: the attribution on the matrix's own model.
-    assert "## 1. Error attribution with real activations\n\nModel `" in text
-    assert "checkpoint `evidence-large-qknorm-full.ckpt` (step 4, trained with full attention)" in text
-    assert "Not measured yet: `benchmarks/attribution.py`" not in text
+    # Section 1: no activations file among the matrix's results (the attribution is retired).
+    assert "## 1. Error attribution with real activations\n\nNot measured yet: the attribution on real" in text
     large = evidence["groups"]["large-qknorm"]
     final = {r["run"]: r["val_loss"] for r in large["rows"] if r["step"] == 4 and "val_loss" in r}
     assert f"| full | full precision | 4 | 256 | {final['full']:.4f} |" in text
@@ -196,7 +158,7 @@ def test_the_page_has_the_tables_of_every_measured_group(page: tuple[str, Path],
     )
     floor = abs(final["full-seed1235"] - final["full"])
     assert f"Noise floor: |full - full with the second seed| = {floor:.4f} at step 4" in text
-    assert f"### large-no-qknorm: {results_doc.EVIDENCE_GROUPS['large-no-qknorm']}\n\nNot measured yet." in text
+    assert f"### large-no-qknorm: {EVIDENCE_GROUPS['large-no-qknorm']}\n\nNot measured yet." in text
     # The controller's record: each decision with its step, layer and reason.
     record = large["decision_log"]["sage-controller"][0]
     assert f"| {record['step']} | {record['layer']} | precision | {record['old']} | {record['new']} |" in text
@@ -232,11 +194,11 @@ def test_the_committed_results_give_a_page_that_marks_the_matrix_pending(tmp_pat
     )
     if not list((REPO / "benchmarks/results").glob("training-*-evidence-*.json")):
         assert "**Pending: the matrix has not run on a GPU yet.**" in text
-        for group in results_doc.EVIDENCE_GROUPS:
+        for group in EVIDENCE_GROUPS:
             if not group.startswith("e2e-"):
                 assert re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text)
     small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
-    sage = results_doc.final_val(small, "sage")
+    sage = final_val(small, "sage")
     assert sage == (2000, pytest.approx(0.8135, abs=5e-5)) and f"| sage | 2000 | {sage[1]:.4f} |" in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert (doc.parent / target).is_file(), target
@@ -260,9 +222,9 @@ def test_older_files_and_decisions_written_as_text_are_read() -> None:
             "sage": ["step 500: model.blocks.2.attn precision: sagebwd:int8=qk -> full (probe dQ cos 0.8 < 0.9)"]
         },
     }
-    assert set(results_doc.rows_by_run(old)) == {"sage", "full"}
-    assert results_doc.difference(old, "sage", "full") == (10, pytest.approx(0.1))
-    (record,) = results_doc.decision_records(old, "sage")
+    assert set(rows_by_run(old)) == {"sage", "full"}
+    assert difference(old, "sage", "full") == (10, pytest.approx(0.1))
+    (record,) = decision_records(old, "sage")
     assert record == {
         "step": 500,
         "layer": "model.blocks.2.attn",
@@ -271,9 +233,9 @@ def test_older_files_and_decisions_written_as_text_are_read() -> None:
         "new": "full",
         "reason": "probe dQ cos 0.8 < 0.9",
     }
-    assert results_doc.verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
-    assert results_doc.verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
-    assert results_doc.verdict(None, 0.004) == "not measured yet"
+    assert verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
+    assert verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
+    assert verdict(None, 0.004) == "not measured yet"
 
 
 def test_a_missing_results_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,6 @@
 """The Triton kernels compile for a Hopper GPU and use its 8-bit tensor-core instructions, checked without one.
 
-``benchmarks/sm90_compile.py`` swaps Triton's CUDA driver for a stand-in (target sm_90, launches that do
+``benchmarks.kernels.sm90_compile`` swaps Triton's CUDA driver for a stand-in (target sm_90, launches that do
 nothing) and compiles every kernel and autotuning candidate of a forward and backward, the portable ones and the
 Hopper path's. It runs here under two Tritons: the installed one (CI: the current release, which users get), and
 the one the GPU image has and the Hopper path is verified on (``VERIFIED_TRITON``, 3.6), in the Python that
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "sm90_compile.py"
+SCRIPT = ["-m", "benchmarks.kernels.sm90_compile"]
 
 pytest.importorskip("triton.backends.nvidia.driver", reason="Triton's NVIDIA backend is not installed")
 
@@ -45,7 +45,7 @@ def _python(which: str) -> str:
 def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("sm90") / "sm90.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [_python(request.param), str(SCRIPT), "--head-dim", "64", "--seq", "256", "--out", str(out)]
+    command = [_python(request.param), *SCRIPT, "--head-dim", "64", "--seq", "256", "--out", str(out)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads(out.read_text())
@@ -76,11 +76,13 @@ def test_hot_loops_use_8bit_wgmma_not_mma_sync(compiled: dict) -> None:
 
 def test_bad_tile_argument_is_refused() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiles", "128"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, *SCRIPT, "--tiles", "128"], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert done.returncode == 2 and "--tiles takes BLOCK_MxBLOCK_N such as 128x64; received '128'" in done.stderr
 
 
-GLUON_SCRIPT = REPO / "benchmarks" / "gluon_sm90_compile.py"
+GLUON_SCRIPT = ["-m", "benchmarks.kernels.gluon_dkdv_compile"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def gluon_compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     python = _python("verified")
     out = tmp_path_factory.mktemp("gluon-sm90") / "gluon.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [python, str(GLUON_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws", "wg",
+    command = [python, *GLUON_SCRIPT, "--head-dim", "64", "128", "--seq", "256", "--variant", "ws", "wg",
                "--no-portable", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -132,7 +134,7 @@ def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon
         assert row["mma_sync"] == 0 and not row["wgmma_serialized"], row["case"]
 
 
-GLUON_DQ_SCRIPT = REPO / "benchmarks" / "gluon_dq_sm90_compile.py"
+GLUON_DQ_SCRIPT = ["-m", "benchmarks.kernels.gluon_dq_compile"]
 #: Bytes the D=64 ``wg`` dQ kernel spills per case (causal or not) in the build the device measured (device run 11,
 #: NOTES.md): none since the producer warpgroup transposes K'^ (the consumers' own transposition spilled 4 bytes
 #: causal in device run 10's build).
@@ -147,7 +149,7 @@ def test_the_gluon_dq_kernels_compile_fit_and_do_not_spill(tmp_path: Path) -> No
     python = _python("verified")
     out = tmp_path / "gluon-dq.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    command = [python, str(GLUON_DQ_SCRIPT), "--head-dim", "64", "128", "--seq", "256", "--variant", "ws", "wg",
+    command = [python, *GLUON_DQ_SCRIPT, "--head-dim", "64", "128", "--seq", "256", "--variant", "ws", "wg",
                "--no-portable", "--out", str(out)]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -1,5 +1,5 @@
-"""benchmarks/speed.py without a GPU: its command line, the FP8 implementations' precisions and calls, and the table
-built from synthetic rows (the timings themselves need CUDA)."""
+"""benchmarks.kernels.speed without a GPU: its command line, the FP8 implementations' precisions and calls, and the
+table built from synthetic rows (the timings themselves need CUDA)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from sage_lightning.kernels import AttentionPrecision
+
+from benchmarks.kernels import speed
+from benchmarks.training import readme_perf
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-import readme_perf  # noqa: E402
-import speed  # noqa: E402  (benchmarks/ is not a package)
-from sage_lightning.kernels import AttentionPrecision  # noqa: E402
 
 SHAPE = {"batch": 4, "heads": 16, "kv_heads": 16, "seq": 4096, "head_dim": 128, "causal": False}
 
@@ -32,7 +32,7 @@ def _rows(ms: dict[str, float], **shape: object) -> list[dict]:
 
 
 def test_help_and_fp8_impls_on_the_command_line() -> None:
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "speed.py"), "--help"], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "benchmarks.kernels.speed", "--help"], capture_output=True,
                           text=True, cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stderr
     for impl in ("sage_fp8_pv", "sage_fp8_ds", "sage_fp8_pv_ds", "sage_fp8"):

@@ -20,13 +20,13 @@ install() { python3 -m pip install --no-deps --no-build-isolation -e . >/tmp/ins
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 install
 step "speed of main (${sha})"
-GIT_COMMIT="${sha}" timeout 150 python3 benchmarks/speed.py --impl sage --impl sdpa_cudnn --head-dim 128 \
+GIT_COMMIT="${sha}" timeout 150 python3 -m benchmarks.kernels.speed --impl sage --impl sdpa_cudnn --head-dim 128 \
     --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
 step "git apply ${patch}"
 git apply "benchmarks/pending/${patch}" || exit 3
 install
 step "speed with ${patch}"
-GIT_COMMIT="${sha}+${patch%.patch}" timeout 260 python3 benchmarks/speed.py --impl sage --impl sdpa_cudnn \
+GIT_COMMIT="${sha}+${patch%.patch}" timeout 260 python3 -m benchmarks.kernels.speed --impl sage --impl sdpa_cudnn \
     --impl sdpa_flash --head-dim 128 --seq 4096 --seq 8192 --no-breakdown --out "${out}/after.json" 2>&1 \
     | grep -v Warning | grep -E "^\||^check|FAIL|Error"
 step "kernel tests on CUDA with ${patch}"

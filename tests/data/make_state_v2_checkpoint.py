@@ -2,10 +2,11 @@
 ``tests/test_callback.py``'s check that a checkpoint written before the two-step verdict lag still resumes.
 
 Run it with the code of a commit that writes version 2 (33c9433, the last before the lag), from that checkout's
-root, with its tests/tiny_lightning.py::
+root, with its tests/tiny_lightning.py on the path::
 
     git worktree add /tmp/v2 33c9433 && cd /tmp/v2
-    python <this repository>/tests/data/make_state_v2_checkpoint.py <this repository>/tests/data/state_v2.ckpt
+    PYTHONPATH=tests python <this repository>/tests/data/make_state_v2_checkpoint.py \\
+        <this repository>/tests/data/state_v2.ckpt
 
 The run: a one-layer TinyLM (d_model 16, 2 heads), 8 steps in epochs of 6, saved at the first epoch's end; the
 controller with a dS measurement every step and a probe every 4 steps against an impossible cosine (so it escalates
@@ -23,14 +24,11 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny_lightning import TinyLM, token_loader  # the checkout's tests/ (PYTHONPATH=tests)
 
-sys.path.insert(0, str(Path.cwd() / "tests"))
-
-from tiny_lightning import TinyLM, token_loader  # noqa: E402
-
-from sage_lightning import AdaptivePrecision  # noqa: E402
-from sage_lightning.callback import STATE_VERSION  # noqa: E402
-from sage_lightning.policy import PolicyConfig  # noqa: E402
+from sage_lightning import AdaptivePrecision
+from sage_lightning.callback import STATE_VERSION
+from sage_lightning.policy import PolicyConfig
 
 out = Path(sys.argv[1])
 assert STATE_VERSION == 2, f"run this with code that writes version 2 (33c9433); this writes {STATE_VERSION}"

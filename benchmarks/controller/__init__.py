@@ -1,0 +1,1 @@
+"""The controller's cost and thresholds, and its runs on several GPUs."""

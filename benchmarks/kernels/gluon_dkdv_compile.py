@@ -1,0 +1,108 @@
+"""Compile the Gluon dK/dV kernel (``kernels/hopper/gluon_backward.py``) for sm_90 without a GPU, beside the portable
+``_dkdv_kernel``, and print both kernels' resources (``sm90_compile``'s stand-in driver and report; nothing runs).
+Run it with the GPU image's Triton (3.6); exits 1 when a Gluon case fails to compile or does not fit::
+
+    python -m benchmarks.kernels.gluon_dkdv_compile --head-dim 64 128 --out /tmp/gluon-sm90.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from benchmarks.kernels import sm90_compile as offline  # sets a fresh Triton cache before triton is imported
+
+#: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
+#: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv_wg.py``, D=64 only).
+VARIANTS = ("ws", "plain", "ws-defer", "plain-defer", "wg")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=[0], help="Gluon TMA ring depths to compile (0: the wrapper's default)"
+    )
+    parser.add_argument(
+        "--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+        help="Gluon variants: warp-specialised (a load warp) or one 8-warp partition; -defer finishes each tile's "
+        "dV and dK in the next iteration",
+    )  # fmt: skip
+    parser.add_argument("--no-portable", action="store_true", help="skip the portable _dkdv_kernel")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--verbose", action="store_true", help="print failures' tracebacks")
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
+    args = parser.parse_args(argv)
+    offline._DUMP["dir"] = args.dump
+    offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
+    os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
+    from sage_lightning.kernels.backward import backward
+    from sage_lightning.kernels.hopper import gluon_backward as gb
+    from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
+
+    failures = 0
+    for head_dim in args.head_dim:
+        for causal in (False, True):
+            for with_stats in (False, True):
+                x = offline.backward_inputs(1, 2, 2, args.seq, head_dim)
+                stats = x["stats"] if with_stats else None
+                for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
+                    if variant == "wg" and not wg.gluon_dkdv_wg_serves(head_dim, args.seq):
+                        continue
+                    offline._CASE["name"] = (
+                        f"gluon-{variant} D={head_dim} causal={causal} stats={with_stats} st={stages}"
+                    )
+                    try:
+                        assert gb.gluon_dkdv_applies(
+                            x["grad_out"], x["q_op"], None, x["k_op"], is_causal=causal, block_m=128, block_n=64,
+                            qk="int8", dv="int8", dp="bf16", ds="int8",
+                        )  # fmt: skip
+                        operands = (
+                            x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
+                            x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"], stats,
+                        )  # fmt: skip
+                        if variant == "wg":
+                            wg.gluon_dkdv_wg(*operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or 3)
+                        else:
+                            gb.gluon_dkdv(
+                                *operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
+                                warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
+                            )  # fmt: skip
+                    except Exception as error:  # noqa: BLE001 - reported, the other cases go on
+                        failures += 1
+                        message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
+                        offline._RECORDS.append(
+                            offline.Compiled(kernel="_gluon_dkdv_kernel", case=offline._CASE["name"], constants={},
+                                             num_warps=8, num_stages=stages, fits=False, error=message)
+                        )  # fmt: skip
+                if args.no_portable or with_stats:
+                    continue
+                offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
+                os.environ[gb.ENV] = "off"  # backward() itself, with the portable _dkdv_kernel
+                backward(
+                    x["grad_out"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], x["v"], x["lse"],
+                    None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk="int8",
+                    dv="int8", dp="bf16", ds="int8",
+                )  # fmt: skip
+                os.environ[gb.ENV] = "force"
+    failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)
+
+    import triton
+
+    offline.report_gluon_compile(
+        f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16",
+        args.out,
+        args.verbose,
+        case_width=48,
+        kernel_width=20,
+        skip=("_dq_kernel",),
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The pretraining comparison, the evidence matrix, and the pages made from their results."""

@@ -1,0 +1,378 @@
+"""What the page of ``results_doc`` reads: the committed training and accuracy results of issue #7's evidence, by
+run, group and role, and the numbers taken from them (validation-loss differences, the noise floor, error shares)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: The groups of ``pretrain_compare.py --matrix evidence`` (``evidence_groups`` at its default sizes), in order,
+#: with the question each answers. ``tests/test_results_doc.py`` checks the names against the runner's.
+EVIDENCE_GROUPS: dict[str, str] = {
+    "large-qknorm": "large tokens per step, QK-norm: does SageBwd lag full precision where the study found it did?",
+    "small-qknorm": "small tokens per step, QK-norm: does SageBwd match full precision with fewer tokens per step?",
+    "large-no-qknorm": "large tokens per step without QK-norm: is QK-norm needed for stability?",
+    "e2e-seq4096": "speed at sequence 4096 (issue #4): end-to-end tokens/s and peak memory against SDPA cuDNN",
+}
+#: How the runs of a group are told apart (from their ``runs`` entry), and how the page names them.
+ROLES: dict[str, str] = {
+    "full": "full precision",
+    "full_seed_b": "full precision, second seed",
+    "sage_fixed": "SageBwd fixed (INT8 dS, K-smoothing, no Q-smoothing)",
+    "sage_controller": "SageBwd with the controller",
+    "sage_no_smooth_k": "SageBwd fixed, K-smoothing off",
+    "full_cudnn": "full precision, SDPA cuDNN",
+    "full_flash": "full precision, SDPA flash",
+}
+_DECISION = re.compile(
+    r"^step (?P<step>\d+): (?P<layer>\S+) (?P<lever>[\w_]+): (?P<old>.*?) -> (?P<new>.*?) \((?P<reason>.*)\)$"
+)
+
+
+def rows_by_run(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A training result's rows by run, each run's sorted by step.
+
+    Files with a ``runs`` list (``pretrain_compare.py`` since the matrix) name each run in the rows' ``run``; in
+    older files ``run`` is the file's tag and the attention tells the runs apart.
+    """
+    key = "run" if "runs" in result else "attention"
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for row in result.get("rows", []):
+        runs.setdefault(row[key], []).append(row)
+    return {name: sorted(rows, key=lambda r: r["step"]) for name, rows in runs.items()}
+
+
+def summaries_by_run(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A training result's ``summary`` entries by run name (the attention in older files)."""
+    return {s.get("run", s.get("attention")): s for s in result.get("summary", [])}
+
+
+def roles(result: dict[str, Any]) -> dict[str, str]:
+    """``{role: run name}`` for the runs of a matrix group (keys of :data:`ROLES`), from the runs' settings."""
+    found: dict[str, str] = {}
+    for spec in result.get("runs", []):
+        attention, backend = spec.get("attention"), spec.get("sdpa_backend") or "default"
+        if attention == "full":
+            role = {"cudnn": "full_cudnn", "flash": "full_flash"}.get(backend)
+            role = role or ("full_seed_b" if spec.get("seed") is not None else "full")
+        elif attention == "sage" and spec.get("smooth_q") is None and spec.get("seed") is None:
+            if spec.get("smooth_k") is False:
+                role = "sage_no_smooth_k" if spec.get("controller") is False else None
+            else:
+                role = "sage_controller" if spec.get("controller") else "sage_fixed"
+        else:
+            role = None
+        if role is not None:
+            found.setdefault(role, spec["name"])
+    return found
+
+
+def val_points(rows: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """``{step: validation loss}`` of one run's rows."""
+    return {r["step"]: r["val_loss"] for r in rows if r.get("val_loss") is not None}
+
+
+def final_val(result: dict[str, Any], run: str, other: str | None = None) -> tuple[int, float] | None:
+    """``(step, validation loss)`` at the last validation of ``run`` (and of ``other`` too, when given)."""
+    runs = rows_by_run(result)
+    mine = val_points(runs.get(run, []))
+    steps = set(mine) & set(val_points(runs.get(other, []))) if other is not None else set(mine)
+    finite = [s for s in steps if math.isfinite(mine[s])]
+    return (max(finite), mine[max(finite)]) if finite else None
+
+
+def difference(result: dict[str, Any], run: str, reference: str) -> tuple[int, float] | None:
+    """``(step, val(run) - val(reference))`` at the last validation both ran."""
+    point = final_val(result, run, reference)
+    if point is None:
+        return None
+    step, value = point
+    return step, value - val_points(rows_by_run(result)[reference])[step]
+
+
+def noise_floor(result: dict[str, Any]) -> tuple[int, float] | None:
+    """``(step, |val(full) - val(full, second seed)|)``: the spread of two full-precision seeds, or ``None``."""
+    found = roles(result)
+    if "full" not in found or "full_seed_b" not in found:
+        return None
+    point = difference(result, found["full_seed_b"], found["full"])
+    return None if point is None else (point[0], abs(point[1]))
+
+
+def decision_records(result: dict[str, Any], run: str) -> list[dict[str, Any]]:
+    """The run's decisions as records (``step``, ``layer``, ``lever``, ``old``, ``new``, ``reason``).
+
+    Read from ``decision_log``, or parsed from the text of ``decisions`` in files written before it existed.
+    """
+    if run in result.get("decision_log", {}):
+        return list(result["decision_log"][run])
+    records = []
+    for text in result.get("decisions", {}).get(run, []):
+        match = _DECISION.match(text)
+        records.append(
+            {**match.groupdict(), "step": int(match["step"])}
+            if match
+            else {"step": None, "layer": None, "lever": "", "old": "", "new": "", "reason": text}
+        )
+    return records
+
+
+def tracked_files(folder: Path) -> set[str]:
+    """Names of the files in ``folder`` that git tracks (committed or staged)."""
+    done = subprocess.run(["git", "ls-files", "-z", "."], cwd=folder, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"results_doc.py: error: --tracked-only needs a git checkout; {folder}: {done.stderr.strip()}")
+    return {Path(name).name for name in done.stdout.split("\0") if name}
+
+
+def load(folder: Path, only: set[str] | None = None) -> dict[str, Any]:
+    """The result files the page is made of."""
+    matrix: dict[str, tuple[Path, dict[str, Any]]] = {}
+    found: dict[str, list[tuple[Path, dict[str, Any]]]] = {
+        "earlier": [],
+        "activations": [],
+        "synthetic": [],
+        "smoothing": [],
+    }
+    for path in sorted(folder.glob("*.json")):
+        if only is not None and path.name not in only:
+            continue
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        kind, rows = result.get("kind"), result.get("rows", [])
+        if result.get("diagnostic"):  # a run of code that is not main's (e.g. a known-broken kernel), kept for a note
+            continue
+        if kind == "training" and result.get("matrix"):
+            group = result["matrix"]["group"]
+            if group not in matrix or (result["date"], path.name) >= (matrix[group][1]["date"], matrix[group][0].name):
+                matrix[group] = (path, result)
+        elif kind == "training" and "summary" in result and result.get("device") != "cpu":
+            found["earlier"].append((path, result))
+        elif kind != "accuracy":
+            continue
+        elif any(str(r.get("inputs", "")).startswith("activations") for r in rows):
+            found["activations"].append((path, result))
+        elif any(r.get("label") == "smooth_q" for r in rows):
+            found["smoothing"].append((path, result))
+        elif any(r.get("path") == "triton" and r.get("setting") == "sagebwd:int8=ds;smooth_k" for r in rows):
+            found["synthetic"].append((path, result))
+    # The current kernels' file last: ``-triton`` before superseded ``-triton-v1``-style files of the same date.
+    found["synthetic"].sort(key=lambda item: (item[1].get("date", ""), item[0].stem.endswith("-triton")))
+    return {"matrix": matrix, **found}
+
+
+def runs_tokens(runs: dict[str, list[dict[str, Any]]], run: str, step: int) -> float:
+    """Millions of tokens ``run`` had seen at ``step``."""
+    return next(r["tokens_seen"] for r in runs[run] if r["step"] == step) / 1e6
+
+
+def dq_error_shares(result: dict[str, Any], inputs: Callable[[str], bool]) -> dict[str, float]:
+    """Share of dQ's squared error under SageBwd's defaults that each of its INT8 products gives alone.
+
+    ``rel_l2(dQ)^2`` of the settings ``sagebwd:int8=<product>;smooth_k`` (one product in INT8, the rest bf16) over
+    that of ``sagebwd:int8=qk,pv,dv,ds;smooth_k`` (the defaults), each summed over the rows whose ``inputs`` pass
+    ``inputs`` (input kinds, or the layers of an activation capture). The shares include the bf16 rounding every
+    setting has, so they can sum to more than one.
+    """
+    total: float = 0.0
+    alone: dict[str, float] = {}
+    for r in result["rows"]:
+        if r.get("tensor") != "dQ" or not inputs(str(r.get("inputs", ""))) or r.get("rel_l2") is None:
+            continue
+        setting = str(r.get("setting", ""))
+        match = re.fullmatch(r"sagebwd:int8=(qk|pv|dv|ds);smooth_k", setting)
+        if setting == "sagebwd:int8=qk,pv,dv,ds;smooth_k":
+            total += r["rel_l2"] ** 2
+        elif match:
+            alone[match[1]] = alone.get(match[1], 0.0) + r["rel_l2"] ** 2
+    return {product: value / total for product, value in alone.items()} if total > 0 else {}
+
+
+def verdict(delta: float | None, floor: float | None) -> str:
+    """``within the noise floor`` or ``N x the noise floor`` for a validation-loss difference."""
+    if delta is None:
+        return "not measured yet"
+    if floor is None or floor <= 0:
+        return f"{delta:+.4f} (no noise floor to compare with)"
+    if abs(delta) <= floor:
+        return f"{delta:+.4f}, within the noise floor ({floor:.4f})"
+    return f"{delta:+.4f}, {abs(delta) / floor:.1f}x the noise floor ({floor:.4f})"
+
+
+def diverged(result: dict[str, Any], run: str | None) -> str | None:
+    """Why ``run`` counts as diverged (non-finite training losses, a rollback by the controller), or ``None``."""
+    s = summaries_by_run(result).get(run or "", {})
+    if s.get("nonfinite_losses"):
+        return f"{s['nonfinite_losses']} non-finite training losses"
+    if s.get("rollbacks"):
+        return f"{s['rollbacks']} rollback(s) by the controller"
+    return None
+
+
+def ratio_range(result: dict[str, Any], tensor: str, setting: str, reference: str, key: str = "setting") -> str:
+    """``a to b``: the range over input kinds of ``rel_l2(tensor)`` under ``setting`` over that under ``reference``."""
+    index = {(r.get(key), r.get("inputs"), r.get("tensor")): r.get("rel_l2") for r in result["rows"]}
+    ratios = [
+        index[(setting, kind, tensor)] / index[(reference, kind, tensor)]
+        for kind in sorted({str(r.get("inputs")) for r in result["rows"]})
+        if index.get((setting, kind, tensor)) and index.get((reference, kind, tensor))
+    ]
+    return f"{min(ratios):.2f} to {max(ratios):.2f}" if ratios else "n/a"
+
+
+def model_source(result: dict[str, Any]) -> str:
+    """The model of an activation attribution as the page names it: its config and, where recorded, its checkpoint."""
+    text = f"`{result.get('config', '')}`"
+    checkpoint = result.get("checkpoint") or {}
+    if checkpoint.get("name"):
+        trained = f", trained with {checkpoint['trained_with']} attention" if checkpoint.get("trained_with") else ""
+        text += f", checkpoint `{checkpoint['name']}` (step {checkpoint.get('step', '?')}{trained})"
+    return text
+
+
+def findings(loaded: dict[str, Any]) -> list[str]:
+    """The study's four findings, each set against what the files measured (or ``not measured yet``)."""
+    groups = {name: result for name, (_, result) in loaded["matrix"].items()}
+
+    def gap(group: str, role: str = "sage_fixed", reference: str = "full") -> tuple[float | None, str | None]:
+        """``(val(role) - val(reference), why not measured)`` at the group's last common validation."""
+        result = groups.get(group)
+        if result is None:
+            return None, "not measured yet"
+        found = roles(result)
+        for needed in (role, reference):
+            error = summaries_by_run(result).get(found.get(needed, ""), {}).get("error")
+            if needed not in found or error:
+                return None, f"not measured ({ROLES[needed]}: {error or 'no such run'})"
+        point = difference(result, found[role], found[reference])
+        return (None, "not measured (no common validation)") if point is None else (point[1], None)
+
+    def floor_of(group: str) -> float | None:
+        point = noise_floor(groups[group]) if group in groups else None
+        return None if point is None else point[1]
+
+    def said(delta: float | None, why: str | None, floor: float | None) -> str:
+        return why if delta is None else verdict(delta, floor)
+
+    lines = []
+    floor = floor_of("large-qknorm")
+    large, large_why = gap("large-qknorm")
+    small, small_why = gap("small-qknorm")
+    # (i) QK-norm
+    text = "**(i) QK-norm is needed for stability at large tokens per step.** "
+    no_qk, no_qk_why = gap("large-no-qknorm")
+    if "large-no-qknorm" not in groups:
+        text += "Not measured yet."
+    else:
+        result = groups["large-no-qknorm"]
+        found = roles(result)
+        broke = {role: diverged(result, found.get(role)) for role in ("full", "sage_fixed", "sage_controller")}
+        broken = [f"{ROLES[role]}: {why}" for role, why in broke.items() if why]
+        text += (
+            f"Without QK-norm, SageBwd fixed against full precision: {said(no_qk, no_qk_why, floor)} (the noise floor "
+            f"is the QK-norm group's: this group has one seed); with QK-norm {said(large, large_why, floor)}. "
+            + (f"Diverged: {'; '.join(broken)}. " if broken else "No run diverged. ")
+        )
+        if no_qk is None and not broke["sage_fixed"]:
+            text += "No verdict."
+        elif broke["sage_fixed"] or (floor is not None and no_qk is not None and no_qk > 2 * floor):
+            text += "Agrees with the study: without QK-norm SageBwd fell behind or broke down."
+        else:
+            text += (
+                "**Differs from the study**: at this scale SageBwd trained as well without QK-norm as with it. The "
+                "study's model is about 9x larger and took 2.1M tokens per step; its instability did not appear here."
+            )
+    lines += [text, ""]
+    # (ii) dS
+    text = "**(ii) The error comes mostly from dS.** "
+    if loaded["activations"]:
+        path, result = loaded["activations"][-1]
+        shares = dq_error_shares(result, lambda kind: kind.startswith("activations"))
+        if shares:
+            top = max(shares, key=shares.get)
+            text += (
+                f"On real activations ({path.name}: {model_source(result)}, on {result['device']}), {top} alone "
+                f"in INT8 gives {shares[top]:.0%} of dQ's squared error "
+                f"under the SageBwd defaults ({', '.join(f'{k} {v:.0%}' for k, v in sorted(shares.items()))}). "
+                + ("Agrees with the study. " if top == "ds" else "**Differs from the study**: dS is not the largest. ")
+            )
+        else:
+            text += f"{path.name} has no single-product settings to attribute dQ's error with; see its table above."
+    else:
+        text += "With real activations: not measured yet (the retired attribution.py: results/retired.md). "
+    if loaded["synthetic"]:
+        path, result = loaded["synthetic"][-1]
+        narrow = dq_error_shares(result, lambda kind: kind == "normal sigma=1")
+        wide = dq_error_shares(result, lambda kind: kind == "normal sigma=4")
+        if narrow and wide:
+            text += (
+                f"On synthetic inputs ({path.name}), dS alone in INT8 gives {narrow.get('ds', 0):.0%} of dQ's squared "
+                f"error at N(0, 1) (the INT8 QK^T {narrow.get('qk', 0):.0%}) but {wide.get('ds', 0):.0%} at N(0, 16), "
+                f"where the INT8 QK^T gives {wide.get('qk', 0):.0%}: dS dominates only while the scores stay narrow, "
+                "which QK-norm helps keep them."
+            )
+    lines += [text, ""]
+    # (iii) tokens per step
+    text = "**(iii) Fewer tokens per step let SageBwd match full precision.** "
+    floor_small = floor_of("small-qknorm")
+    if large is None or small is None:
+        text += f"Large tokens per step: {said(large, large_why, floor)}; small: {said(small, small_why, floor_small)}."
+    else:
+        text += (
+            "SageBwd fixed against full precision, the same tokens seen: at large tokens per step "
+            f"{verdict(large, floor)}; "
+            f"at small {verdict(small, floor_small)}. "
+        )
+        lag_large = floor is not None and large > floor
+        lag_small = floor_small is not None and small > floor_small
+        if lag_large and not lag_small:
+            text += "Agrees with the study: the gap at large tokens per step closes at small."
+        elif not lag_large and not lag_small:
+            text += (
+                "**Partly differs from the study**: at small tokens per step SageBwd matched full precision, as the "
+                "study found, but at large tokens per step it did not lag either (the study's lag was at 2.1M tokens "
+                "per step on a 325M model), so this matrix cannot show fewer tokens per step closing a gap."
+            )
+        elif lag_small and not lag_large:
+            text += "**Differs from the study**: the gap shows at small tokens per step, not at large."
+        else:
+            text += "**Differs from the study**: SageBwd lags full precision at both sizes."
+    lines += [text, ""]
+    # (iv) K-smoothing
+    text = "**(iv) K-smoothing is essential; Q-smoothing helps little.** "
+    result = groups.get("large-qknorm")
+    off, off_why = gap("large-qknorm", "sage_no_smooth_k", "sage_fixed")
+    broke = diverged(result, roles(result).get("sage_no_smooth_k")) if result else None
+    text += (
+        "In training, K-smoothing off against on (SageBwd fixed, large tokens per step): "
+        f"{broke or said(off, off_why, floor)}. "
+    )
+    if broke or (off is not None and floor is not None and off > 2 * floor):
+        text += "Agrees with the study. "
+    elif off is not None:
+        text += "**Differs from the study**: training without K-smoothing did not fall measurably behind here. "
+    if loaded["synthetic"]:
+        path, result = loaded["synthetic"][-1]
+        text += (
+            f"On synthetic inputs ({path.name}) K-smoothing off multiplies dQ's error by "
+            f"{ratio_range(result, 'dQ', 'sagebwd:int8=qk,pv,dv,ds', 'sagebwd:int8=qk,pv,dv,ds;smooth_k')} across the "
+            "input kinds (the largest with outlier channels in K). "
+        )
+    if loaded["smoothing"]:
+        path, result = loaded["smoothing"][-1]
+        text += (
+            f"Q-smoothing was not trained with here; on synthetic inputs ({path.name}) it multiplies O's error by "
+            f"{ratio_range(result, 'O', 'smooth_q', 'base', key='label')} and dQ's by "
+            f"{ratio_range(result, 'dQ', 'smooth_q', 'base', key='label')}: little, as the study found."
+        )
+    else:
+        text += "Q-smoothing: not measured."
+    lines += [text, ""]
+    return lines
