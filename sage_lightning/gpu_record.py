@@ -1,9 +1,10 @@
 """The kernels' digest, and the GPU-verification record's summary that ships with the package.
 
-``benchmarks/gpu_verify.py`` proves ``kernels/`` on an H100 or H200 and writes the full record
-(``benchmarks/results/gpu-verified.json``); its digest, commit, device and date are also written here, to
-``sage_lightning/gpu_record.json``, so that an installed package can say whether its own kernel files are the ones
-that passed (``python -m sage_lightning``). ``tests/test_gpu_record.py`` keeps the two in step.
+``python -m benchmarks.kernels.gpu_verify`` proves ``kernels/`` on an H100 or H200 and writes the full record
+(``benchmarks/results/gpu-verified.json``); its digest, commit, device and date also go beside this module, to
+``sage_lightning/gpu_record.json`` (``python -m benchmarks.kernels.gpu_record`` writes it), so that an installed
+package can say whether its own kernel files are the ones that passed (``python -m sage_lightning``).
+``tests/test_gpu_record.py`` keeps the two in step.
 
 Example::
 
@@ -25,19 +26,24 @@ SUMMARY = Path(__file__).with_name("gpu_record.json")
 SUMMARY_FIELDS = ("kernels_digest", "commit", "device", "date", "passed")
 
 
-def kernel_files(root: Path) -> dict[str, str]:
+def kernel_files(root: Path | None = None) -> dict[str, str]:
     """The sha256 of every file under ``root``, by its path relative to ``root`` (``/``-separated).
 
     Python's byte-code caches (``__pycache__``, ``*.pyc``) are left out: they are not source and appear when the
     package is imported.
 
     Args:
-        root: the kernels' folder (``kernels/`` in a checkout, ``sage_lightning/kernels/`` installed).
+        root: the kernels' folder (``kernels/`` in a checkout, ``sage_lightning/kernels/`` installed); ``None`` is
+            the folder this process imports ``sage_lightning.kernels`` from.
 
     Example::
 
         kernel_files(Path("kernels"))["backward.py"]   # '3f1c...'
     """
+    if root is None:
+        import sage_lightning.kernels as kernels
+
+        root = Path(kernels.__file__).parent
     files = {}
     for path in sorted(root.rglob("*")):
         if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
@@ -59,9 +65,7 @@ def digest(files: dict[str, str]) -> str:
 
 def installed_digest() -> str:
     """The digest of the kernel files this process imports (``sage_lightning.kernels``' folder)."""
-    import sage_lightning.kernels as kernels
-
-    return digest(kernel_files(Path(kernels.__file__).parent))
+    return digest(kernel_files())
 
 
 def summary_of(record: dict[str, Any]) -> dict[str, Any]:

@@ -7,12 +7,13 @@ recomputes it in CI and fails when the files differ or a check failed: a kernel 
 
 from __future__ import annotations
 
-import hashlib
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks.result_file import REPO, RESULTS
+from sage_lightning.gpu_record import SUMMARY, digest, kernel_files, recorded_summary, summary_of
 
 KERNELS = REPO / "kernels"
 RECORD = RESULTS / "gpu-verified.json"
@@ -20,26 +21,6 @@ RECORD = RESULTS / "gpu-verified.json"
 REQUIRED_CHECKS = ("kernel_tests", "agreement", "accuracy", "training_parity")
 #: What to run when the record is void: on a machine with an H100 or H200, from the repository root.
 VERIFY_COMMAND = "GIT_COMMIT=$(git rev-parse HEAD) python -m benchmarks.kernels.gpu_verify"
-
-
-def kernel_files(root: Path = KERNELS) -> dict[str, str]:
-    """The sha256 of every file under ``root``, by its path relative to ``root`` (``/``-separated).
-
-    Python's byte-code caches (``__pycache__``, ``*.pyc``) are left out: they are not source and appear when the
-    package is imported.
-    """
-    files = {}
-    for path in sorted(root.rglob("*")):
-        if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
-            continue
-        files[path.relative_to(root).as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return files
-
-
-def digest(files: dict[str, str]) -> str:
-    """One sha256 over the sorted paths and their contents' digests (a file renamed changes it too)."""
-    text = "".join(f"{path}\0{files[path]}\n" for path in sorted(files))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def changed_files(recorded: dict[str, str], current: dict[str, str]) -> list[str]:
@@ -75,4 +56,18 @@ def check_record(record_path: Path = RECORD, kernels: Path = KERNELS) -> list[st
             problems.append(f"the GPU-verification record's {name!r} check failed: {checks[name].get('summary')}")
     if record.get("passed") is not True and not problems:
         problems.append(f"the GPU-verification record says it did not pass. {how}")
+    if record_path == RECORD and recorded_summary() != summary_of(record):
+        problems.append(f"{SUMMARY.relative_to(REPO)} is not the record's summary: run python -m {__spec__.name}")
     return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    """After a new record is committed: write its summary into the package (what ``python -m sage_lightning``
+    compares the installed kernels with), then list what still voids the record."""
+    argparse.ArgumentParser(description=main.__doc__).parse_args(argv)
+    SUMMARY.write_text(json.dumps(summary_of(json.loads(RECORD.read_text())), indent=2) + "\n")
+    print(f"wrote {SUMMARY.relative_to(REPO)}", *check_record(), sep="\n")
+
+
+if __name__ == "__main__":
+    main()
