@@ -54,8 +54,7 @@ def test_the_command_line_refuses_an_empty_checkpoint_before_making_folders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     pytest.importorskip("jsonargparse")
-    monkeypatch.syspath_prepend(str(REPO / "examples"))
-    from pretrain import main
+    from examples.pretrain import main
 
     empty = tmp_path / "last.ckpt"
     empty.write_bytes(b"")

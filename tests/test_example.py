@@ -586,7 +586,7 @@ def test_command_line_errors_are_one_paragraph_and_leave_nothing(
 
 def test_the_quickstart_prints_what_matters_and_ends_with_the_summary(capsys: pytest.CaptureFixture) -> None:
     """Quiet by default: the attention call's four lines, the two lines' summary, and how to see more."""
-    from quickstart import main
+    from examples.quickstart import main
 
     main([])
     lines = capsys.readouterr().out.splitlines()
@@ -601,7 +601,7 @@ def test_a_misspelt_command_line_key_shows_the_error_first(
     """The one line that matters, and the name meant, before anything else (no 76 lines of usage); an abbreviation
     is a typo too (argparse would read --trainer.max_step as --trainer.max_steps and train)."""
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     for typo in ("--trainer.max_stesp=5", "--trainer.max_step=5"):
@@ -618,7 +618,7 @@ def test_a_misspelt_threshold_in_a_config_names_the_key_and_the_right_one(
 ) -> None:
     """A misspelt PolicyConfig field in a config file: where it is and the field meant, not a 17-line union error."""
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     config = tmp_path / "typo.yaml"
@@ -644,7 +644,7 @@ def test_ctrl_c_on_the_command_line_prints_the_command_that_resumes(
     """Ctrl-C after step 3: the configs' ModelCheckpoint(save_on_exception=True) keeps step 3 in last.ckpt, and the
     last line is the same command with --ckpt_path; run as printed, it resumes there and finishes."""
     pytest.importorskip("jsonargparse")
-    from pretrain import main
+    from examples.pretrain import main
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py"])
     root = tmp_path / "out"
