@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from pathlib import Path
 
 from benchmarks.kernels import sm90_compile as offline  # sets a fresh Triton cache before triton is imported
+from benchmarks.kernels.gluon_dq_compile import record_failure
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
 #: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv_wg.py``, D=64 only).
@@ -74,11 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                             )  # fmt: skip
                     except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                         failures += 1
-                        message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
-                        offline._RECORDS.append(
-                            offline.Compiled(kernel="_gluon_dkdv_kernel", case=offline._CASE["name"], constants={},
-                                             num_warps=8, num_stages=stages, fits=False, error=message)
-                        )  # fmt: skip
+                        record_failure("_gluon_dkdv_kernel", stages, error)
                 if args.no_portable or with_stats:
                     continue
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"

@@ -24,6 +24,13 @@ import torch
 VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer", "wg")
 
 
+def record_failure(kernel: str, num_stages: int | None, error: BaseException) -> None:
+    """In an ``except``: a Gluon case that failed to compile, as a report row of 8 warps (the other cases go on)."""
+    message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
+    offline._RECORDS.append(offline.Compiled(kernel=kernel, case=offline._CASE["name"], constants={}, num_warps=8,
+                                             num_stages=num_stages, fits=False, error=message))  # fmt: skip
+
+
 def _portable(x: dict, causal: bool) -> None:
     """``backward()``'s ``_dq_kernel`` launch (every autotuning candidate is compiled)."""
     from sage_lightning.kernels import backward as bwd
@@ -88,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     )  # fmt: skip
                 except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                     failures += 1
-                    message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
-                    offline._RECORDS.append(
-                        offline.Compiled(kernel="_gluon_dq_kernel", case=offline._CASE["name"], constants={},
-                                         num_warps=8, num_stages=stages, fits=False, error=message)
-                    )  # fmt: skip
+                    record_failure("_gluon_dq_kernel", stages, error)
             if not args.no_portable:
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
                 _portable(x, causal)
