@@ -57,6 +57,11 @@ def precisions() -> list[tuple[str, object]]:
     return rows
 
 
+def _call(device: torch.device, head_dim: int) -> torch.Tensor:
+    # The described call's q (and k): kernel_path reads shapes, dtype and device only, so one element, expanded.
+    return torch.empty((1,), dtype=torch.bfloat16, device=device).expand(*SHAPE, head_dim)
+
+
 def _device_lines() -> tuple[list[str], torch.device]:
     if not torch.cuda.is_available():
         return ["device     none with CUDA: every call runs the PyTorch reference (correct, slow)"], torch.device("cpu")
@@ -71,7 +76,7 @@ def _kernel_lines(device: torch.device) -> list[str]:
     from sage_lightning.kernels import kernel_path
 
     if device.type != "cuda":
-        q = torch.empty((1,), dtype=torch.bfloat16).expand(*SHAPE, HEAD_DIMS[0])
+        q = _call(device, HEAD_DIMS[0])
         reason = kernel_path(q, q).reason
         return [f"kernels    every precision runs the PyTorch reference here ({reason}); mode='full' runs SDPA"]
     return kernel_table(device)
@@ -94,7 +99,7 @@ def kernel_table(device: torch.device) -> list[str]:
     lines = []
     reasons: dict[str, int] = {}
     for head_dim in HEAD_DIMS:
-        q = torch.empty((1,), dtype=torch.bfloat16, device=device).expand(*SHAPE, head_dim)
+        q = _call(device, head_dim)
         lines.append(f"kernels    B={SHAPE[0]} H={SHAPE[1]} N={SHAPE[2]} D={head_dim}, bf16, causal:")
         lines.append(f"  {'precision':<16} {'forward':<16} {'dK/dV':<15} {'dQ':<13} why")
         for name, precision in precisions():

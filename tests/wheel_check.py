@@ -80,7 +80,7 @@ def installed_modules(repo: Path) -> list[str]:
 
     Example::
 
-        installed_modules(Path("."))[:2]   # ['sage_lightning', 'sage_lightning.__init__'] is not listed twice
+        installed_modules(Path("."))[:2]   # ['sage_lightning', 'sage_lightning.callback']
     """
     names = set()
     for file in expected_files(repo):
