@@ -652,6 +652,8 @@ class AdaptivePrecision(Callback):
             layer.collect_stats = self._request.ds_stats or self._discard_stats
             if self._request.probe:
                 layer.arm_probe()
+            if self._request.noise:
+                layer.arm_noise(self._require_policy().config.noise_sequences)
         self._loss_sum = None
         self._micro_batches = 0
         self._window_tokens = 0
@@ -678,7 +680,7 @@ class AdaptivePrecision(Callback):
         if grad_norm2.device != device:  # gradients held elsewhere than the training device (a model split by hand)
             grad_norm2 = grad_norm2.to(device)
         nonfinite = take_nonfinite_flags(list(self._layers.values()), device)
-        measures = self._request.ds_stats or self._discard_stats or self._request.probe
+        measures = self._request.ds_stats or self._discard_stats or self._request.probe or self._request.noise
         if trainer.world_size == 1 and not measures:
             # The usual step: only what the device holds goes to the host; no reduction on one process.
             short = self._layout.pack_short(loss_sum, grad_norm2, nonfinite)
@@ -691,6 +693,9 @@ class AdaptivePrecision(Callback):
             if self._discard_stats:
                 ds_sums, qk_sums, self._discard_stats = None, None, False
         probes = [layer.take_probe() for layer in self._layers.values()] if self._request.probe else None
+        noise = None
+        if self._request.noise:
+            noise = [layer.take_noise(self._bases[name]) for name, layer in self._layers.items()]
         packed = self._layout.pack(
             device,
             loss_sum=loss_sum,
@@ -701,6 +706,7 @@ class AdaptivePrecision(Callback):
             qk_sums=qk_sums,
             probes=probes,
             nonfinite=nonfinite,
+            noise=noise,
         )
         total = reduce(trainer, packed)
         return total, total[HEAD_FIELDS.index("grad_norm2")], None
@@ -728,7 +734,9 @@ class AdaptivePrecision(Callback):
                 if layer.precision is not ran and layer.precision != ran  # the same object, mostly: no field compare
             ]
             for name in stale:
-                layers[name] = dataclasses.replace(layers[name], ds_rel_err=None, qk_rel_err=None, probe=None)
+                layers[name] = dataclasses.replace(
+                    layers[name], ds_rel_err=None, qk_rel_err=None, probe=None, noise_ratio_ran=None
+                )
         return StepSignals(
             step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
         )
