@@ -180,6 +180,7 @@ class AttentionLayerState:
         # Sequences to capture for the noise measurement (0: not armed), and the capture.
         self._noise_armed = 0
         self._noise_capture: _ProbeCapture | None = None
+        self._noise_batch = 0  # the captured call's sequences (all of them, not only those kept)
         # Born on the CPU so a compiled first call finds it and no recompile follows; a call on another device
         # moves it there once (one recompile under torch.compile).
         self._nonfinite: torch.Tensor = torch.zeros((), dtype=torch.bool)
@@ -492,7 +493,7 @@ class AttentionLayerState:
             capture.grad_out = grad[:take].detach().clone()
 
         out.register_hook(keep_grad_out)
-        self._noise_capture = capture
+        self._noise_capture, self._noise_batch = capture, q.shape[0]
         self._noise_armed = 0
 
     # --------------------------------------------------------------------------------------------- signals
@@ -640,7 +641,8 @@ class AttentionLayerState:
 
         Returns:
             ``(sums, sequences)``: a float64 ``[2, 3]`` device tensor, rows ``base`` and the precision that ran
-            (the same row twice where they are equal), and the captured sequences; ``None`` where nothing was
+            (the same row twice where they are equal), and the sequences of the captured call (its micro-batch; the
+            sums are over the first ``arm_noise(sequences)`` of them); ``None`` where nothing was
             captured (not armed, no served call of two or more sequences, or no backward through it yet) or the
             layer runs in full precision (no low-bit error to measure).
 
@@ -667,7 +669,7 @@ class AttentionLayerState:
         )
         if len(precisions) == 1:
             sums = sums.expand(2, -1)
-        return sums, capture.q.shape[0]
+        return sums, self._noise_batch
 
     def take_nonfinite(self) -> bool:
         """Whether a call since the last take returned a non-finite output from finite q, k, v. One host sync.
