@@ -306,13 +306,13 @@ def _forward_kernel(q, k, formats, scale, block_m, block_n, switches) -> tuple[s
     return HOPPER_FORWARD, "the Hopper forward serves these formats and shapes"
 
 
-def _gluon_pass(q, k, formats, is_causal, block_m, block_n, module, choice, switches, products, extra=()):  # noqa: ANN001
+def _gluon_pass(q, k, formats, is_causal, block_m, block_n, module, name, switches, products, extra=()):  # noqa: ANN001
     """Whether a Gluon backward pass (``module``: :mod:`.hopper.gluon_backward` or :mod:`.hopper.gluon_dq`) takes
     the call, and why (the rule is the same for both; each module's constants say what it serves; ``extra``: more
     ``(met, need)`` conditions of one pass)."""
     from .hopper import gluon_backward  # where the Gluon API's presence and version are known
 
-    name = module.__name__.rsplit(".", 1)[-1]
+    choice = getattr(switches, name)
     if not gluon_backward.HAVE_GLUON or TRITON_VERSION not in gluon_backward.GLUON_TRITON:
         return False, f"the Gluon kernels need Triton {', '.join(gluon_backward.GLUON_TRITON)}'s Gluon API"
     if choice == "off":
@@ -348,7 +348,7 @@ def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> t
 
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     takes, dkdv_reason = _gluon_pass(
-        q, k, formats, is_causal, block_m, block_n, gluon_backward, switches.gluon_dkdv, switches, ("qk", "dv", "ds")
+        q, k, formats, is_causal, block_m, block_n, gluon_backward, GLUON_DKDV, switches, ("qk", "dv", "ds")
     )
     dkdv = TRITON_DKDV
     if takes:
@@ -357,7 +357,7 @@ def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> t
             dkdv, dkdv_reason = GLUON_DKDV_WG, f"{dkdv_reason}; one warpgroup per 64 keys at this head dim"
     nonempty = ((seq_q > 0 and seq_k > 0, "at least one query and one key"),)
     takes, dq_reason = _gluon_pass(
-        q, k, formats, is_causal, block_m, block_n, gluon_dq, switches.gluon_dq, switches, ("qk", "ds"), nonempty
+        q, k, formats, is_causal, block_m, block_n, gluon_dq, GLUON_DQ, switches, ("qk", "ds"), nonempty
     )
     dq = TRITON_DQ
     if takes:
