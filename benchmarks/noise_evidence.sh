@@ -8,13 +8,14 @@
 # matrix sets them (benchmarks/training/matrix.py). In each group: full precision (seeds 1234, 1235), SageBwd fixed
 # (1234: no controller; 1235: the controller measuring the noise ratio without acting, noise_ratio_high 1e6), then
 # SageBwd + controller (both seeds) at the threshold that `python -m benchmarks.controller.noise_calibration` puts
-# between the observing runs' readings (it waits for them), and in large-qknorm SageBwd ds="bf16" (both seeds).
+# between the observing runs' readings (it waits for them), and in large-qknorm SageBwd ds="bf16" (seed 1234, last).
 #   bash benchmarks/noise_evidence.sh start   # copy and install the tree, start the queues, follow FOLLOW_SECONDS
 #   bash benchmarks/noise_evidence.sh wait    # follow again; repeat until it prints "finished"
 # Each call leaves in $OUT noise.tar.gz (results/training-*.json, .md, .png; calibration.md; the logs) and
 # summary.md. The runs use a copy of the tree installed under $WORK, so later calls (which replace the working
 # tree) do not change the code they run. Env: WORK (/tmp/sage-noise), PYTHON (python3), GPUS (all), FOLLOW_SECONDS
-# (570), STEPS (390: the large groups' steps; the small group takes 8x), EXTRA_ARGS (more pretrain_compare
+# (570), STEPS (390: the large groups' steps; the small group takes 8x), HOLD_GPU0 (set: GPU 0's queue waits for
+# $WORK/gpu0-free, so the calling command can verify the kernels there first), EXTRA_ARGS (more pretrain_compare
 # arguments for every run, word-split), GIT_COMMIT (the commit the results name).
 set -uo pipefail
 MODE=${1:-start}
@@ -78,29 +79,30 @@ controller() {  # GPU GROUP SEED NAME
     --set "$POLICY.noise_ratio_low=$(awk "BEGIN { print $t / 2 }")"
 }
 
-queue() {  # the runs of GPU $1 of $2, spread so the observing runs come first
+queue() {  # the runs of GPU $1: the observing runs first (the calibration waits for them), the controller's last
   local gpu=$1 observe=(--set "$POLICY.noise_ratio_high=1000000")
-  case $(($1 % 4)) in
-    0) train "$gpu" large-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
-       train "$gpu" small-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
-       train "$gpu" large-qknorm full:controller=off,seed=1234 full
-       controller "$gpu" large-qknorm 1234 sage-controller
-       train "$gpu" large-qknorm sage_bf16_ds:controller=off,seed=1234 sage-ds-bf16 ;;
-    1) train "$gpu" large-qknorm sage:controller=off,seed=1234 sage-fixed
-       train "$gpu" small-qknorm sage:controller=off,seed=1234 sage-fixed
-       train "$gpu" large-qknorm full:controller=off,seed=1235 full-seed1235
-       controller "$gpu" large-qknorm 1235 sage-controller-seed1235
-       train "$gpu" large-qknorm sage_bf16_ds:controller=off,seed=1235 sage-ds-bf16-seed1235 ;;
-    2) train "$gpu" large-no-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
-       train "$gpu" small-qknorm full:controller=off,seed=1234 full
-       train "$gpu" large-no-qknorm full:controller=off,seed=1234 full
-       controller "$gpu" small-qknorm 1234 sage-controller
-       controller "$gpu" large-no-qknorm 1234 sage-controller ;;
-    3) train "$gpu" large-no-qknorm sage:controller=off,seed=1234 sage-fixed
-       train "$gpu" small-qknorm full:controller=off,seed=1235 full-seed1235
-       train "$gpu" large-no-qknorm full:controller=off,seed=1235 full-seed1235
-       controller "$gpu" small-qknorm 1235 sage-controller-seed1235
-       controller "$gpu" large-no-qknorm 1235 sage-controller-seed1235 ;;
+  case $1 in
+    0) # GPU 0 starts once $WORK/gpu0-free exists where HOLD_GPU0 is set (a verification runs there first).
+       while [[ -n "${HOLD_GPU0:-}" && ! -f "$WORK/gpu0-free" ]]; do sleep 5; done
+       train 0 large-qknorm full:controller=off,seed=1234 full
+       controller 0 large-qknorm 1234 sage-controller
+       controller 0 small-qknorm 1235 sage-controller-seed1235
+       train 0 large-qknorm sage_bf16_ds:controller=off,seed=1234 sage-ds-bf16 ;;
+    1) train 1 large-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
+       train 1 small-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
+       train 1 large-qknorm full:controller=off,seed=1235 full-seed1235
+       controller 1 large-qknorm 1235 sage-controller-seed1235
+       train 1 small-qknorm full:controller=off,seed=1235 full-seed1235 ;;
+    2) train 2 large-no-qknorm sage:controller=on,seed=1235 sage-fixed-seed1235-observe "${observe[@]}"
+       train 2 large-qknorm sage:controller=off,seed=1234 sage-fixed
+       train 2 large-no-qknorm full:controller=off,seed=1234 full
+       controller 2 large-no-qknorm 1234 sage-controller
+       controller 2 small-qknorm 1234 sage-controller ;;
+    3) train 3 large-no-qknorm sage:controller=off,seed=1234 sage-fixed
+       train 3 small-qknorm sage:controller=off,seed=1234 sage-fixed
+       train 3 small-qknorm full:controller=off,seed=1234 full
+       train 3 large-no-qknorm full:controller=off,seed=1235 full-seed1235
+       controller 3 large-no-qknorm 1235 sage-controller-seed1235 ;;
   esac
 }
 
@@ -152,7 +154,7 @@ case "$MODE" in
   start)
     rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
     setup || { cat "$WORK/install.log" | tail -20; exit 1; }
-    setsid nohup bash "$0" _detached >"$WORK/driver.log" 2>&1 </dev/null &
+    HOLD_GPU0=${HOLD_GPU0:-} setsid nohup bash "$0" _detached >"$WORK/driver.log" 2>&1 </dev/null &
     for _ in $(seq 50); do [[ -f "$WORK/pid" ]] && break; sleep 0.2; done
     follow
     collect

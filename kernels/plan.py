@@ -192,6 +192,7 @@ def refresh_settings() -> KernelSettings | None:
     """
     global _settings
     _settings = None
+    _PLANS.clear()  # they were made under the old settings (and whatever a test patched)
     try:
         return settings()
     except ValueError:
@@ -474,6 +475,34 @@ def plan_attention(
         print(plan.backend, plan.forward, plan.dkdv, plan.dq)   # hopper hopper_forward gluon_dkdv gluon_dq (H100)
     """
     precision = AttentionPrecision() if precision is None else precision
+    shapes = (*q.shape, *k.shape)
+    if not all(type(size) is int for size in shapes):  # symbolic sizes (torch.compile tracing): no cache
+        return _plan(q, k, precision, is_causal, scale, block_m, block_n, backend)
+    key = (shapes, q.dtype, q.device, precision, is_causal, scale, block_m, block_n, backend, _backend, settings())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(q, k, precision, is_causal, scale, block_m, block_n, backend)
+    return plan
+
+
+#: Plans made, by everything they read (the same call's plan costs a dict lookup, not tens of microseconds of
+#: reasons); a refusal is not kept, so it is raised again on every call.
+_PLANS: dict[tuple, KernelPlan] = {}
+_PLANS_KEPT = 1024
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    precision: AttentionPrecision,
+    is_causal: bool,
+    scale: float | None,
+    block_m: int | None,
+    block_n: int | None,
+    backend: str | None,
+) -> KernelPlan:
     qat = precision.mode == "attn_qat"
     block_m = (QAT_BLOCK_M if qat else DEFAULT_BLOCK_M) if block_m is None else block_m
     block_n = DEFAULT_BLOCK_N if block_n is None else block_n

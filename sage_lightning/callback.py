@@ -47,7 +47,7 @@ from sage_lightning.policy import (
 from sage_lightning.precision_image import LevelHistory
 from sage_lightning.signals import (
     HEAD_FIELDS,
-    LAYER_FIELDS,
+    PREVIOUS_LAYER_WIDTH,
     VERDICT_LAG,
     HostCopies,
     SignalLayout,
@@ -931,7 +931,8 @@ def _upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
         and isinstance(pending.get("values"), list)
         and isinstance(state.get("bases"), Mapping)
     ):
-        values, head, width = list(pending["values"]), len(HEAD_FIELDS), len(LAYER_FIELDS) - 1
+        # Version 2's layer rows: the next layout's (PREVIOUS_LAYER_WIDTH, which unpack reads) less the flag.
+        values, head, width = list(pending["values"]), len(HEAD_FIELDS), PREVIOUS_LAYER_WIDTH - 1
         expected = head + len(state["bases"]) * width
         if len(values) != expected:
             raise ValueError(

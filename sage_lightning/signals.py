@@ -55,6 +55,8 @@ LAYER_FIELDS: tuple[str, ...] = (
 )
 #: The fields a vector of the previous layout (without the noise measurement) lacks, read as zeros.
 _NOISE_BLOCK = len(NOISE_ROWS) * len(NOISE_FIELDS) + 2
+#: A layer's values in that layout (a checkpoint's pending verdict may hold it; :meth:`SignalLayout.unpack` reads it).
+PREVIOUS_LAYER_WIDTH = len(LAYER_FIELDS) - _NOISE_BLOCK
 #: Offsets in a layer's row of the counts that say something optional was measured there, and of its flag.
 _MEASURED = tuple(
     LAYER_FIELDS.index(name)
@@ -290,7 +292,7 @@ class SignalLayout:
         from before the measurement existed) gains them as zeros (nothing measured)."""
         if len(total) == self.size:
             return total
-        head, width = len(HEAD_FIELDS), len(LAYER_FIELDS) - _NOISE_BLOCK
+        head, width = len(HEAD_FIELDS), PREVIOUS_LAYER_WIDTH
         if len(total) != head + len(self.layers) * width:
             raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
         values = list(total[:head])

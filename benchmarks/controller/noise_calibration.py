@@ -49,6 +49,8 @@ def calibrate(found: dict[tuple[int, str], list[float]]) -> tuple[float | None, 
             f"| {tokens:,} | {run} | {len(values)} | {statistics.median(values):.3f} | "
             f"{quantile(values, 0.95):.3f} | {max(values):.3f} |"
         )
+    if not found:
+        return None, lines + ["", "No noise readings in these results."]
     smallest = min(tokens for tokens, _ in found)
     quiet = [v for (tokens, _), values in found.items() if tokens == smallest for v in values]
     loud = [statistics.median(values) for (tokens, _), values in found.items() if tokens > smallest]
