@@ -150,7 +150,30 @@ collect() {
   grep -l "Traceback" "$WORK"/log-*.txt 2>/dev/null | while read -r f; do echo "== $f"; tail -5 "$f"; done
 }
 
+extra() {  # GPU 1-3: a second round at a threshold given by hand (where the calibration found none)
+  case $1 in
+    1) train 1 large-qknorm sage_bf16_ds:controller=off,seed=1235 sage-ds-bf16-seed1235
+       controller 1 large-qknorm 1235 sage-controller-seed1235 ;;
+    2) controller 2 large-qknorm 1234 sage-controller
+       controller 2 large-no-qknorm 1234 sage-controller ;;
+    3) controller 3 small-qknorm 1234 sage-controller
+       controller 3 small-qknorm 1235 sage-controller-seed1235 ;;
+  esac
+}
+
 case "$MODE" in
+  extra)  # THRESHOLD: the runs of extra() on the installed copy, detached; follow with 'wait'
+    echo "$2" >"$WORK/threshold" && rm -f "$WORK/status"
+    echo "--- extra round at noise_ratio_high $2" >>"$WORK/evidence.log"
+    setsid nohup bash "$0" _extra >>"$WORK/driver.log" 2>&1 </dev/null &
+    sleep 2
+    ;;
+  _extra)
+    echo $$ >"$WORK/pid"
+    for gpu in 1 2 3; do extra "$gpu" & done
+    wait
+    echo 0 >"$WORK/status"
+    ;;
   start)
     rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
     setup || { cat "$WORK/install.log" | tail -20; exit 1; }
@@ -166,7 +189,7 @@ case "$MODE" in
     collect
     ;;
   *)
-    echo "noise_evidence.sh: the mode must be start or wait; received '$MODE'." >&2
+    echo "noise_evidence.sh: the mode must be start, wait or extra; received '$MODE'." >&2
     exit 2
     ;;
 esac

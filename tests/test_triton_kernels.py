@@ -370,7 +370,8 @@ def test_the_operators_autograd_formula_does_not_materialize_gradients_either():
 
     ctx = RecordingCtx()
     x = torch.zeros(1)
-    ops._setup_context(ctx, (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64), (x,) * 7)
+    inputs = (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64)
+    ops._setup_context(ctx, (*inputs, "triton_forward", "triton_dkdv", "triton_dq"), (x,) * 7)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 6) in ctx.calls
 
 
