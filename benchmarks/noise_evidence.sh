@@ -162,7 +162,8 @@ extra() {  # GPU 1-3: a second round at a threshold given by hand (where the cal
 }
 
 case "$MODE" in
-  extra)  # THRESHOLD: the runs of extra() on the installed copy, detached; follow with 'wait'
+  extra)  # THRESHOLD: the runs of extra() (on the installed copy; a fresh machine installs one), detached
+    [[ -d "$WORK/site" ]] || { mkdir -p "$WORK" "$OUT" && setup; } || exit 1
     echo "$2" >"$WORK/threshold" && rm -f "$WORK/status"
     echo "--- extra round at noise_ratio_high $2" >>"$WORK/evidence.log"
     setsid nohup bash "$0" _extra >>"$WORK/driver.log" 2>&1 </dev/null &
