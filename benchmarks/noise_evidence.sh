@@ -150,28 +150,26 @@ collect() {
   grep -l "Traceback" "$WORK"/log-*.txt 2>/dev/null | while read -r f; do echo "== $f"; tail -5 "$f"; done
 }
 
-extra() {  # GPU 1-3: a second round at a threshold given by hand (where the calibration found none)
+extra() {  # a second round, one run per GPU, at a threshold given by hand (where the calibration found none)
   case $1 in
-    1) train 1 large-qknorm sage_bf16_ds:controller=off,seed=1235 sage-ds-bf16-seed1235
-       controller 1 large-qknorm 1235 sage-controller-seed1235 ;;
-    2) controller 2 large-qknorm 1234 sage-controller
-       controller 2 large-no-qknorm 1234 sage-controller ;;
-    3) controller 3 small-qknorm 1234 sage-controller
-       controller 3 small-qknorm 1235 sage-controller-seed1235 ;;
+    0) controller 0 large-no-qknorm 1234 sage-controller ;;
+    1) controller 1 large-qknorm 1235 sage-controller-seed1235 ;;
+    2) controller 2 large-qknorm 1234 sage-controller ;;
+    3) controller 3 small-qknorm 1234 sage-controller ;;
   esac
 }
 
 case "$MODE" in
   extra)  # THRESHOLD: the runs of extra() (on the installed copy; a fresh machine installs one), detached
     [[ -d "$WORK/site" ]] || { mkdir -p "$WORK" "$OUT" && setup; } || exit 1
-    echo "$2" >"$WORK/threshold" && rm -f "$WORK/status"
+    echo "$2" >"$WORK/threshold" && rm -f "$WORK/status" && mkdir -p "$WORK/calibrating"  # no calibration here
     echo "--- extra round at noise_ratio_high $2" >>"$WORK/evidence.log"
     setsid nohup bash "$0" _extra >>"$WORK/driver.log" 2>&1 </dev/null &
     sleep 2
     ;;
   _extra)
     echo $$ >"$WORK/pid"
-    for gpu in 1 2 3; do extra "$gpu" & done
+    for gpu in 0 1 2 3; do extra "$gpu" & done
     wait
     echo 0 >"$WORK/status"
     ;;
