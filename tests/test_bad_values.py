@@ -32,7 +32,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from sage_lightning.kernels import AttentionPrecision, ops, plan
+from sage_lightning.kernels import AttentionPrecision, ops
+from sage_lightning.kernels.hopper import dispatch
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import NO_BAD_KEY, finite_mean, quantize_channels_fp8, quantize_rows
 from sage_lightning.kernels.reference import confine, sage_attention_reference
@@ -59,11 +60,9 @@ def _backend(name: str, monkeypatch: pytest.MonkeyPatch):
     if name == "hopper":
         if not (INTERPRETED or ON_HOPPER):
             pytest.skip("the Hopper forward needs an sm_90 GPU or TRITON_INTERPRET=1")
-        monkeypatch.setenv(plan.HOPPER_ENV, "force")
-        plan.refresh_settings()
+        monkeypatch.setenv(dispatch.ENV, "force")
     else:
-        monkeypatch.setenv(plan.HOPPER_ENV, "off")
-        plan.refresh_settings()
+        monkeypatch.setenv(dispatch.ENV, "off")
     calls = []
     original = ops.hopper_forward
     monkeypatch.setattr(ops, "hopper_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))

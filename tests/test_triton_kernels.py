@@ -370,8 +370,7 @@ def test_the_operators_autograd_formula_does_not_materialize_gradients_either():
 
     ctx = RecordingCtx()
     x = torch.zeros(1)
-    inputs = (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64)
-    ops._setup_context(ctx, (*inputs, "triton_forward", "triton_dkdv", "triton_dq"), (x,) * 7)
+    ops._setup_context(ctx, (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64), (x,) * 7)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 6) in ctx.calls
 
 
@@ -433,8 +432,7 @@ def test_o_comes_back_in_the_callers_layout():
         assert torch.equal(g_s, g)
     # The fakes: the forward's O as q; the backward's gradients contiguous, as the kernels write them.
     prec = AttentionPrecision()
-    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64,
-            "triton_forward", "triton_dkdv", "triton_dq")  # fmt: skip
+    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64)
     do_s = _model_layout(do)
     with FakeTensorMode() as mode:
         fq, fk, fv, fdo = (mode.from_tensor(x) for x in (qs, ks, vs, do_s))
@@ -442,7 +440,7 @@ def test_o_comes_back_in_the_callers_layout():
         out, lse, q_op, q_scale, q_mean, k_op, k_scale = fake
         fgrads = torch.ops.sage_lightning.sagebwd_backward(
             fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, "int8", "int8", "bf16",
-            "int8", 128, 64, "triton_dkdv", "triton_dq",
+            "int8", 128, 64,
         )  # fmt: skip
     assert fake[0].stride() == out_s.stride()
     for f, g in zip(fgrads, grads_s, strict=True):
