@@ -51,9 +51,9 @@ SAVED_RUN=large-qknorm/full
 export XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/sage-cache}
 
 case "$MODE" in
-  run | start | wait | _detached) ;;
+  run | start | wait | _detached | corpus) ;;
   *)
-    echo "gpu_evidence.sh: the mode must be run, start or wait; received '$MODE'." >&2
+    echo "gpu_evidence.sh: the mode must be run, start, wait or corpus; received '$MODE'." >&2
     exit 2
     ;;
 esac
@@ -61,26 +61,9 @@ if [[ "$CORPUS" != site && "$CORPUS" != stdlib ]]; then
   echo "gpu_evidence.sh: CORPUS must be site or stdlib; received '$CORPUS'." >&2
   exit 2
 fi
-matrix() {
-  # The whole matrix in this process; its exit status goes to $WORK/status.
-  local begin=$SECONDS
-  if [[ -z "${SKIP_INSTALL:-}" ]]; then
-    "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || {
-      tail -20 "$WORK/install.log"
-      echo 1 >"$WORK/status"
-      return 1
-    }
-  fi
-  # Progress lines start with "--- ": the follow-up calls print them.
-  echo "--- device: $("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() \
-    else 'cpu', 'torch', torch.__version__)" 2>&1)" >>"$WORK/evidence.log"
-  local corpus=()
-  if [[ "$CORPUS" == site ]]; then
-    # One file, written once: TextDataModule lists its folders and stats every file on each Trainer.fit, seconds
-    # apiece for the ~10^5 files of the image's site-packages. Documents joined by byte 0, the byte tokenizer's
-    # end-of-document token, as TextDataModule joins the files of a folder.
-    local note
-    note=$("$PYTHON" - "$WORK/corpus.txt" "$CORPUS_MAX_MB" <<'PY'
+build_corpus() {
+  # The corpus file $WORK/corpus.txt (CORPUS=site); prints what it holds.
+  "$PYTHON" - "$WORK/corpus.txt" "$CORPUS_MAX_MB" <<'PY'
 import sys, sysconfig
 from pathlib import Path
 
@@ -108,7 +91,24 @@ print(
     f"(cap {cap // 2**20} MB), documents joined by byte 0 (benchmarks/gpu_evidence.sh, CORPUS=site)"
 )
 PY
-    ) || { echo 1 >"$WORK/status"; return 1; }
+}
+matrix() {
+  # The whole matrix in this process; its exit status goes to $WORK/status.
+  local begin=$SECONDS
+  if [[ -z "${SKIP_INSTALL:-}" ]]; then
+    "$PYTHON" -m pip install --no-deps --no-build-isolation -e . >"$WORK/install.log" 2>&1 || {
+      tail -20 "$WORK/install.log"
+      echo 1 >"$WORK/status"
+      return 1
+    }
+  fi
+  # Progress lines start with "--- ": the follow-up calls print them.
+  echo "--- device: $("$PYTHON" -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() \
+    else 'cpu', 'torch', torch.__version__)" 2>&1)" >>"$WORK/evidence.log"
+  local corpus=()
+  if [[ "$CORPUS" == site ]]; then
+    local note
+    note=$(build_corpus) || { echo 1 >"$WORK/status"; return 1; }
     echo "--- corpus: $note" >>"$WORK/evidence.log"
     corpus=(--set "data.paths=[\"$WORK/corpus.txt\"]" --corpus-note "$note")
   fi
@@ -167,6 +167,9 @@ report() {
 }
 
 case "$MODE" in
+  corpus)  # only the corpus file, for other drivers (benchmarks/noise_evidence.sh)
+    mkdir -p "$WORK" && build_corpus
+    ;;
   _detached)
     echo $$ >"$WORK/pid"
     matrix

@@ -79,6 +79,8 @@ ATTENTION_MODES: dict[str, AttentionPrecision] = {
     "sage_fp8_ds": AttentionPrecision(ds="fp8"),
     "sage_fp8_pv_ds": AttentionPrecision(pv="fp8", ds="fp8"),
     "sage_fp8": AttentionPrecision.all_fp8(),
+    # dS in bf16: the controller's rung for dS (ds_bf16), fixed from the start.
+    "sage_bf16_ds": AttentionPrecision(ds="bf16"),
     "attn_qat": AttentionPrecision(mode="attn_qat"),
     # Attn-QAT's "drop-in" variant: the FP4 forward with a plain backward (no matching recomputation), which the
     # Attn-QAT paper reports as unstable; here for the comparison.
@@ -105,7 +107,8 @@ class LlamaPretraining(SageAttentionMixin, L.LightningModule):
             ``vocab_size`` to the data's tokenizer and ``max_seq_len`` to the data's ``seq_len``.
         attention: ``"sage"`` (SageBwd, INT8), ``"sage_fp8_pv"``, ``"sage_fp8_ds"``, ``"sage_fp8_pv_ds"``
             (SageBwd with ``O = P V``, the score gradient's products, or both in FP8 e4m3), ``"sage_fp8"`` (every
-            product in FP8, ``AttentionPrecision.all_fp8()``), ``"attn_qat"`` (simulated NVFP4),
+            product in FP8, ``AttentionPrecision.all_fp8()``), ``"sage_bf16_ds"`` (dS in bf16), ``"attn_qat"``
+            (simulated NVFP4),
             ``"attn_qat_dropin"`` (its FP4 forward with a plain backward) or ``"full"`` (full precision);
             :data:`ATTENTION_MODES` maps each to its precision.
         lr: peak learning rate.

@@ -328,7 +328,7 @@ class AdaptivePrecision(Callback):
             if target != current and batch_idx % current == 0 and batch_idx % target == 0:
                 trainer.accumulate_grad_batches = target
                 self._applied_accumulate = target
-            self._pipeline.open_window(policy.signals_wanted(trainer.global_step))
+            self._pipeline.open_window(policy, trainer.global_step)
         self._pipeline.add_tokens(int(self.tokens_fn(batch)))
 
     @override

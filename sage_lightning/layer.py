@@ -22,17 +22,16 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.forward_health import qk_quant_error
 from sage_lightning.interception import bind_sdpa_arguments
-from sage_lightning.kernels import AttentionPrecision, sage_attention
+from sage_lightning.kernels import AttentionPrecision, UnsupportedAttention, sage_attention
 from sage_lightning.kernels.interface import MAX_TRITON_HEAD_DIM
 from sage_lightning.kernels.reference import exact_attention
 from sage_lightning.ledger import FALLBACK_PREFIX, FORWARD_END, FORWARD_START, SERVED, record, register
 from sage_lightning.masks import CAUSAL, kernel_mask
+from sage_lightning.noise import noise_sums
 
 #: The attribute of a swapped module that holds its :class:`AttentionLayerState`.
 STATE_ATTRIBUTE = "sage_attention_state"
 
-# What the kernel's own validation (check_inputs) puts before every refusal.
-_KERNEL_REFUSAL = "sage_attention: "
 # Probe metrics are computed per output, in this order.
 _PROBED_OUTPUTS = ("O", "dQ", "dK", "dV")
 
@@ -176,6 +175,10 @@ class AttentionLayerState:
         self._stats_given = False
         self._probe_armed = False
         self._capture: _ProbeCapture | None = None
+        # Sequences to capture for the noise measurement (0: not armed), and the capture.
+        self._noise_armed = 0
+        self._noise_capture: _ProbeCapture | None = None
+        self._noise_batch = 0  # the captured call's sequences (all of them, not only those kept)
         # Born on the CPU so a compiled first call finds it and no recompile follows; a call on another device
         # moves it there once (one recompile under torch.compile).
         self._nonfinite: torch.Tensor = torch.zeros((), dtype=torch.bool)
@@ -193,6 +196,8 @@ class AttentionLayerState:
         # A copy (deepcopy, pickle) is a layer of its own: its compiled calls must find it, not the original.
         self.__dict__.update(state)
         self.__dict__.setdefault("_warned_reference", False)  # a state pickled before the warning existed
+        self.__dict__.setdefault("_noise_armed", 0)  # ... or before the noise measurement
+        self.__dict__.setdefault("_noise_capture", None)
         self.ledger_key = register(self)
 
     # ----------------------------------------------------------------------------------------------- levers
@@ -250,10 +255,8 @@ class AttentionLayerState:
                 out = sage_attention(
                     q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision, stats=stats
                 )
-            except (TypeError, ValueError) as error:
-                if not str(error).startswith(_KERNEL_REFUSAL):
-                    raise
-                reason = str(error).removeprefix(_KERNEL_REFUSAL)
+            except UnsupportedAttention as error:
+                reason = error.reason
         if reason is not None:
             return self._fallback(reason, bound, args, kwargs)
         record(self, self.ledger_key, SERVED)
@@ -266,6 +269,8 @@ class AttentionLayerState:
         self._record_finiteness(q, k, v, out)
         if self._probe_armed and torch.is_grad_enabled() and out.requires_grad:
             self._capture_for_probe(q, k, v, out, bound)
+        if self._noise_armed and q.dim() == 4 and q.shape[0] >= 2 and torch.is_grad_enabled() and out.requires_grad:
+            self._capture_for_noise(q, k, v, out, bound)
         if self.keep_calls:
             kept = KeptCall(q.detach(), k.detach(), v.detach(), out, bound["is_causal"], bound["scale"])
             self.kept_calls.append(kept)
@@ -465,6 +470,28 @@ class AttentionLayerState:
         self._capture = capture
         self._probe_armed = False
 
+    def _capture_for_noise(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, bound: dict[str, Any]
+    ) -> None:
+        # The first sequences of the call, copied (the caller may write into q/k/v after it), and their share of
+        # the output's gradient once the backward reaches it.
+        take = min(self._noise_armed, q.shape[0])
+        capture = _ProbeCapture(
+            q=q[:take].detach().clone(),
+            k=k[:take].detach().clone(),
+            v=v[:take].detach().clone(),
+            is_causal=bound["is_causal"],
+            scale=None if bound["scale"] is None else float(bound["scale"]),
+            precision=self.precision,
+        )
+
+        def keep_grad_out(grad: torch.Tensor) -> None:
+            capture.grad_out = grad[:take].detach().clone()
+
+        out.register_hook(keep_grad_out)
+        self._noise_capture, self._noise_batch = capture, q.shape[0]
+        self._noise_armed = 0
+
     # --------------------------------------------------------------------------------------------- signals
 
     def take_ds_stats(self) -> tuple[float, float] | None:
@@ -578,6 +605,67 @@ class AttentionLayerState:
             scale=capture.scale,
             precision=capture.precision,
         )
+
+    def arm_noise(self, sequences: int = 16) -> None:
+        """Capture up to ``sequences`` sequences of the next served call made with grad enabled (and at least two
+        sequences), for :meth:`take_noise`: detached copies of their q, k, v and, through a hook on the output, of
+        the gradient that reaches them. Training is untouched.
+
+        Args:
+            sequences: the most sequences kept (memory: four copies of that many sequences' q).
+
+        Example::
+
+            layer.arm_noise(8)
+            model(batch).loss.backward()
+            sums, sequences = layer.take_noise(AttentionPrecision())
+        """
+        if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 2:
+            raise ValueError(
+                f"AttentionLayerState({self.name!r}).arm_noise: sequences must be an int >= 2 (the noise is the "
+                f"spread between sequences); received {sequences!r}."
+            )
+        self._noise_armed = sequences
+        self._noise_capture = None
+
+    def take_noise(self, base: AttentionPrecision) -> tuple[torch.Tensor, int] | None:
+        """The captured call's error against gradient noise (:func:`sage_lightning.noise.noise_sums`) at ``base``
+        and at the precision it ran in, then clears the capture.
+
+        Args:
+            base: the precision the controller would step back down to (the layer's starting precision).
+
+        Returns:
+            ``(sums, sequences)``: a float64 ``[2, 3]`` device tensor, rows ``base`` and the precision that ran
+            (the same row twice where they are equal), and the sequences of the captured call (its micro-batch; the
+            sums are over the first ``arm_noise(sequences)`` of them); ``None`` where nothing was
+            captured (not armed, no served call of two or more sequences, or no backward through it yet) or the
+            layer runs in full precision (no low-bit error to measure).
+
+        Example::
+
+            layer.arm_noise()
+            loss.backward()
+            taken = layer.take_noise(AttentionPrecision())
+        """
+        capture, self._noise_capture = self._noise_capture, None
+        self._noise_armed = 0
+        if capture is None or capture.grad_out is None or capture.precision.mode == "full":
+            return None
+        ran = capture.precision
+        precisions = [base] if base == ran else [base, ran]
+        sums = noise_sums(
+            capture.q,
+            capture.k,
+            capture.v,
+            capture.grad_out,
+            precisions,
+            is_causal=capture.is_causal,
+            scale=capture.scale,
+        )
+        if len(precisions) == 1:
+            sums = sums.expand(2, -1)
+        return sums, self._noise_batch
 
     def take_nonfinite(self) -> bool:
         """Whether a call since the last take returned a non-finite output from finite q, k, v. One host sync.

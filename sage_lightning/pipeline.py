@@ -54,7 +54,7 @@ class StepPipeline:
 
     Example::
 
-        pipeline.open_window(policy.signals_wanted(step))      # the step's first micro-batch
+        pipeline.open_window(policy, step)                     # the step's first micro-batch
         pipeline.add_loss(loss)                                # each micro-batch
         record, grad_norm2 = pipeline.close_window(trainer, policy, scaler)   # the optimizer step
         pipeline.await_verdict(record)
@@ -110,15 +110,17 @@ class StepPipeline:
 
     # ------------------------------------------------------------------------------------ the window
 
-    def open_window(self, request: SignalRequest) -> None:
-        """Open the window of an optimizer step that measures ``request``: arm the layers for it."""
-        self.request = request
+    def open_window(self, policy: PrecisionPolicy, step: int) -> None:
+        """Open the window of optimizer step ``step``: arm the layers for the signals the policy wants of it."""
+        self.request = request = policy.signals_wanted(step)
         self._discard_stats = self._warm_up and not request.ds_stats
         self._warm_up = False
         for layer in self.layers.values():
             layer.collect_stats = request.ds_stats or self._discard_stats
             if request.probe:
                 layer.arm_probe()
+            if request.noise:
+                layer.arm_noise(policy.config.noise_sequences)
         self._loss_sum = None
         self._micro_batches = 0
         self._window_tokens = 0
@@ -141,7 +143,7 @@ class StepPipeline:
         """Close the window at its optimizer step: the step's record (its signals packed and reduced across ranks)
         and its squared gradient norm on the device (summed across ranks where there are several)."""
         collecting = self.request.ds_stats or self._discard_stats
-        packed, grad_norm2, short_head = self._pack(trainer, scaler)
+        packed, grad_norm2, short_head = self._pack(trainer, policy, scaler)
         precisions = tuple(layer.precision for layer in self.layers.values())
         if precisions != self._ran[0]:
             self._ran = (precisions, policy.low_bit_layers(precisions))
@@ -161,7 +163,7 @@ class StepPipeline:
         return record, grad_norm2
 
     def _pack(
-        self, trainer: pl.Trainer, scaler: Any
+        self, trainer: pl.Trainer, policy: PrecisionPolicy, scaler: Any
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, bool] | None]:
         """The step's raw signals on the device, summed across ranks (one all-reduce); the squared gradient norm
         on the device, summed across ranks where there are several (so every rank skips a non-finite step alike);
@@ -181,7 +183,7 @@ class StepPipeline:
         if grad_norm2.device != device:  # gradients held elsewhere than the training device (a model split by hand)
             grad_norm2 = grad_norm2.to(device)
         nonfinite = take_nonfinite_flags(list(self.layers.values()), device)
-        measures = self.request.ds_stats or self._discard_stats or self.request.probe
+        measures = self.request.ds_stats or self._discard_stats or self.request.probe or self.request.noise
         if trainer.world_size == 1 and not measures:
             # The usual step: only what the device holds goes to the host; no reduction on one process.
             short = self.layout.pack_short(loss_sum, grad_norm2, nonfinite)
@@ -194,6 +196,9 @@ class StepPipeline:
             if self._discard_stats:
                 ds_sums, qk_sums, self._discard_stats = None, None, False
         probes = [layer.take_probe() for layer in self.layers.values()] if self.request.probe else None
+        noise = None
+        if self.request.noise:
+            noise = [layer.take_noise(policy.base(name)) for name, layer in self.layers.items()]
         packed = self.layout.pack(
             device,
             loss_sum=loss_sum,
@@ -204,6 +209,7 @@ class StepPipeline:
             qk_sums=qk_sums,
             probes=probes,
             nonfinite=nonfinite,
+            noise=noise,
         )
         total = reduce(trainer, packed)
         return total, total[HEAD_FIELDS.index("grad_norm2")], None
@@ -251,7 +257,9 @@ class StepPipeline:
                 if layer.precision is not ran and layer.precision != ran  # the same object, mostly: no field compare
             ]
             for name in stale:
-                layers[name] = dataclasses.replace(layers[name], ds_rel_err=None, qk_rel_err=None, probe=None)
+                layers[name] = dataclasses.replace(
+                    layers[name], ds_rel_err=None, qk_rel_err=None, probe=None, noise_ratio_ran=None
+                )
         signals = StepSignals(
             step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
         )

@@ -27,12 +27,17 @@ import lightning.pytorch as pl
 import torch
 
 from sage_lightning.kernels import AttentionPrecision
+from sage_lightning.noise import NOISE_FIELDS, noise_ratio
 from sage_lightning.policy import PROBE_TENSORS, LayerSignals, SignalRequest
 
 #: The head of the vector: the step's global numbers.
 HEAD_FIELDS: tuple[str, ...] = ("loss_sum", "micro_batches", "tokens", "grad_norm2", "ranks_with_grads")
+#: The noise measurement's rows: at the layer's base precision and at the one it ran in
+#: (:meth:`~sage_lightning.layer.AttentionLayerState.take_noise`).
+NOISE_ROWS: tuple[str, ...] = ("base", "ran")
 #: Per layer, in module order: the dS sums, whether they were measured, the forward's health, whether the layer
-#: was probed, the probe, and the ranks on which the layer returned a non-finite output from finite inputs.
+#: was probed, the probe, the noise measurement's sums (:mod:`sage_lightning.noise`) with the sequences and ranks
+#: it saw, and the ranks on which the layer returned a non-finite output from finite inputs.
 LAYER_FIELDS: tuple[str, ...] = (
     "ds_err2",
     "ds_norm2",
@@ -43,10 +48,20 @@ LAYER_FIELDS: tuple[str, ...] = (
     "qk_rows_k",
     "ranks_with_probe",
     *(f"{tensor}_{metric}" for tensor in PROBE_TENSORS for metric in ("cos", "rel_l2")),
+    *(f"noise_{row}_{name}" for row in NOISE_ROWS for name in NOISE_FIELDS),
+    "noise_sequences",
+    "ranks_with_noise",
     "nonfinite",
 )
+#: The fields a vector of the previous layout (without the noise measurement) lacks, read as zeros.
+_NOISE_BLOCK = len(NOISE_ROWS) * len(NOISE_FIELDS) + 2
+#: A layer's values in that layout (a checkpoint's pending verdict may hold it; :meth:`SignalLayout.unpack` reads it).
+PREVIOUS_LAYER_WIDTH = len(LAYER_FIELDS) - _NOISE_BLOCK
 #: Offsets in a layer's row of the counts that say something optional was measured there, and of its flag.
-_MEASURED = tuple(LAYER_FIELDS.index(name) for name in ("ranks_with_ds", "qk_rows_q", "qk_rows_k", "ranks_with_probe"))
+_MEASURED = tuple(
+    LAYER_FIELDS.index(name)
+    for name in ("ranks_with_ds", "qk_rows_q", "qk_rows_k", "ranks_with_probe", "ranks_with_noise")
+)
 _NONFINITE = LAYER_FIELDS.index("nonfinite")
 #: A layer with nothing measured, shared (frozen), flagged or not.
 _QUIET, _FLAGGED = LayerSignals(), LayerSignals(nonfinite=True)
@@ -92,7 +107,7 @@ class SignalLayout:
     Example::
 
         layout = SignalLayout(("blocks.0.attn", "blocks.1.attn"))
-        layout.size   # 5 + 2 * 12
+        layout.size   # 5 + 2 * 25
     """
 
     layers: tuple[str, ...]
@@ -114,6 +129,7 @@ class SignalLayout:
         qk_sums: Sequence[torch.Tensor | None] | None,
         probes: Sequence[Mapping[str, Mapping[str, float]] | None] | None,
         nonfinite: torch.Tensor | None = None,
+        noise: Sequence[tuple[torch.Tensor, int] | None] | None = None,
     ) -> torch.Tensor:
         """The step's raw signals in one float64 vector on ``device``, without a host sync (a probe step's metrics,
         host numbers already, are copied to the device).
@@ -132,6 +148,9 @@ class SignalLayout:
             probes: per layer, the probe's metrics (``None`` where nothing was captured); ``None`` when not probed.
             nonfinite: per layer, whether it returned a non-finite output from finite inputs during the step, on the
                 device (:func:`~sage_lightning.layer.take_nonfinite_flags`); ``None``: none did.
+            noise: per layer, the noise measurement's ``(sums, sequences)``
+                (:meth:`~sage_lightning.layer.AttentionLayerState.take_noise`; ``None`` where nothing was
+                captured); ``None`` when not asked for.
 
         Example::
 
@@ -166,12 +185,21 @@ class SignalLayout:
                 rows.append(row)
             rest = torch.tensor(rows, dtype=torch.float64, device=device)
         else:
-            rest = torch.zeros(count, len(LAYER_FIELDS) - 8, dtype=torch.float64, device=device)
+            rest = torch.zeros(count, 1 + 2 * len(PROBE_TENSORS), dtype=torch.float64, device=device)
+        noise_rows = []
+        for taken in noise or [None] * count:
+            if taken is None:
+                noise_rows.append(torch.zeros(_NOISE_BLOCK, dtype=torch.float64, device=device))
+            else:
+                noise_sums, sequences = taken
+                tail = torch.tensor([float(sequences), 1.0], dtype=torch.float64, device=device)
+                noise_rows.append(torch.cat([noise_sums.to(device, torch.float64).flatten(), tail]))
+        noise_block = torch.stack(noise_rows)
         if nonfinite is None:
             flags = torch.zeros(count, 1, dtype=torch.float64, device=device)
         else:
             flags = nonfinite.to(device=device, dtype=torch.float64).reshape(count, 1)
-        return torch.cat([head, torch.cat([sums, has_ds, qk, rest, flags], dim=1).flatten()])
+        return torch.cat([head, torch.cat([sums, has_ds, qk, rest, noise_block, flags], dim=1).flatten()])
 
     def pack_short(
         self, loss_sum: torch.Tensor | None, grad_norm2: torch.Tensor | None, nonfinite: torch.Tensor
@@ -212,8 +240,7 @@ class SignalLayout:
             sharded_grads: each rank holds a shard of the gradients (FSDP): the squared norms add up across
                 ranks. Otherwise (DDP) every rank holds the same all-reduced gradients and their mean is the norm.
         """
-        if len(total) != self.size:
-            raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
+        total = self._current_layout(total)
         head = dict(zip(HEAD_FIELDS, total[: len(HEAD_FIELDS)], strict=True))
         layers: dict[str, LayerSignals] = {}
         for i, name in enumerate(self.layers):
@@ -237,8 +264,20 @@ class SignalLayout:
             qk_rel_err = None
             if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
                 qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
+            ratios: dict[str, float | None] = dict.fromkeys(NOISE_ROWS)
+            if (ranks := row["ranks_with_noise"]) > 0:
+                # The step's sequences: the measured micro-batches' mean, times every rank's micro-batches.
+                per_step = row["noise_sequences"] / ranks * max(head["micro_batches"], 1.0)
+                for which in NOISE_ROWS:
+                    sums = (row[f"noise_{which}_{field}"] / ranks for field in NOISE_FIELDS)
+                    ratios[which] = noise_ratio(*sums, sequences_per_step=per_step)
             layers[name] = LayerSignals(
-                ds_rel_err=ds_rel_err, probe=probe, qk_rel_err=qk_rel_err, nonfinite=row["nonfinite"] > 0
+                ds_rel_err=ds_rel_err,
+                probe=probe,
+                qk_rel_err=qk_rel_err,
+                nonfinite=row["nonfinite"] > 0,
+                noise_ratio=ratios["base"],
+                noise_ratio_ran=ratios["ran"],
             )
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
@@ -247,6 +286,20 @@ class SignalLayout:
         ranks = 1.0 if sharded_grads else ranks_with_grads
         head["grad_norm"] = math.sqrt(head["grad_norm2"] / ranks) if ranks_with_grads > 0 else None
         return head, layers
+
+    def _current_layout(self, total: Sequence[float]) -> Sequence[float]:
+        """``total`` in this layout: a vector of the previous one (no noise fields; a checkpoint's pending verdict
+        from before the measurement existed) gains them as zeros (nothing measured)."""
+        if len(total) == self.size:
+            return total
+        head, width = len(HEAD_FIELDS), PREVIOUS_LAYER_WIDTH
+        if len(total) != head + len(self.layers) * width:
+            raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
+        values = list(total[:head])
+        for i in range(len(self.layers)):
+            row = list(total[head + i * width : head + (i + 1) * width])
+            values += row[:-1] + [0.0] * _NOISE_BLOCK + row[-1:]
+        return values
 
 
 def reduce(trainer: pl.Trainer, values: torch.Tensor) -> torch.Tensor:

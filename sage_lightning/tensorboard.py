@@ -11,6 +11,8 @@ the benchmarks read) come ``sage/int8_fraction``, ``sage/loss`` and the picture 
 the flat counters last.
 
 * per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
+  ``sage/noise_ratio/<layer>`` (the base precision's gradient error over the gradient noise; ``noise_ratio_ran``
+  for the precision that ran, where it differs),
   ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
   ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder,
   not a number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0
@@ -67,6 +69,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         },
         "sage: signals": {
             "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
+            "Quantization error over gradient noise per layer": ["Multiline", [r"sage/noise_ratio/.*"]],
             "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
@@ -118,6 +121,11 @@ def step_metrics(
             measured = True
         if layer.qk_rel_err is not None:
             metrics[f"sage/qk_rel_err/{name}"] = layer.qk_rel_err
+            measured = True
+        if layer.noise_ratio is not None:
+            metrics[f"sage/noise_ratio/{name}"] = layer.noise_ratio
+            if layer.noise_ratio_ran is not None and layer.noise_ratio_ran != layer.noise_ratio:
+                metrics[f"sage/noise_ratio_ran/{name}"] = layer.noise_ratio_ran
             measured = True
         if layer.probe is not None:
             for tensor, values in layer.probe.items():

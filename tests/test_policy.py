@@ -32,6 +32,7 @@ NAN = math.nan
 
 def make(layers: int = 1, accumulate: int = 1, base: AttentionPrecision = BASE, **config) -> PrecisionPolicy:
     config.setdefault("calm_steps", CALM)
+    config.setdefault("noise_ratio_high", None)  # the noise ratio's rules: tests/test_noise.py
     return PrecisionPolicy(
         {name: base for name in NAMES[:layers]}, accumulate_grad_batches=accumulate, config=PolicyConfig(**config)
     )

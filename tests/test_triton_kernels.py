@@ -432,7 +432,8 @@ def test_o_comes_back_in_the_callers_layout():
         assert torch.equal(g_s, g)
     # The fakes: the forward's O as q; the backward's gradients contiguous, as the kernels write them.
     prec = AttentionPrecision()
-    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64)
+    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64,
+            "triton_forward", "triton_dkdv", "triton_dq")  # fmt: skip
     do_s = _model_layout(do)
     with FakeTensorMode() as mode:
         fq, fk, fv, fdo = (mode.from_tensor(x) for x in (qs, ks, vs, do_s))
@@ -440,7 +441,7 @@ def test_o_comes_back_in_the_callers_layout():
         out, lse, q_op, q_scale, q_mean, k_op, k_scale = fake
         fgrads = torch.ops.sage_lightning.sagebwd_backward(
             fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, "int8", "int8", "bf16",
-            "int8", 128, 64,
+            "int8", 128, 64, "triton_dkdv", "triton_dq",
         )  # fmt: skip
     assert fake[0].stride() == out_s.stride()
     for f, g in zip(fgrads, grads_s, strict=True):

@@ -328,6 +328,7 @@ def run_one(
         "nonfinite_losses": sum(not math.isfinite(loss) for loss in losses),
         "fallback_calls": sum(layer.fallback_calls for layer in layers.values()),
         "final_precisions": {name: layer.precision.short_name for name, layer in layers.items()},
+        "noise_readings": [] if controller is None else [list(r) for r in controller.policy.noise_readings],
         "peak_memory_gb": None if peak is None else peak / 2**10,
     }
     if saved is not None:

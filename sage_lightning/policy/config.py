@@ -20,6 +20,11 @@ DEFAULT_LADDER: tuple[Rung, ...] = (
 )
 
 
+#: The noise ratio's thresholds: calibrated on the evidence matrix (``docs/controller.md``, Noise ratio).
+NOISE_RATIO_HIGH = 1.0
+NOISE_RATIO_LOW = 0.5
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """Thresholds and cadences of :class:`PrecisionPolicy`; ``docs/controller.md`` gives the measurement behind
@@ -75,6 +80,18 @@ class PolicyConfig:
             budget is then full again.
         min_accumulate_grad_batches: the lowest ``accumulate_grad_batches`` the tokens-per-step lever may set;
             ``None`` turns the lever off.
+        noise_every_n_steps: measure each layer's quantization error against gradient noise
+            (:mod:`sage_lightning.noise`) on optimizer steps that are a multiple of this.
+        noise_ratio_high: a layer whose noise ratio (the error its low-bit products put into its gradients over
+            those gradients' sampling noise at the run's tokens per step) exceeds this, ``noise_patience``
+            measurements in a row, moves dS to the next rung that raises it (``ds_bf16``); where dS is already
+            high, tokens per step go down. ``None`` turns the measurement and the rule off.
+        noise_ratio_low: a rung that changed ``ds`` is left only when the latest noise ratio of the layer's base
+            precision is below this (hysteresis), and tokens per step come back up only when every layer's latest
+            reading is.
+        noise_patience: consecutive measurements above ``noise_ratio_high`` needed to act.
+        noise_sequences: the most sequences of one micro-batch the noise measurement keeps (at least 2; it needs
+            micro-batches of two sequences or more).
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
@@ -114,6 +131,11 @@ class PolicyConfig:
     max_rollbacks: int = 3
     progress_steps: int = 50
     min_accumulate_grad_batches: int | None = 1
+    noise_every_n_steps: int = 25
+    noise_ratio_high: float | None = NOISE_RATIO_HIGH
+    noise_ratio_low: float = NOISE_RATIO_LOW
+    noise_patience: int = 2
+    noise_sequences: int = 16
 
     def __post_init__(self) -> None:
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
@@ -132,8 +154,25 @@ class PolicyConfig:
             "max_consecutive_skips",
             "spike_repeat_steps",
             "progress_steps",
+            "noise_every_n_steps",
+            "noise_patience",
         ):
             check_int(name, getattr(self, name), minimum=1)
+        check_int("noise_sequences", self.noise_sequences, minimum=2)
+        if self.noise_ratio_high is not None:
+            for name in ("noise_ratio_high", "noise_ratio_low"):
+                value = getattr(self, name)
+                if not is_number(value) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(
+                        f"PolicyConfig: {name} must be a positive finite number"
+                        + (" or None (off)" if name == "noise_ratio_high" else "")
+                        + f"; received {value!r}."
+                    )
+            if self.noise_ratio_low >= self.noise_ratio_high:
+                raise ValueError(
+                    f"PolicyConfig: noise_ratio_low must be below noise_ratio_high ({self.noise_ratio_high}) so "
+                    f"decisions do not flap; received {self.noise_ratio_low!r}."
+                )
         check_int("max_backoff", self.max_backoff, minimum=0, maximum=30)
         check_int("max_rollbacks", self.max_rollbacks, minimum=0)
         check_int("spike_window", self.spike_window, minimum=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -28,6 +29,8 @@ from sage_lightning.policy.vocabulary import (
 
 #: The version of :meth:`PrecisionPolicy.state_dict`'s layout; a checkpoint with another is refused by name.
 STATE_VERSION = 2
+#: How many noise readings :attr:`PrecisionPolicy.noise_readings` keeps.
+NOISE_READINGS_KEPT = 100_000
 
 
 @dataclass
@@ -43,6 +46,11 @@ class _LayerState:
     last_qk_step: int | None = None
     # The step of the last escalation, until a probe after it has read the layer: a probe that still fails says so.
     unverified_since: int | None = None
+    # The noise ratio's streak over its threshold and its latest readings (base precision, the one that ran).
+    noise_high_streak: int = 0
+    last_noise_ratio: float | None = None
+    last_noise_ratio_ran: float | None = None
+    last_noise_step: int | None = None
 
     def state_dict(self, ladder: Sequence[Rung]) -> dict[str, Any]:
         """Every field but the base (the callback keeps the bases), the path by rung name, the backoff's counters."""
@@ -51,6 +59,8 @@ class _LayerState:
 
     def load_state_dict(self, state: Mapping[str, Any], ladder: Sequence[Rung], where: str) -> None:
         """Restore :meth:`state_dict`; ``ValueError`` naming ``where`` for a malformed state."""
+        # The noise fields came later: a checkpoint from before them resumes with none measured.
+        state = {**_NOISE_DEFAULTS, **state} if isinstance(state, Mapping) else state
         _require_keys(state, [f.name for f in fields(self) if f.name != "base"], where)
         path = state["path"]
         if not isinstance(path, (list, tuple)) or not all(isinstance(r, str) for r in path):
@@ -85,7 +95,10 @@ class PrecisionPolicy:
       ``"dv"`` (``dv_bf16``: dV does not use dS);
     * any probe cosine ``< probe_catastrophic_cos``, or non-finite: straight to the top rung (``full``);
     * a layer in ``mode="attn_qat"`` is probed against ``attn_qat_probe_o_cos_min`` and
-      ``attn_qat_probe_grad_cos_min``; its only rung is ``full``.
+      ``attn_qat_probe_grad_cos_min``; its only rung is ``full``;
+    * the noise ratio (the error the precision that ran puts into the layer's gradients over their sampling noise,
+      :mod:`sage_lightning.noise`) ``> noise_ratio_high`` for ``noise_patience`` measurements in a row: the next
+      rung that changes ``ds`` alone (``ds_bf16``); where no such rung is left, tokens per step are halved.
 
     Every escalation arms a probe (and the dS statistics) on the next step: if the new rung did not fix the
     reading, the layer escalates again, and the reason says so.
@@ -157,6 +170,11 @@ class PrecisionPolicy:
         self._rollbacks_without_progress = 0
         self._good_steps = 0
         self._tried: list[str] = []
+        #: Every noise measurement, ``(step, layer, base ratio, ratio of the precision that ran)``, oldest first
+        #: (the last ``NOISE_READINGS_KEPT``): what the thresholds are calibrated on. Not checkpointed.
+        self.noise_readings: collections.deque[tuple[int, str, float | None, float | None]] = collections.deque(
+            maxlen=NOISE_READINGS_KEPT
+        )
         self._loss_detector = SpikeDetector(
             window=cfg.spike_window,
             min_history=cfg.spike_min_history,
@@ -237,7 +255,10 @@ class PrecisionPolicy:
             return signal in self._armed and self._armed[signal] <= step
 
         probe = step % cfg.probe_every_n_steps == 0 or armed("probe")
-        return SignalRequest(ds_stats=step % cfg.ds_stats_every_n_steps == 0 or probe or armed("ds_stats"), probe=probe)
+        noise = cfg.noise_ratio_high is not None and (step % cfg.noise_every_n_steps == 0 or armed("noise"))
+        return SignalRequest(
+            ds_stats=step % cfg.ds_stats_every_n_steps == 0 or probe or armed("ds_stats"), probe=probe, noise=noise
+        )
 
     # ------------------------------------------------------------------ the decision
 
@@ -273,6 +294,10 @@ class PrecisionPolicy:
                 state.last_ds_rel_err, state.last_ds_step = float(measured.ds_rel_err), step
             if measured.qk_rel_err is not None and math.isfinite(measured.qk_rel_err):
                 state.last_qk_rel_err, state.last_qk_step = float(measured.qk_rel_err), step
+            if measured.noise_ratio is not None:
+                state.last_noise_ratio, state.last_noise_step = measured.noise_ratio, step
+                state.last_noise_ratio_ran = measured.noise_ratio_ran
+                self.noise_readings.append((step, name, measured.noise_ratio, measured.noise_ratio_ran))
 
         decisions: list[Decision] = []
         loss_reading: SpikeReading | None = None
@@ -346,7 +371,9 @@ class PrecisionPolicy:
         elif action == "step":
             self._count_progress()
             decisions += self._layer_rules(layers, step)
-            decisions += self._tokens.raise_after_calm(step)
+            decisions += self._noise_rules(layers, step, decisions)
+            if not self._noise_holds_tokens():
+                decisions += self._tokens.raise_after_calm(step)
         return StepOutcome(
             action=action, decisions=tuple(decisions), loss=loss_reading, grad_norm=grad_reading, skip_cause=skip_cause
         )
@@ -414,6 +441,7 @@ class PrecisionPolicy:
         measured = {
             "ds_stats": any(m.ds_rel_err is not None for m in layers.values()),
             "probe": any(m.probe is not None for m in layers.values()),
+            "noise": any(m.noise_ratio is not None for m in layers.values()),
         }
         for signal, seen in measured.items():
             # Measured, or the step after the armed one was decided without it (a layer in full precision has no dS
@@ -455,6 +483,69 @@ class PrecisionPolicy:
             if decision is not None:
                 decisions.append(decision)
         return decisions
+
+    def _noise_rules(self, layers: Mapping[str, LayerSignals], step: int, taken: Sequence[Decision]) -> list[Decision]:
+        """Quantization error against gradient noise: a layer whose reading (at the precision it ran in) stays over
+        ``noise_ratio_high`` for ``noise_patience`` measurements moves dS up its ladder (the rungs that change
+        ``ds`` alone, in ladder order); once no layer so flagged has such a rung left, tokens per step go down
+        (once per streak: the lever's own calm period decides when they come back)."""
+        cfg = self.config
+        if cfg.noise_ratio_high is None:
+            return []
+        moved = {d.layer for d in taken}
+        decisions: list[Decision] = []
+        stuck: list[str] = []
+        for name, measured in layers.items():
+            ratio = measured.noise_ratio_ran
+            state = self._layers[name]
+            if ratio is None or name in moved or not math.isfinite(ratio):
+                continue
+            if ratio <= cfg.noise_ratio_high:
+                state.noise_high_streak = 0
+                continue
+            state.noise_high_streak += 1
+            if state.noise_high_streak < cfg.noise_patience:
+                continue
+            reason = (
+                f"noise_ratio {ratio:.3g} > noise_ratio_high {cfg.noise_ratio_high:g} "
+                f"({state.noise_high_streak} measurements in a row): its gradients' quantization error outweighs "
+                "their sampling noise at this many tokens per step"
+            )
+            decision = self._escalate_noise(name, step, reason)
+            if decision is None:
+                stuck.append(f"{name} {reason}")
+            else:
+                decisions.append(decision)
+        if stuck:
+            for name in layers:
+                self._layers[name].noise_high_streak = 0
+            more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
+            decisions += self._tokens.lower(step, stuck[0] + more)
+        return decisions
+
+    def _escalate_noise(self, name: str, step: int, reason: str) -> Decision | None:
+        """Move ``name`` to the next rung, in ladder order, that changes ``ds`` alone (and what runs); ``None``
+        where there is none (dS already as high as the ladder takes it)."""
+        state = self._layers[name]
+        current = self._precision_of(state.base, state.path)
+        if current.mode != "sagebwd":
+            return None
+        for index, rung in enumerate(self.config.ladder):
+            if index in state.path or set(rung.fields) != {"ds"}:
+                continue
+            if rung.apply(current).short_name == current.short_name:
+                continue
+            return self._take_rung(name, index, step, reason)
+        return None
+
+    def _noise_holds_tokens(self) -> bool:
+        """Whether a layer's latest noise ratio (at the precision it ran in) is still at or over
+        ``noise_ratio_low``: tokens per step then stay down."""
+        low = self.config.noise_ratio_low
+        return self.config.noise_ratio_high is not None and any(
+            state.last_noise_ratio_ran is not None and state.last_noise_ratio_ran >= low
+            for state in self._layers.values()
+        )
 
     def _probe_trigger(
         self, probe: Mapping[str, Mapping[str, float]], state: _LayerState, current: AttentionPrecision
@@ -573,14 +664,19 @@ class PrecisionPolicy:
             serving = [i for i in candidates if cause in ladder[i].fixes]
         if not serving:
             return None
-        target = serving[0]
+        return self._take_rung(name, serving[0], step, reason)
+
+    def _take_rung(self, name: str, target: int, step: int, reason: str) -> Decision:
+        """Put ``name`` on ladder rung ``target`` (one decision), arm the checks of the new rung."""
+        state = self._layers[name]
+        current = self._precision_of(state.base, state.path)
         if state.backoff.tighten(step):
             reason += f"; again within the calm period after a step down, calm period now {state.backoff.period}"
         state.path.append(target)
-        state.ds_high_streak = state.qk_high_streak = 0
+        state.ds_high_streak = state.qk_high_streak = state.noise_high_streak = 0
         state.unverified_since = step
         # Check the new rung on the next step: if it did not help, the probe escalates again.
-        self._arm(step + 1, "ds_stats", "probe")
+        self._arm(step + 1, "ds_stats", "probe", *(("noise",) if self.config.noise_ratio_high is not None else ()))
         new = self._precision_of(state.base, state.path)
         return Decision(step, name, "precision", current.short_name, new.short_name, reason)
 
@@ -595,6 +691,12 @@ class PrecisionPolicy:
             if not measured_since or state.last_ds_rel_err >= self.config.ds_rel_err_low:
                 return None
             reason += f", ds_rel_err {state.last_ds_rel_err:.4g} < ds_rel_err_low {self.config.ds_rel_err_low:g}"
+            low = self.config.noise_ratio_low
+            if self.config.noise_ratio_high is not None and state.last_noise_step is not None:
+                # The reading is the base precision's whatever runs: would the rung below still cost loss?
+                if state.last_noise_step <= state.backoff.last_change or state.last_noise_ratio >= low:
+                    return None
+                reason += f", noise_ratio {state.last_noise_ratio:.3g} < noise_ratio_low {low:g}"
         if "qk" in top.fields:
             measured_since = state.last_qk_step is not None and state.last_qk_step > state.backoff.last_change
             if not measured_since or state.last_qk_rel_err >= self.config.qk_rel_err_low:
@@ -685,6 +787,13 @@ class PrecisionPolicy:
         self._loss_detector.load_state_dict(state["loss_detector"])
         self._grad_norm_detector.load_state_dict(state["grad_norm_detector"])
 
+
+_NOISE_DEFAULTS = {
+    "noise_high_streak": 0,
+    "last_noise_ratio": None,
+    "last_noise_ratio_ran": None,
+    "last_noise_step": None,
+}
 
 _POLICY_KEYS = (
     "version",

@@ -113,12 +113,19 @@ class LayerSignals:
         nonfinite: the layer returned a non-finite output from finite inputs (where a divergence starts).
         qk_rel_err: the forward's quantization health: the INT8 error of the scores' operands Q' and K', per row
             (:mod:`sage_lightning.forward_health`), or ``None`` when not measured this step.
+        noise_ratio: the error the layer's base precision puts into its gradients over those gradients' own
+            sampling noise at the step's tokens per step (:mod:`sage_lightning.noise`), or ``None`` when not
+            measured this step.
+        noise_ratio_ran: the same for the precision the layer ran in during the step (``noise_ratio`` where that
+            is the base).
     """
 
     ds_rel_err: float | None = None
     probe: Mapping[str, Mapping[str, float]] | None = None
     nonfinite: bool = False
     qk_rel_err: float | None = None
+    noise_ratio: float | None = None
+    noise_ratio_ran: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,10 +152,12 @@ class StepSignals:
 
 @dataclass(frozen=True)
 class SignalRequest:
-    """Which optional signals the policy wants measured during an optimizer step."""
+    """Which optional signals the policy wants measured during an optimizer step (``noise``: quantization error
+    against gradient noise, :mod:`sage_lightning.noise`)."""
 
     ds_stats: bool
     probe: bool
+    noise: bool = False
 
 
 @dataclass(frozen=True)
