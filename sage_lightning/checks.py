@@ -19,7 +19,7 @@ from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.layer import AttentionLayerState, attention_layers
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import PolicyConfig
-from sage_lightning.signals import HEAD_FIELDS, LAYER_FIELDS
+from sage_lightning.signals import HEAD_FIELDS, PREVIOUS_LAYER_WIDTH
 
 #: The version of :meth:`AdaptivePrecision.state_dict`'s layout.
 STATE_VERSION = 3
@@ -181,7 +181,8 @@ def upgrade_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
         and isinstance(pending.get("values"), list)
         and isinstance(state.get("bases"), Mapping)
     ):
-        values, head, width = list(pending["values"]), len(HEAD_FIELDS), len(LAYER_FIELDS) - 1
+        # Version 2's layer rows: the next layout's (PREVIOUS_LAYER_WIDTH, which unpack reads) less the flag.
+        values, head, width = list(pending["values"]), len(HEAD_FIELDS), PREVIOUS_LAYER_WIDTH - 1
         expected = head + len(state["bases"]) * width
         if len(values) != expected:
             raise ValueError(
