@@ -156,6 +156,25 @@ def step_metrics(
     return metrics
 
 
+def log_step(
+    trainer: pl.Trainer,
+    signals: StepSignals,
+    outcome: StepOutcome,
+    *,
+    levels: Mapping[str, int],
+    counters: Mapping[str, float],
+    every: int,
+    history: LevelHistory | None,
+    colours: int,
+) -> None:
+    """Log one optimizer step: its scalars (:func:`step_metrics`), its decisions, and the precision picture where a
+    level changed (``history``: the levels so far; ``colours``: the levels the picture colours)."""
+    log_scalars(trainer, step_metrics(signals, outcome, levels=levels, counters=counters, every=every), signals.step)
+    log_decisions(trainer, outcome.decisions, signals.step)
+    if history is not None and history.record(signals.step, levels):
+        log_precision_image(trainer, history, signals.step, colours)
+
+
 def decisions_markdown(decisions: Iterable[Decision]) -> str:
     """One markdown line per decision: ``step 12 · blocks.0.attn · precision: old -> new · reason``.
 

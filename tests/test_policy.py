@@ -13,11 +13,14 @@ from sage_lightning.kernels import AttentionPrecision
 
 from sage_lightning.policy import (
     LayerSignals,
+    LowBitShare,
     PolicyConfig,
     PrecisionPolicy,
     Rung,
     SignalRequest,
+    StepOutcome,
     StepSignals,
+    runs_low_bit,
 )
 
 BASE = AttentionPrecision()
@@ -737,3 +740,39 @@ def test_a_decision_fits_the_terminal_it_is_printed_in(width: int) -> None:
     assert all(len(line) <= max(width, longest_word + 4) for line in lines), text
     # Nothing lost or reordered: the same words as the one-line form, with "because" before the reason.
     assert text.split() == ["AdaptivePrecision:", *str(decision).replace(" (", " because ", 1)[:-1].split()]
+
+
+# ------------------------------------------------------------------------ verdicts of steps applied before them
+
+
+@pytest.mark.parametrize(
+    ("action", "cause", "on_device", "expected", "added"),
+    [
+        ("step", None, False, "step", None),
+        ("skip", "nonfinite_gradients", True, "skip", None),
+        ("skip", "nonfinite_gradients", False, "undone", "rollback"),
+        ("skip", "loss_spike", False, "step", "optimizer_step"),
+        ("skip", "loss_spike", True, "step", "optimizer_step"),
+        ("rollback", None, False, "undone", None),
+        ("stop", None, False, "stop", None),
+    ],
+)
+def test_a_verdict_after_its_step_was_applied_keeps_skips_or_undoes_it(action, cause, on_device, expected, added):
+    """check_before_step=False: the device skipped non-finite gradients only where it was told to; a one-off loss
+    spike already applied is kept; anything else that should not have been applied is undone by a rollback."""
+    outcome = StepOutcome(action=action, decisions=(), loss=None, grad_norm=None, skip_cause=cause)
+    after = make().after_the_step(outcome, step=7, skipped_on_device=on_device)
+    assert after.action == expected
+    assert [d.lever for d in after.decisions] == ([] if added is None else [added])
+    assert all(d.step == 7 and d.layer is None for d in after.decisions)
+
+
+def test_the_low_bit_share_counts_layers_still_on_their_base_fast_path() -> None:
+    policy = PrecisionPolicy({"a": BASE, "b": BASE, "c": BASE.replace(mode="full")})
+    assert policy.low_bit_layers([BASE, DS_BF16, BASE.replace(mode="full")]) == 1
+    assert runs_low_bit(BASE, BASE.replace(dp="fp8")) and not runs_low_bit(BASE, BASE.replace(qk="bf16"))
+    share = LowBitShare()
+    assert share.fraction == 1.0  # before the first step
+    share.count(layers=3, low_bit=1)
+    share.count(layers=3, low_bit=2)
+    assert (share.layer_steps, share.low_bit_layer_steps, share.fraction) == (6, 3, 0.5)

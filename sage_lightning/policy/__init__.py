@@ -8,12 +8,14 @@ reduced numbers takes the same decisions.
 
 The package: :mod:`~sage_lightning.policy.vocabulary` (signals, rungs, decisions), :mod:`~.config` (thresholds,
 budgets, the default ladder), :mod:`~.backoff` (the calm periods every lever shares), :mod:`~.tokens` (tokens
-per step), :mod:`~.engine` (the decisions). Thresholds and their measurements: ``docs/controller.md``.
+per step), :mod:`~.engine` (the decisions), :mod:`~.share` (the low-bit share). Thresholds and their measurements:
+``docs/controller.md``.
 """
 
 from sage_lightning.policy.backoff import Backoff
 from sage_lightning.policy.config import DEFAULT_LADDER, PolicyConfig
 from sage_lightning.policy.engine import PrecisionPolicy
+from sage_lightning.policy.share import LowBitShare, runs_low_bit
 from sage_lightning.policy.tokens import TokensLever
 from sage_lightning.policy.vocabulary import (
     ACTIONS,
@@ -41,6 +43,7 @@ __all__ = [
     "Backoff",
     "Decision",
     "LayerSignals",
+    "LowBitShare",
     "PolicyConfig",
     "PrecisionPolicy",
     "Rung",
@@ -48,4 +51,5 @@ __all__ = [
     "StepOutcome",
     "StepSignals",
     "TokensLever",
+    "runs_low_bit",
 ]

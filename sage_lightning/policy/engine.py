@@ -5,13 +5,14 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from sage_lightning.detectors import SpikeDetector, SpikeReading
 from sage_lightning.policy._precision import LOW_BIT_FORMATS, AttentionPrecision
 from sage_lightning.policy.backoff import Backoff
 from sage_lightning.policy.config import PolicyConfig
+from sage_lightning.policy.share import runs_low_bit
 from sage_lightning.policy.tokens import TokensLever
 from sage_lightning.policy.vocabulary import (
     CAUSES,
@@ -231,6 +232,11 @@ class PrecisionPolicy:
         path = self._layer(layer).path
         return self.config.ladder[path[-1]].name if path else "base"
 
+    def low_bit_layers(self, precisions: Sequence[AttentionPrecision]) -> int:
+        """How many layers run low-bit (:func:`~sage_lightning.policy.share.runs_low_bit` against their base) at
+        ``precisions``, each layer's precision in module order: what a step adds to the low-bit share."""
+        return sum(runs_low_bit(state.base, now) for state, now in zip(self._layers.values(), precisions, strict=True))
+
     def signals_wanted(self, step: int) -> SignalRequest:
         """Which optional signals to measure during optimizer step ``step``.
 
@@ -371,6 +377,51 @@ class PrecisionPolicy:
         return StepOutcome(
             action=action, decisions=tuple(decisions), loss=loss_reading, grad_norm=grad_reading, skip_cause=skip_cause
         )
+
+    def after_the_step(self, outcome: StepOutcome, *, step: int, skipped_on_device: bool) -> StepOutcome:
+        """The verdict :meth:`decide` gave, for a step whose optimizer step was applied before it
+        (``check_before_step=False``: the verdict lands ``VERDICT_LAG`` steps later).
+
+        A step the device skipped (a fused optimizer told of its non-finite gradients) stays ``"skip"``; a one-off
+        loss spike with finite gradients is kept (``"step"``: undoing it would cost a rollback, more than the
+        spike); any other step that should not have been applied is ``"undone"``: the snapshot is restored (a
+        ``"skip"`` of non-finite gradients says so in a rollback decision). ``"stop"`` stays ``"stop"``.
+
+        Example::
+
+            outcome = policy.decide(signals)
+            policy.after_the_step(outcome, step=signals.step, skipped_on_device=False).action   # e.g. "undone"
+        """
+        decisions, action = list(outcome.decisions), outcome.action
+        on_device = skipped_on_device and outcome.skip_cause == "nonfinite_gradients"
+        if outcome.action == "skip" and not on_device and outcome.skip_cause == "loss_spike":
+            action = "step"
+            decisions.append(
+                Decision(
+                    step,
+                    None,
+                    "optimizer_step",
+                    "skip",
+                    "kept",
+                    "applied before its verdict (check_before_step=False) with finite gradients: kept, since a "
+                    "rollback would cost more than the one-off spike",
+                )
+            )
+        elif outcome.action == "rollback" or (outcome.action == "skip" and not on_device):
+            action = "undone"
+            if outcome.action == "skip":
+                decisions.append(
+                    Decision(
+                        step,
+                        None,
+                        "rollback",
+                        f"step {step}",
+                        "last snapshot",
+                        "its non-finite gradients were applied (check_before_step=False and an optimizer that "
+                        "cannot skip on the device)",
+                    )
+                )
+        return replace(outcome, action=action, decisions=tuple(decisions))
 
     def _count_progress(self) -> None:
         self._good_steps += 1
