@@ -7,8 +7,8 @@
 # Validation ten times per run (the last at its end) on 64 sequences, warm-up a tenth of the steps, as the evidence
 # matrix sets them (benchmarks/training/matrix.py). In each group: full precision (seeds 1234, 1235), SageBwd fixed
 # (1234: no controller; 1235: the controller measuring the noise ratio without acting, noise_ratio_high 1e6), then
-# SageBwd + controller (both seeds) at the threshold that `python -m benchmarks.controller.noise_calibration` puts
-# between the observing runs' readings (it waits for them), and in large-qknorm SageBwd ds="bf16" (seed 1234, last).
+# SageBwd + controller (both seeds) at the threshold that sage_lightning.noise.calibrate_threshold puts between the
+# observing runs' readings (it waits for them), and in large-qknorm SageBwd ds="bf16" (seed 1234, last).
 #   bash benchmarks/noise_evidence.sh start   # copy and install the tree, start the queues, follow FOLLOW_SECONDS
 #   bash benchmarks/noise_evidence.sh wait    # follow again; repeat until it prints "finished"
 # Each call leaves in $OUT noise.tar.gz (results/training-*.json, .md, .png; calibration.md; the logs) and
@@ -58,8 +58,25 @@ train() {  # GPU GROUP RUNSPEC NAME [more pretrain_compare arguments]
 threshold() {  # waits for the observing runs, calibrates once, prints the threshold
   while (($(grep -c "observe finished" "$WORK/evidence.log") < 3)); do sleep 10; done
   if mkdir "$WORK/calibrating" 2>/dev/null; then
-    (cd "$WORK/run" && PYTHONPATH="$WORK/site:$WORK/src" "$PYTHON" -m benchmarks.controller.noise_calibration \
-      "$WORK"/results/training-*-noise-*-observe.json --out "$WORK/results/calibration.md") >"$WORK/calibration.txt" 2>&1
+    # The fewest tokens per step are the quiet side (no loss gap expected), the rest the loud side.
+    (cd "$WORK/run" && PYTHONPATH="$WORK/site" "$PYTHON" - "$WORK"/results/training-*-noise-*-observe.json <<'PY'
+import json, statistics, sys
+from sage_lightning.noise import calibrate_threshold
+found = {}
+for path in sys.argv[1:]:
+    for run in json.load(open(path))["summary"]:
+        values = [r[2] for r in run["noise_readings"] if r[0] >= 25 and r[2] is not None]  # from step 25
+        found[(run["tokens_per_step"], path.rsplit("/", 1)[-1])] = values
+for (tokens, name), values in sorted(found.items()):
+    print(f"| {tokens:,} | {name} | {len(values)} | {statistics.median(values):.3f} | {max(values):.3f} |")
+fewest = min(tokens for tokens, _ in found)
+quiet = [v for (tokens, _), values in found.items() if tokens == fewest for v in values]
+threshold, why = calibrate_threshold(quiet, [v for (tokens, _), v in found.items() if tokens > fewest])
+print(f"\n{why}\nthreshold={'none' if threshold is None else f'{threshold:.4f}'}")
+PY
+    ) >"$WORK/calibration.txt" 2>&1
+    { echo "| tokens per step | run | readings | median | max |"; echo "|---:|---|---:|---:|---:|"
+      cat "$WORK/calibration.txt"; } >"$WORK/results/calibration.md"
     sed -n 's/^threshold=//p' "$WORK/calibration.txt" >"$WORK/threshold.tmp"
     echo "--- calibration: threshold $(cat "$WORK/threshold.tmp")" >>"$WORK/evidence.log"
     mv "$WORK/threshold.tmp" "$WORK/threshold"

@@ -27,6 +27,7 @@ It grows like ``sqrt(B)`` where the error is a bias and stays flat where it is n
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 import torch
@@ -148,3 +149,35 @@ def noise_ratio(bias2: float, err_var: float, grad_var: float, sequences_per_ste
     if not (math.isfinite(bias2) and math.isfinite(err_var)):
         return math.nan
     return math.sqrt(max(sequences_per_step * max(bias2, 0.0) + max(err_var, 0.0), 0.0) / grad_var)
+
+
+def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]]) -> tuple[float | None, str]:
+    """A ``noise_ratio_high`` from readings taken without acting (``PolicyConfig(noise_ratio_high=1e6)``; the
+    callback's ``policy.noise_readings``): the geometric mean of the 95th percentile of ``quiet`` (a run where
+    low-bit attention costs no loss: the rule must stay quiet there) and the lowest median among ``loud`` (runs where
+    it costs loss: the rule must act).
+
+    Args:
+        quiet: the readings of the run(s) with no loss gap.
+        loud: per run with a loss gap, its readings.
+
+    Returns:
+        ``(threshold, why)``; the threshold is ``None`` where the two do not separate (the lowest loud median at or
+        under the quiet 95th percentile), ``why`` says which numbers decided.
+
+    Example::
+
+        calibrate_threshold([0.1, 0.1, 0.2], [[0.8, 0.9, 0.8]])   # (0.39, 'noise_ratio_high = sqrt(0.190 x 0.800) ...')
+    """
+    quiet = sorted(v for v in quiet if math.isfinite(v))
+    medians = [statistics.median(run) for run in loud if run]
+    if not quiet or not medians:
+        return None, "needs readings of a run without a loss gap and of one with a gap at least"
+    position = 0.95 * (len(quiet) - 1)
+    low, frac = int(position), position - int(position)
+    ceiling = quiet[low] + (quiet[min(low + 1, len(quiet) - 1)] - quiet[low]) * frac
+    floor = min(medians)
+    if floor <= ceiling:
+        return None, f"no separation: the lowest loud median {floor:.3f} <= the quiet 95th percentile {ceiling:.3f}"
+    threshold = math.sqrt(ceiling * floor)
+    return threshold, f"noise_ratio_high = sqrt({ceiling:.3f} x {floor:.3f}) = {threshold:.3f} ({floor / ceiling:.2f}x)"

@@ -96,15 +96,11 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert "ds_rel_err 0.01" in text and "blocks.1.attn" in text
     assert "custom_scalars__config__" in accumulator.Tags()["tensors"]
     # TensorBoard's Time Series sorts a group's charts by tag: the sage group opens on the dS error per layer and the
-    # gradient norm, then the share, the loss, the error against gradient noise (measured at step 0 by default) and
-    # the picture; no flat counter before them.
+    # gradient norm, then the share, the loss and the picture; no flat counter before them.
     sage_tags = {tag for tag in scalars | set(accumulator.Tags()["images"]) if tag.startswith("sage/")}
     cards = sorted(sage_tags, key=time_series_order)
-    first = [*(f"sage/ds_rel_err/{layer}" for layer in LAYERS), "sage/grad_norm", "sage/int8_fraction", "sage/loss"]
-    noise = [f"sage/noise_ratio/{layer}" for layer in LAYERS]
-    assert cards[:7] == [*first, *noise], cards[:10]
-    # after it, what the escalated rung measured (armed on the step after the escalation), then the picture
-    assert cards[7:10] == [*(f"sage/noise_ratio_ran/{layer}" for layer in LAYERS), "sage/precision"], cards
+    first = [*(f"sage/ds_rel_err/{layer}" for layer in LAYERS), "sage/grad_norm"]
+    assert cards[:6] == [*first, "sage/int8_fraction", "sage/loss", "sage/precision"], cards[:8]
     images = accumulator.Images("sage/precision")
     # The picture of every layer's precision: at the start, at step 2 where both layers went to ds_bf16, at the end.
     assert [image.step for image in images] == [0, 2, 5]

@@ -11,7 +11,7 @@ from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.layer import AttentionLayerState
-from sage_lightning.noise import adapter_gradients, noise_ratio, noise_sums
+from sage_lightning.noise import adapter_gradients, calibrate_threshold, noise_ratio, noise_sums
 from sage_lightning.policy import LayerSignals, PrecisionPolicy, StepSignals
 from sage_lightning.signals import HEAD_FIELDS, LAYER_FIELDS, SignalLayout
 
@@ -214,3 +214,20 @@ def test_a_trainer_measures_the_noise_ratio_and_the_controller_acts_on_it(tmp_pa
     raised = [d for d in controller.history if d.lever == "precision"]
     assert raised and all(d.reason.startswith("noise_ratio ") and d.step == 2 for d in raised)
     assert {layer.precision.ds for layer in attention_layers(model).values()} == {"bf16"}
+
+
+def test_the_rule_is_off_by_default() -> None:
+    assert PolicyConfig().noise_ratio_high is None
+    assert not PrecisionPolicy({LAYER: BASE}).signals_wanted(0).noise
+
+
+def test_the_threshold_sits_between_the_quiet_and_the_loud_readings_or_nowhere() -> None:
+    quiet = [0.05 + 0.001 * i for i in range(100)]  # 95th percentile 0.144
+    threshold, why = calibrate_threshold(quiet, [[0.5, 0.6, 0.7], [0.4, 0.45]])
+    assert threshold == pytest.approx(math.sqrt(0.14405 * 0.425)) and "0.144 x 0.425" in why
+    # The study's matrix on the H200: a loud run whose median is under the quiet 95th percentile: no threshold.
+    assert calibrate_threshold(quiet, [[0.5], [0.07, 0.08]]) == (
+        None,
+        "no separation: the lowest loud median 0.075 <= the quiet 95th percentile 0.144",
+    )
+    assert calibrate_threshold([], [[1.0]])[0] is None

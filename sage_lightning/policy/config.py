@@ -20,9 +20,11 @@ DEFAULT_LADDER: tuple[Rung, ...] = (
 )
 
 
-#: The noise ratio's thresholds: calibrated on the evidence matrix (``docs/controller.md``, Noise ratio).
-NOISE_RATIO_HIGH = 1.0
-NOISE_RATIO_LOW = 0.5
+#: The noise ratio's rule is off by default: on the evidence matrix its readings did not separate the groups where
+#: low-bit attention costs loss from those where it does not (``docs/controller.md``, Noise ratio). Turn it on with
+#: ``noise_ratio_high`` (0.2 and ``noise_ratio_low`` 0.1 are what the matrix's controller runs used).
+NOISE_RATIO_HIGH: float | None = None
+NOISE_RATIO_LOW = 0.1
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,8 @@ class PolicyConfig:
         noise_ratio_high: a layer whose noise ratio (the error its low-bit products put into its gradients over
             those gradients' sampling noise at the run's tokens per step) exceeds this, ``noise_patience``
             measurements in a row, moves dS to the next rung that raises it (``ds_bf16``); where dS is already
-            high, tokens per step go down. ``None`` turns the measurement and the rule off.
+            high, tokens per step go down. ``None`` (the default) turns the measurement and the rule off:
+            experimental, its threshold is not calibrated yet (``docs/controller.md``, Noise ratio).
         noise_ratio_low: a rung that changed ``ds`` is left only when the latest noise ratio of the layer's base
             precision is below this (hysteresis), and tokens per step come back up only when every layer's latest
             reading is.
