@@ -55,7 +55,8 @@ train() {  # GPU GROUP RUNSPEC NAME [more pretrain_compare arguments]
   echo "--- gpu $gpu: $group/$name finished $(date +%T), exit status $status" >>"$WORK/evidence.log"
 }
 
-threshold() {  # waits for the observing runs, calibrates once, prints the threshold
+threshold() {  # waits for the observing runs, calibrates once, prints the threshold (or the one given by hand)
+  [[ -f "$WORK/threshold" ]] && { cat "$WORK/threshold"; return; }
   while (($(grep -c "observe finished" "$WORK/evidence.log") < 3)); do sleep 10; done
   if mkdir "$WORK/calibrating" 2>/dev/null; then
     # The fewest tokens per step are the quiet side (no loss gap expected), the rest the loud side.
@@ -179,7 +180,7 @@ extra() {  # a second round, one run per GPU, at a threshold given by hand (wher
 case "$MODE" in
   extra)  # THRESHOLD: the runs of extra() (on the installed copy; a fresh machine installs one), detached
     [[ -d "$WORK/site" ]] || { mkdir -p "$WORK" "$OUT" && setup; } || exit 1
-    echo "$2" >"$WORK/threshold" && rm -f "$WORK/status" && mkdir -p "$WORK/calibrating"  # no calibration here
+    echo "$2" >"$WORK/threshold" && rm -f "$WORK/status"
     echo "--- extra round at noise_ratio_high $2" >>"$WORK/evidence.log"
     setsid nohup bash "$0" _extra >>"$WORK/driver.log" 2>&1 </dev/null &
     sleep 2
