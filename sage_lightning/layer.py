@@ -97,7 +97,8 @@ class KeptCall:
 
 @dataclasses.dataclass
 class _ProbeCapture:
-    """The inputs of one served call and, once its backward ran, the gradient that reached its output."""
+    """The inputs of one served call (its first sequences, or all) and, once its backward ran, the gradient that
+    reached its output; ``sequences`` is the call's whole batch."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -105,7 +106,38 @@ class _ProbeCapture:
     is_causal: bool
     scale: float | None
     precision: AttentionPrecision
+    sequences: int
     grad_out: torch.Tensor | None = None
+
+
+def _capture(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    bound: dict[str, Any],
+    precision: AttentionPrecision,
+    keep: int | None = None,
+) -> _ProbeCapture:
+    """Copies of a served call's first ``keep`` sequences (all where ``None``) and, through a hook on ``out``, of
+    their share of the gradient that reaches it. Copies, not views: the caller may write into its q/k/v (a KV cache)
+    after the call."""
+    part = slice(None) if keep is None else slice(0, keep)
+    capture = _ProbeCapture(
+        q=q[part].detach().clone(),
+        k=k[part].detach().clone(),
+        v=v[part].detach().clone(),
+        is_causal=bound["is_causal"],
+        scale=None if bound["scale"] is None else float(bound["scale"]),
+        precision=precision,
+        sequences=q.shape[0],
+    )
+
+    def keep_grad_out(grad: torch.Tensor) -> None:
+        capture.grad_out = grad[part].detach().clone()
+
+    out.register_hook(keep_grad_out)
+    return capture
 
 
 class AttentionLayerState:
@@ -180,7 +212,6 @@ class AttentionLayerState:
         # Sequences to capture for the noise measurement (0: not armed), and the capture.
         self._noise_armed = 0
         self._noise_capture: _ProbeCapture | None = None
-        self._noise_batch = 0  # the captured call's sequences (all of them, not only those kept)
         # Born on the CPU so a compiled first call finds it and no recompile follows; a call on another device
         # moves it there once (one recompile under torch.compile).
         self._nonfinite: torch.Tensor = torch.zeros((), dtype=torch.bool)
@@ -272,9 +303,10 @@ class AttentionLayerState:
             self.forward_stats = health if self.forward_stats is None else self.forward_stats + health
         self._record_finiteness(q, k, v, out)
         if self._probe_armed and torch.is_grad_enabled() and out.requires_grad:
-            self._capture_for_probe(q, k, v, out, bound)
+            self._capture, self._probe_armed = _capture(q, k, v, out, bound, self.precision), False
         if self._noise_armed and q.dim() == 4 and q.shape[0] >= 2 and torch.is_grad_enabled() and out.requires_grad:
-            self._capture_for_noise(q, k, v, out, bound)
+            self._noise_capture = _capture(q, k, v, out, bound, self.precision, keep=self._noise_armed)
+            self._noise_armed = 0
         if self.keep_calls:
             kept = KeptCall(q.detach(), k.detach(), v.detach(), out, bound["is_causal"], bound["scale"])
             self.kept_calls.append(kept)
@@ -454,48 +486,6 @@ class AttentionLayerState:
             else:
                 self._nonfinite.logical_or_(started_here)
 
-    def _capture_for_probe(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, bound: dict[str, Any]
-    ) -> None:
-        # Copies, not views: the caller may write into its q/k/v (a KV cache) after the call.
-        capture = _ProbeCapture(
-            q=q.detach().clone(),
-            k=k.detach().clone(),
-            v=v.detach().clone(),
-            is_causal=bound["is_causal"],
-            scale=None if bound["scale"] is None else float(bound["scale"]),
-            precision=self.precision,
-        )
-
-        def keep_grad_out(grad: torch.Tensor) -> None:
-            capture.grad_out = grad.detach().clone()
-
-        out.register_hook(keep_grad_out)
-        self._capture = capture
-        self._probe_armed = False
-
-    def _capture_for_noise(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, bound: dict[str, Any]
-    ) -> None:
-        # The first sequences of the call, copied (the caller may write into q/k/v after it), and their share of
-        # the output's gradient once the backward reaches it.
-        take = min(self._noise_armed, q.shape[0])
-        capture = _ProbeCapture(
-            q=q[:take].detach().clone(),
-            k=k[:take].detach().clone(),
-            v=v[:take].detach().clone(),
-            is_causal=bound["is_causal"],
-            scale=None if bound["scale"] is None else float(bound["scale"]),
-            precision=self.precision,
-        )
-
-        def keep_grad_out(grad: torch.Tensor) -> None:
-            capture.grad_out = grad[:take].detach().clone()
-
-        out.register_hook(keep_grad_out)
-        self._noise_capture, self._noise_batch = capture, q.shape[0]
-        self._noise_armed = 0
-
     # --------------------------------------------------------------------------------------------- signals
 
     def take_ds_stats(self) -> tuple[float, float] | None:
@@ -669,7 +659,7 @@ class AttentionLayerState:
         )
         if len(precisions) == 1:
             sums = sums.expand(2, -1)
-        return sums, self._noise_batch
+        return sums, capture.sequences
 
     def take_nonfinite(self) -> bool:
         """Whether a call since the last take returned a non-finite output from finite q, k, v. One host sync.

@@ -169,13 +169,12 @@ def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]])
 
         calibrate_threshold([0.1, 0.1, 0.2], [[0.8, 0.9, 0.8]])   # (0.39, 'noise_ratio_high = sqrt(0.190 x 0.800) ...')
     """
-    quiet = sorted(v for v in quiet if math.isfinite(v))
+    quiet = [v for v in quiet if math.isfinite(v)]
     medians = [statistics.median(run) for run in loud if run]
     if not quiet or not medians:
         return None, "needs readings of a run without a loss gap and of one with a gap at least"
-    position = 0.95 * (len(quiet) - 1)
-    low, frac = int(position), position - int(position)
-    ceiling = quiet[low] + (quiet[min(low + 1, len(quiet) - 1)] - quiet[low]) * frac
+    # The 95th percentile, interpolated between the readings (numpy's "linear").
+    ceiling = statistics.quantiles(quiet, n=20, method="inclusive")[18] if len(quiet) > 1 else quiet[0]
     floor = min(medians)
     if floor <= ceiling:
         return None, f"no separation: the lowest loud median {floor:.3f} <= the quiet 95th percentile {ceiling:.3f}"

@@ -186,15 +186,14 @@ class SignalLayout:
             rest = torch.tensor(rows, dtype=torch.float64, device=device)
         else:
             rest = torch.zeros(count, 1 + 2 * len(PROBE_TENSORS), dtype=torch.float64, device=device)
-        noise_rows = []
-        for taken in noise or [None] * count:
-            if taken is None:
-                noise_rows.append(torch.zeros(_NOISE_BLOCK, dtype=torch.float64, device=device))
-            else:
-                noise_sums, sequences = taken
-                tail = torch.tensor([float(sequences), 1.0], dtype=torch.float64, device=device)
-                noise_rows.append(torch.cat([noise_sums.to(device, torch.float64).flatten(), tail]))
-        noise_block = torch.stack(noise_rows)
+        if noise is None:
+            noise_block = torch.zeros(count, _NOISE_BLOCK, dtype=torch.float64, device=device)
+        else:
+            none6 = torch.zeros(len(NOISE_ROWS) * len(NOISE_FIELDS), dtype=torch.float64, device=device)
+            sums6 = torch.stack([none6 if t is None else t[0].to(device, torch.float64).flatten() for t in noise])
+            # The sequences and the rank count are host numbers: one copy for every layer.
+            tails = [[0.0, 0.0] if t is None else [float(t[1]), 1.0] for t in noise]
+            noise_block = torch.cat([sums6, torch.tensor(tails, dtype=torch.float64, device=device)], dim=1)
         if nonfinite is None:
             flags = torch.zeros(count, 1, dtype=torch.float64, device=device)
         else:

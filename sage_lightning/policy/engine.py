@@ -498,20 +498,13 @@ class PrecisionPolicy:
         for name, measured in layers.items():
             ratio = measured.noise_ratio_ran
             state = self._layers[name]
-            if ratio is None or name in moved or not math.isfinite(ratio):
+            if ratio is None or name in moved:
                 continue
-            if ratio <= cfg.noise_ratio_high:
-                state.noise_high_streak = 0
+            note = ": its gradients' quantization error outweighs their sampling noise at this many tokens per step"
+            reason = _streak(state, "noise", ratio, cfg.noise_ratio_high, cfg.noise_patience, note, "noise_ratio")
+            if not reason:
                 continue
-            state.noise_high_streak += 1
-            if state.noise_high_streak < cfg.noise_patience:
-                continue
-            reason = (
-                f"noise_ratio {ratio:.3g} > noise_ratio_high {cfg.noise_ratio_high:g} "
-                f"({state.noise_high_streak} measurements in a row): its gradients' quantization error outweighs "
-                "their sampling noise at this many tokens per step"
-            )
-            decision = self._escalate_noise(name, step, reason)
+            decision = self._escalate(name, "ds", step, reason, alone=True)
             if decision is None:
                 stuck.append(f"{name} {reason}")
             else:
@@ -522,21 +515,6 @@ class PrecisionPolicy:
             more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
             decisions += self._tokens.lower(step, stuck[0] + more)
         return decisions
-
-    def _escalate_noise(self, name: str, step: int, reason: str) -> Decision | None:
-        """Move ``name`` to the next rung, in ladder order, that changes ``ds`` alone (and what runs); ``None``
-        where there is none (dS already as high as the ladder takes it)."""
-        state = self._layers[name]
-        current = self._precision_of(state.base, state.path)
-        if current.mode != "sagebwd":
-            return None
-        for index, rung in enumerate(self.config.ladder):
-            if index in state.path or set(rung.fields) != {"ds"}:
-                continue
-            if rung.apply(current).short_name == current.short_name:
-                continue
-            return self._take_rung(name, index, step, reason)
-        return None
 
     def _noise_holds_tokens(self) -> bool:
         """Whether a layer's latest noise ratio (at the precision it ran in) is still at or over
@@ -644,9 +622,10 @@ class PrecisionPolicy:
             return decisions
         return self._tokens.lower(step, cause)
 
-    def _escalate(self, name: str, cause: str, step: int, reason: str) -> Decision | None:
+    def _escalate(self, name: str, cause: str, step: int, reason: str, *, alone: bool = False) -> Decision | None:
         """Move ``name`` to the first rung, in ladder order, not taken yet, that changes what runs and fixes
-        ``cause`` (``"top"``: the rung that fixes every cause, else the last); ``None`` when there is none."""
+        ``cause`` (``"top"``: the rung that fixes every cause, else the last; ``alone``: only a rung that changes
+        that product's field and nothing else, as the noise rule wants); ``None`` when there is none."""
         state = self._layers[name]
         ladder = self.config.ladder
         current = self._precision_of(state.base, state.path)
@@ -662,14 +641,11 @@ class PrecisionPolicy:
             serving = complete[-1:] or candidates[-1:]
         else:
             serving = [i for i in candidates if cause in ladder[i].fixes]
+        if alone:
+            serving = [i for i in serving if set(ladder[i].fields) == {cause}]
         if not serving:
             return None
-        return self._take_rung(name, serving[0], step, reason)
-
-    def _take_rung(self, name: str, target: int, step: int, reason: str) -> Decision:
-        """Put ``name`` on ladder rung ``target`` (one decision), arm the checks of the new rung."""
-        state = self._layers[name]
-        current = self._precision_of(state.base, state.path)
+        target = serving[0]
         if state.backoff.tighten(step):
             reason += f"; again within the calm period after a step down, calm period now {state.backoff.period}"
         state.path.append(target)
@@ -858,10 +834,13 @@ def _fmt(value: float | None) -> str:
     return "not measured" if value is None else f"{value:.4g}"
 
 
-def _streak(state: _LayerState, signal: str, err: float, high: float, patience: int, note: str) -> str:
-    """Count one reading of ``<signal>_rel_err`` into the layer's streak of readings over ``high`` (a finite reading
-    at or under it ends the streak; a non-finite one leaves it); the reason to escalate once the streak reaches
-    ``patience``, else ``""``."""
+def _streak(
+    state: _LayerState, signal: str, err: float, high: float, patience: int, note: str, label: str | None = None
+) -> str:
+    """Count one reading of ``label`` (``<signal>_rel_err`` by default) into the layer's streak of readings over
+    ``high`` (``<signal>_high_streak``; a finite reading at or under it ends the streak, a non-finite one leaves it);
+    the reason to escalate once the streak reaches ``patience``, else ``""``."""
+    label = label or f"{signal}_rel_err"
     attribute = f"{signal}_high_streak"
     if not math.isfinite(err):
         return ""
@@ -872,4 +851,4 @@ def _streak(state: _LayerState, signal: str, err: float, high: float, patience: 
     setattr(state, attribute, streak)
     if streak < patience:
         return ""
-    return f"{signal}_rel_err {err:.4g} > {signal}_rel_err_high {high:g} ({streak} measurements in a row){note}"
+    return f"{label} {err:.4g} > {label}_high {high:g} ({streak} measurements in a row){note}"
