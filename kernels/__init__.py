@@ -21,6 +21,7 @@ if __name__ != "sage_lightning.kernels":
 else:
     from .interface import SUPPORTED_DTYPES, check_inputs, sage_attention, use_backend
     from .paths import KernelPath, kernel_path
+    from .plan import KernelPlan, UnsupportedAttention, plan_attention
     from .precision import FORMATS, MODES, PRODUCTS, QAT_BACKWARDS, AttentionPrecision
 
     __all__ = [
@@ -31,8 +32,11 @@ else:
         "SUPPORTED_DTYPES",
         "AttentionPrecision",
         "KernelPath",
+        "KernelPlan",
+        "UnsupportedAttention",
         "check_inputs",
         "kernel_path",
+        "plan_attention",
         "sage_attention",
         "use_backend",
     ]

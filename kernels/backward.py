@@ -25,14 +25,12 @@ kernel only, once per tile, and added into the caller's buffer with two atomics 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from .hopper.gluon_backward import gluon_dkdv, gluon_dkdv_applies
-from .hopper.gluon_dkdv_wg import gluon_dkdv_wg, gluon_dkdv_wg_applies
-from .hopper.gluon_dq import gluon_dq, gluon_dq_applies
-from .hopper.gluon_dq_wg import gluon_dq_wg, gluon_dq_wg_applies
 from .precision import LOW_BIT_FORMATS
 from .quant import (
     FP8_MAX,
@@ -402,45 +400,14 @@ def _dq_kernel(
     )
 
 
-#: The portable kernels' names in :func:`backward_kernels`' answer (the others are the Gluon kernels' function names).
-PORTABLE_DKDV, PORTABLE_DQ = "triton_dkdv", "triton_dq"
-
-
-def backward_kernels(
-    grad_out: torch.Tensor,
-    q_op: torch.Tensor,
-    q_mean: torch.Tensor | None,
-    k_op: torch.Tensor,
-    *,
-    is_causal: bool,
-    block_m: int,
-    block_n: int,
-    qk: str,
-    dv: str,
-    dp: str,
-    ds: str,
-) -> tuple[str, str]:
-    """Which kernels :func:`backward` runs for dK/dV and for dQ, by name: ``"gluon_dkdv_wg"``, ``"gluon_dkdv"`` or
-    :data:`PORTABLE_DKDV`; ``"gluon_dq_wg"``, ``"gluon_dq"`` or :data:`PORTABLE_DQ`. Only the tensors' shapes,
-    dtypes and device are read, so the path report (:mod:`..paths`) asks it with stand-ins.
-
-    Args:
-        grad_out, q_op, q_mean, k_op, is_causal, block_m, block_n, qk, dv, dp, ds: as :func:`backward`.
-
-    Example::
-
-        backward_kernels(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk="int8",
-                         dv="int8", dp="bf16", ds="int8")   # ("gluon_dkdv", "gluon_dq") on an H100
-    """
-    tiles = dict(is_causal=is_causal, block_m=block_m, block_n=block_n)
-    head_dim, seq_k = q_op.shape[3], k_op.shape[2]
-    dkdv = PORTABLE_DKDV
-    if gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dv=dv, dp=dp, ds=ds):
-        dkdv = "gluon_dkdv_wg" if gluon_dkdv_wg_applies(head_dim, seq_k) else "gluon_dkdv"
-    dq = PORTABLE_DQ
-    if gluon_dq_applies(grad_out, q_op, q_mean, k_op, **tiles, qk=qk, dp=dp, ds=ds):
-        dq = "gluon_dq_wg" if gluon_dq_wg_applies(head_dim) else "gluon_dq"
-    return dkdv, dq
+#: A kernel computing dK and dV in place of the portable one (the plan's: :mod:`.ops` passes it), called as
+#: ``(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, *, is_causal, scale)``
+#: and returning ``(dK, dV)``. It reads dO contiguous.
+DkdvKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+#: A kernel computing dQ in place of the portable one, called as
+#: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``; it reads dO contiguous and K'^ as
+#: it is (no ``[D, N]`` copy).
+DqKernel = Callable[..., torch.Tensor]
 
 
 def backward(
@@ -464,13 +431,15 @@ def backward(
     dv: str,
     dp: str,
     ds: str,
+    dkdv_kernel: DkdvKernel | None = None,
+    dq_kernel: DqKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)``
     contiguous in dO's dtype.
 
     Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
     copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before dQ and the portable dQ kernel's
-    ``[D, N]`` copy of K'^ are allocated (the Gluon dQ kernels transpose K'^'s tiles in shared memory instead).
+    ``[D, N]`` copy of K'^ are allocated (a planned dQ kernel reads K'^ as it is).
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
@@ -485,6 +454,9 @@ def backward(
         is_causal, scale, block_m, block_n: as the forward.
         qk, dv, dp, ds: the products' formats (``"int8"``, ``"fp8"``, ``"bf16"`` or ``"nvfp4"``, which ``ds`` does not
             take); ``qk`` must be the forward's.
+        dkdv_kernel, dq_kernel: the kernels the call's plan (:func:`.plan.plan_attention`) runs in place of the
+            portable ones, which it has checked serve the call (:data:`DkdvKernel`, :data:`DqKernel`); ``None``: the
+            portable kernel.
 
     Example::
 
@@ -492,17 +464,13 @@ def backward(
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
                               dv="int8", dp="bf16", ds="int8")
     """
-    dkdv_kernel, dq_kernel = backward_kernels(
-        grad_out, q_op, q_mean, k_op, is_causal=is_causal, block_m=block_m, block_n=block_n, qk=qk, dv=dv, dp=dp, ds=ds
-    )
-    gluon_kv, gluon_q = dkdv_kernel != PORTABLE_DKDV, dq_kernel != PORTABLE_DQ
-    if gluon_kv or gluon_q:
-        # The Gluon kernels read dO through TMA, which wants it contiguous: one copy serves both (a model's dO is
-        # usually a [B, N, H, D] view).
+    if dkdv_kernel is not None or dq_kernel is not None:
+        # The planned kernels (Hopper's) read dO through TMA, which wants it contiguous: one copy serves both (a
+        # model's dO is usually a [B, N, H, D] view).
         grad_out = grad_out.contiguous()
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
     # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
-    # the portable dQ kernel K'^'s (made just before it; the Gluon dQ kernels transpose K'^'s tiles in shared memory).
+    # the portable dQ kernel K'^'s (made just before it; a planned dQ kernel transposes K'^'s tiles itself).
     transposed = qk == ds and qk in LOW_BIT_FORMATS
     delta, do_codes, do_codes_t, do_scale, q_op_t = backward_preprocess(
         grad_out, out, block_m, codes=dp == "int8", codes_t=dv == "int8", transpose=q_op if transposed else None
@@ -542,11 +510,9 @@ def backward(
         DOT_PRECISION=dot_precision(io_dtype),
     )
     q_op_t = q_op_t if q_op_t is not None else q_op
-    if gluon_kv:
-        # Hopper: the same dK and dV, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_backward.py;
-        # at D=64 one warpgroup per 64 keys, kernels/hopper/gluon_dkdv_wg.py).
-        kernel = gluon_dkdv_wg if dkdv_kernel == "gluon_dkdv_wg" else gluon_dkdv
-        grad_k, grad_v = kernel(
+    if dkdv_kernel is not None:
+        # The plan's kernel: the same dK and dV, bit for bit (on Hopper, from TMA loads and async wgmma).
+        grad_k, grad_v = dkdv_kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale,
         )  # fmt: skip
@@ -564,12 +530,9 @@ def backward(
         )  # fmt: skip
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
     del q_op_t, do_codes_t
-    if gluon_q:
-        # Hopper: the same dQ, bit for bit, from TMA loads and async wgmma (kernels/hopper/gluon_dq.py; at D=64 one
-        # warpgroup per 128-query block, kernels/hopper/gluon_dq_wg.py). They transpose K'^'s tiles in shared
-        # memory: no [D, N] copy.
-        run_dq = gluon_dq_wg if dq_kernel == "gluon_dq_wg" else gluon_dq
-        grad_q = run_dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
+    if dq_kernel is not None:
+        # The plan's kernel: the same dQ, bit for bit; it transposes K'^'s tiles itself (no [D, N] copy).
+        grad_q = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
     else:
         k_op_t = transpose_rows(k_op) if transposed else k_op
         grad_q = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)

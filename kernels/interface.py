@@ -1,4 +1,5 @@
-"""``sage_attention``: SDPA's layout and meaning, SageBwd or Attn-QAT numerics; checks arguments and picks the path."""
+"""``sage_attention``: SDPA's layout and meaning, SageBwd or Attn-QAT numerics; checks arguments and runs the plan
+(:func:`.plan.plan_attention`)."""
 
 from __future__ import annotations
 
@@ -23,38 +24,35 @@ def _broken_install(error: BaseException) -> ImportError:
     )
 
 
-#: Why the Triton kernels are not used on this machine, when that is deliberate: Triton is a Linux dependency, and
-#: without it every call takes the reference. Empty where Triton is installed. A Triton that is installed but fails
-#: to import, or a kernel module missing from the install, is an error instead (``_broken_install``).
-TRITON_MISSING = ""
 try:
-    import triton  # noqa: F401
-except ModuleNotFoundError as error:
-    if error.name != "triton":
-        raise _broken_install(error) from error
-    TRITON_MISSING = "the triton package is not installed (it is a Linux dependency): every call runs the reference"
-    MAX_TRITON_HEAD_DIM, sage_attention_triton, _capability = 0, None, None
+    # The plan probes Triton: a Triton that is missing is deliberate (every call takes the reference, TRITON_MISSING
+    # says why); one that is installed but fails to import, or a kernel module missing from the install, is an error.
+    from .plan import (
+        BACKENDS,
+        MAX_TRITON_HEAD_DIM,
+        SDPA,
+        TRITON_MISSING,
+        KernelPlan,
+        UnsupportedAttention,
+        UnsupportedAttentionType,
+        plan_attention,
+        set_backend,
+    )
+
+    if not TRITON_MISSING:
+        from .ops import sage_attention_triton
 except Exception as error:
     raise _broken_install(error) from error
-else:
-    try:
-        from .hopper.dispatch import _capability
-        from .ops import MAX_TRITON_HEAD_DIM, sage_attention_triton
-    except Exception as error:
-        raise _broken_install(error) from error
-
-#: Which implementation serves a call: "auto" (Triton for CUDA tensors whose head dim it takes, the reference
-#: otherwise), "triton" or "reference". Tests and the accuracy harness set it through :func:`use_backend`.
-_BACKEND = "auto"
-BACKENDS = ("auto", "triton", "reference")
+if TRITON_MISSING:
+    MAX_TRITON_HEAD_DIM, sage_attention_triton = 0, None
 
 #: Input dtypes ``sage_attention`` takes. float32 is computed as it is (not cast): the INT8 products are
 #: the same, and the products set to ``"bf16"`` run with float32 operands.
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _fail(argument: str, received: str, works: str) -> ValueError:
-    return ValueError(f"sage_attention: {argument} {works}; received {received}.")
+def _fail(argument: str, received: str, works: str) -> UnsupportedAttention:
+    return UnsupportedAttention(argument, received, works)
 
 
 def check_inputs(
@@ -73,8 +71,8 @@ def check_inputs(
         q, k, v, is_causal, scale, precision, stats: as :func:`sage_attention`.
 
     Raises:
-        TypeError: a tensor argument that is not a tensor, or ``precision`` of the wrong type.
-        ValueError: a shape, dtype, device or value that does not work.
+        UnsupportedAttention: a shape, dtype, device or value that does not work (a ``ValueError``); an argument of the
+            wrong type raises its subclass :class:`~.plan.UnsupportedAttentionType`, also a ``TypeError``.
 
     Example::
 
@@ -82,7 +80,7 @@ def check_inputs(
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"sage_attention: {name} must be a torch.Tensor; received {type(t).__name__}.")
+            raise UnsupportedAttentionType(name, type(t).__name__, "must be a torch.Tensor")
         if t.layout != torch.strided or t.is_nested:
             raise _fail(
                 name,
@@ -140,13 +138,12 @@ def check_inputs(
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (scale > 0 and math.isfinite(scale)):
             raise _fail("scale", repr(scale), "must be a positive finite float, or None for 1/sqrt(head_dim)")
     if precision is not None and not isinstance(precision, AttentionPrecision):
-        raise TypeError(
-            "sage_attention: precision must be a sage_lightning.kernels.AttentionPrecision or None; "
-            f"received {type(precision).__name__}."
+        raise UnsupportedAttentionType(
+            "precision", type(precision).__name__, "must be a sage_lightning.kernels.AttentionPrecision or None"
         )
     if stats is not None:
         if not isinstance(stats, torch.Tensor):
-            raise TypeError(f"sage_attention: stats must be a torch.Tensor or None; received {type(stats).__name__}.")
+            raise UnsupportedAttentionType("stats", type(stats).__name__, "must be a torch.Tensor or None")
         if stats.dtype != torch.float32 or stats.shape != (2,) or stats.device != q.device:
             raise _fail(
                 "stats",
@@ -213,19 +210,19 @@ def sage_attention(
     """
     check_inputs(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
     precision = AttentionPrecision() if precision is None else precision
-    if precision.mode == "full":
+    if q.shape[2] == 0 and precision.mode != "full":
+        return q.new_empty(q.shape)
+    plan = plan_attention(q, k, precision, is_causal=is_causal, scale=scale)
+    if plan.backend == SDPA:
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    if q.shape[2] == 0:
-        return q.new_empty(q.shape)
     # SageBwd and Attn-QAT alike: both paths read the precision's formats, and both ignore stats in attn_qat mode.
     if q.is_cuda and not torch.compiler.is_compiling():
-        _announce_once(q.device, q.dtype, q.shape, k.shape, is_causal, precision, _BACKEND)
-    if _uses_triton(q):
-        _check_fp8_device(q, precision)
+        _announce_once(q.device, q.dtype, q.shape, k.shape, is_causal, precision, plan)
+    if plan.triton:
         out, _ = sage_attention_triton(
-            q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats, with_lse=False
+            q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats, with_lse=False, plan=plan
         )
     else:
         out, _ = sage_attention_reference(q, k, v, is_causal=is_causal, scale=scale, precision=precision, stats=stats)
@@ -240,7 +237,7 @@ def _announce_once(
     k_shape: torch.Size,
     is_causal: bool,
     precision: AttentionPrecision,
-    backend: str,
+    plan: KernelPlan,
 ) -> None:
     # Once per kind of call (a cache hit costs the host well under a microsecond): the path is logged the first time
     # the process takes it (:func:`.paths.announce`), so no CUDA call runs a slower path without a word.
@@ -249,33 +246,6 @@ def _announce_once(
     q = torch.empty((1,) * len(q_shape), dtype=dtype, device=device).expand(q_shape)
     k = torch.empty((1,) * len(k_shape), dtype=dtype, device=device).expand(k_shape)
     announce(q, k, is_causal=is_causal, precision=precision)
-
-
-#: The oldest compute capability with FP8 (e4m3) tensor cores: Ada (8.9) and Hopper (9.0).
-FP8_CAPABILITY = (8, 9)
-
-
-def _check_fp8_device(q: torch.Tensor, precision: AttentionPrecision) -> None:
-    """Refuse FP8 products on a GPU without FP8 tensor cores, naming the products and what works."""
-    if not (precision.fp8_products and q.is_cuda):
-        return
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    capability = _capability(index)
-    if capability < FP8_CAPABILITY:
-        fields = ", ".join(f"{name}='fp8'" for name in precision.fp8_products)
-        raise ValueError(
-            f"sage_attention: precision {fields} needs FP8 tensor cores (compute capability "
-            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or newer: Ada, Hopper); {q.device} is "
-            f"{capability[0]}.{capability[1]}. Use 'int8' or 'bf16' for those products on this GPU."
-        )
-
-
-def _uses_triton(q: torch.Tensor) -> bool:
-    if _BACKEND == "reference" or sage_attention_triton is None:
-        return False
-    if _BACKEND == "triton":
-        return True
-    return q.is_cuda and q.shape[-1] <= MAX_TRITON_HEAD_DIM
 
 
 class use_backend:  # noqa: N801 - used like a function: ``with use_backend("reference"):``
@@ -298,16 +268,14 @@ class use_backend:  # noqa: N801 - used like a function: ``with use_backend("ref
     def __init__(self, backend: str) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"use_backend: backend must be one of {', '.join(BACKENDS)}; received {backend!r}.")
-        if backend == "triton" and sage_attention_triton is None:
+        if backend == "triton" and TRITON_MISSING:
             raise ValueError("use_backend: backend 'triton' needs the triton package, which is not installed.")
         self.backend = backend
         self._previous = "auto"
 
     def __enter__(self) -> use_backend:
-        global _BACKEND
-        self._previous, _BACKEND = _BACKEND, self.backend
+        self._previous = set_backend(self.backend)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _BACKEND
-        _BACKEND = self._previous
+        set_backend(self._previous)

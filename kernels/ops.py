@@ -22,12 +22,26 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backward import backward
 from .forward import forward
-from .hopper.dispatch import hopper_forward_applies
 from .hopper.forward import hopper_forward
+from .hopper.gluon_backward import gluon_dkdv
+from .hopper.gluon_dkdv_wg import gluon_dkdv_wg
+from .hopper.gluon_dq import gluon_dq
+from .hopper.gluon_dq_wg import gluon_dq_wg
+from .plan import (
+    GLUON_DKDV,
+    GLUON_DKDV_WG,
+    GLUON_DQ,
+    GLUON_DQ_WG,
+    HOPPER_FORWARD,
+    IN_OPERATOR,
+    MAX_TRITON_HEAD_DIM,
+    QAT_BLOCK_M,
+    KernelPlan,
+    plan_attention,
+)
 from .precision import AttentionPrecision
 from .quant import (
     CODE_DTYPES,
-    MAX_PRODUCT_TERMS,
     NO_BAD_KEY,
     finite_mean,
     output_like,
@@ -35,30 +49,24 @@ from .quant import (
     quantize_heads_nvfp4,
     quantize_rows,
 )
-from .reference import DEFAULT_BLOCK_M, DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
+from .reference import DEFAULT_BLOCK_N, softmax_scale, undo_k_smoothing_shift
 from .tiles import LOG2E
 
-#: Largest head dim the kernels take (tiles of ``BLOCK_M x D`` fp32 accumulators must fit in registers);
-#: other head dims are padded to the next power of two inside the kernel.
-MAX_TRITON_HEAD_DIM = 128
+__all__ = ["MAX_TRITON_HEAD_DIM", "QAT_BLOCK_M", "sage_attention_triton"]
 
 _EMPTY = (0,)
 
 
-def forward_kernel(
-    q_op: torch.Tensor, k_op: torch.Tensor, *, qk: str, pv: str, scale: float, block_m: int, block_n: int
-) -> str:
-    """Which kernel computes SageBwd's forward, by name: ``"hopper_forward"`` (:mod:`.hopper.forward`) or
-    ``"triton_forward"`` (the portable :mod:`.forward`). Only shapes and the device are read (the path report,
-    :mod:`.paths`, asks it with stand-ins).
-
-    Example::
-
-        forward_kernel(q_op, k_op, qk="int8", pv="int8", scale=0.125, block_m=128, block_n=64)   # "hopper_forward"
-    """
-    if hopper_forward_applies(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n):
-        return "hopper_forward"
-    return "triton_forward"
+def _operator_plan(
+    q: torch.Tensor, k: torch.Tensor, is_causal: bool, scale: float, block_m: int, block_n: int, **formats: object
+) -> KernelPlan:
+    """The plan of a traced call, whose passes are named :data:`.plan.IN_OPERATOR`, made by the operator on its
+    concrete tensors (``q``, ``k`` or stand-ins of their shapes, dtype and device) and the precision its format
+    arguments give: the kernels an eager call of these shapes runs."""
+    return plan_attention(
+        q, k, AttentionPrecision(**formats), is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n,
+        backend="triton",
+    )  # fmt: skip
 
 
 def _sagebwd_forward(
@@ -77,12 +85,20 @@ def _sagebwd_forward(
     smooth_q: bool,
     block_m: int,
     block_n: int,
+    forward_kernel: str,
+    dkdv_kernel: str,
+    dq_kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """SageBwd forward. Returns ``(O, lse2, Q'^, q_scale, q_mean, K'^, k_scale)``.
 
     ``lse2`` is the internal logsumexp (base 2, of the smoothed scores); ``q_mean`` is empty without
-    Q-smoothing. ``stats`` and the backward formats are taken here only so the autograd formula sees them.
+    Q-smoothing. ``forward_kernel`` is the plan's (:class:`.plan.KernelPlan`; a traced call's
+    :data:`.plan.IN_OPERATOR` is planned here); ``stats``, the backward formats and the backward's kernels are taken
+    here only so the autograd formula sees them.
     """
+    if forward_kernel == IN_OPERATOR:
+        formats = {"qk": qk, "pv": pv, "dv": dv, "dp": dp, "ds": ds, "smooth_k": smooth_k, "smooth_q": smooth_q}
+        forward_kernel = _operator_plan(q, k, is_causal, scale, block_m, block_n, **formats).forward
     # Confined quantizers: a NaN or infinity is read as 0 by its block's scale and means (so it stays out of every
     # other row), reported per query row and as each head's first bad key, and the forward's epilogue makes exactly
     # the rows NaN that SDPA makes non-finite (quant.py's module docstring).
@@ -101,7 +117,7 @@ def _sagebwd_forward(
     # O in q's layout (a model's [B, N, H, D] memory: its reshape of O after the call stays a view).
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q), "row_poison": row_poison, "first_bad": first_bad}  # fmt: skip
-    if forward_kernel(q_op, k_op, qk=qk, pv=pv, scale=scale, block_m=block_m, block_n=block_n) == "hopper_forward":
+    if forward_kernel == HOPPER_FORWARD:
         out, lse = hopper_forward(*operands, **tiles, pv=pv)
     else:
         out, lse = forward(*operands, **tiles, qk=qk, pv=pv)
@@ -115,7 +131,7 @@ sagebwd_forward = torch.library.custom_op("sage_lightning::sagebwd_forward", mut
 
 @sagebwd_forward.register_fake
 def _sagebwd_forward_fake(q, k, v, stats, is_causal, scale, qk, pv, dv, dp, ds, smooth_k, smooth_q, block_m,
-                          block_n):  # fmt: skip
+                          block_n, forward_kernel, dkdv_kernel, dq_kernel):  # fmt: skip
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     op_dtype = CODE_DTYPES.get(qk, q.dtype)
@@ -151,8 +167,21 @@ def _sagebwd_backward(
     ds: str,
     block_m: int,
     block_n: int,
+    dkdv_kernel: str,
+    dq_kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SageBwd backward: ``(dQ, dK, dV)``; adds the dS statistics into ``stats`` when given."""
+    """SageBwd backward: ``(dQ, dK, dV)`` from the plan's dK/dV and dQ kernels (by name; a traced call's
+    :data:`.plan.IN_OPERATOR` is planned here); adds the dS statistics into ``stats`` when given."""
+    if IN_OPERATOR in (dkdv_kernel, dq_kernel):
+        # O and V stand in for q and k (their shapes, dtype and device); pv and smooth_k choose no backward kernel, and
+        # Q-smoothing is what gave q_mean its [B, H, blocks, D] shape (an empty one without it).
+        formats = {"qk": qk, "dv": dv, "dp": dp, "ds": ds, "smooth_q": q_mean.dim() > 1}
+        plan = _operator_plan(out, v, is_causal, scale, block_m, block_n, **formats)
+        dkdv_kernel = plan.dkdv if dkdv_kernel == IN_OPERATOR else dkdv_kernel
+        dq_kernel = plan.dq if dq_kernel == IN_OPERATOR else dq_kernel
+    # Looked up at each call, so that a test wrapping a kernel of this module sees its calls.
+    dkdv_run = {GLUON_DKDV: gluon_dkdv, GLUON_DKDV_WG: gluon_dkdv_wg}.get(dkdv_kernel)
+    dq_run = {GLUON_DQ: gluon_dq, GLUON_DQ_WG: gluon_dq_wg}.get(dq_kernel)
     return backward(
         grad_out,
         out,
@@ -172,6 +201,8 @@ def _sagebwd_backward(
         dv=dv,
         dp=dp,
         ds=ds,
+        dkdv_kernel=dkdv_run,
+        dq_kernel=dq_run,
     )
 
 
@@ -183,19 +214,19 @@ sagebwd_backward = torch.library.custom_op("sage_lightning::sagebwd_backward", m
 
 @sagebwd_backward.register_fake
 def _sagebwd_backward_fake(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, stats, is_causal, scale,
-                           qk, dv, dp, ds, block_m, block_n):  # fmt: skip
+                           qk, dv, dp, ds, block_m, block_n, dkdv_kernel, dq_kernel):  # fmt: skip
     return grad_out.new_empty(q_op.shape), grad_out.new_empty(k_op.shape), grad_out.new_empty(k_op.shape)
 
 
 def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
-    q, k, v, stats, is_causal, scale, qk, _pv, dv, dp, ds, _sk, _sq, block_m, block_n = inputs
+    q, k, v, stats, is_causal, scale, qk, _pv, dv, dp, ds, _sk, _sq, block_m, block_n, _fwd, dkdv, dq = inputs
     out, lse, q_op, q_scale, q_mean, k_op, k_scale = output
     # q and k themselves are not kept: the backward recomputes S from Q'^, K'^ (matching recomputation).
     ctx.save_for_backward(out, lse, q_op, q_scale, q_mean, k_op, k_scale, v)
     # Not saved as a tensor: the backward adds into it in place, and a layer called twice per step (shared
     # weights, activation checkpointing) would trip autograd's saved-tensor version check.
     ctx.stats = stats
-    ctx.config = (is_causal, scale, qk, dv, dp, ds, block_m, block_n)
+    ctx.config = (is_causal, scale, qk, dv, dp, ds, block_m, block_n, dkdv, dq)
     ctx.mark_non_differentiable(lse, q_op, q_scale, q_mean, k_op, k_scale)
     # The backward reads only O's gradient. Materialized, the other six outputs' gradients would be zero tensors
     # of their shapes allocated for every backward (66 MiB at 16K tokens and 2048 channels, at the peak).
@@ -205,12 +236,12 @@ def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, outp
 def _gradients(
     ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor | None, run_backward: Callable[..., tuple]
 ) -> tuple:
-    # The forward's 15 inputs get (dQ, dK, dV) and 12 Nones from ``run_backward`` (the operator or its function).
+    # The forward's 18 inputs get (dQ, dK, dV) and 15 Nones from ``run_backward`` (the operator or its function).
     if grad_out is None:  # gradients are not materialized (_setup_context): O took no part in what is derived
-        return (None,) * 15
+        return (None,) * 18
     out, lse, q_op, q_scale, q_mean, k_op, k_scale, v = ctx.saved_tensors
     dq, dk, dv = run_backward(grad_out, out, lse, q_op, q_scale, q_mean, k_op, k_scale, v, ctx.stats, *ctx.config)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 15
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, *_unused: torch.Tensor) -> tuple:
@@ -218,12 +249,6 @@ def _backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, 
 
 
 torch.library.register_autograd("sage_lightning::sagebwd_forward", _backward, setup_context=_setup_context)
-
-
-#: Query tile of Attn-QAT's launches. It changes no result (Q's NVFP4 scale is per head, and P's quantization rows
-#: are per query within the key tile); 64 rather than SageBwd's 128 because the forward carries two fp32 output
-#: accumulators (O and O_hp) and quantizes P in registers.
-QAT_BLOCK_M = 64
 
 
 def _per_block(scale: torch.Tensor, seq: int, block: int) -> torch.Tensor:
@@ -399,6 +424,7 @@ def sage_attention_triton(
     block_m: int | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     with_lse: bool = True,
+    plan: KernelPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SageBwd or Attn-QAT through the Triton kernels, differentiable; returns ``(O, logsumexp)`` like the reference.
 
@@ -414,6 +440,11 @@ def sage_attention_triton(
             ``block_m`` ``None`` is 128 (SageBwd) or 64 (Attn-QAT, where it changes no result); Attn-QAT's
             ``block_n`` sets P's quantization rows.
         with_lse: also compute SDPA's logsumexp (one more pass over q); ``False`` returns ``None`` for it.
+        plan: the call's :class:`.plan.KernelPlan`, when the caller has made it (its tiles replace ``block_m`` and
+            ``block_n``); ``None`` plans the call here, with the Triton kernels whatever the device.
+
+    Raises:
+        UnsupportedAttention: a tile that is not a power of two from 16 to 256, FP8 products on a GPU without them.
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` and SDPA's row logsumexp ``[B, Hq, N]`` (fp32, natural log) or ``None``.
@@ -423,14 +454,11 @@ def sage_attention_triton(
         out, lse = sage_attention_triton(q, k, v, is_causal=True)
     """
     precision = AttentionPrecision() if precision is None else precision
-    if block_m is None:
-        block_m = QAT_BLOCK_M if precision.mode == "attn_qat" else DEFAULT_BLOCK_M
-    for name, tile in (("block_m", block_m), ("block_n", block_n)):
-        if not (isinstance(tile, int) and 16 <= tile <= MAX_PRODUCT_TERMS and tile & (tile - 1) == 0):
-            raise ValueError(
-                f"{name} must be a power of two from 16 to {MAX_PRODUCT_TERMS} (an INT8 product sums over a tile, "
-                f"exact in fp32 up to that); received {tile!r}"
-            )
+    if plan is None:
+        plan = plan_attention(
+            q, k, precision, is_causal=is_causal, scale=scale, block_m=block_m, block_n=block_n, backend="triton"
+        )
+    block_m, block_n = plan.block_m, plan.block_n
     tau = softmax_scale(q.shape[-1], scale)
     if precision.mode == "attn_qat":
         out, lse2, *_ = attn_qat_forward(q, k, v, is_causal, tau, precision.high_precision_out, block_m, block_n)
@@ -438,7 +466,7 @@ def sage_attention_triton(
     attention = sagebwd_forward if _traced(q) else _SageBwd.apply
     out, lse2, *_ = attention(
         q, k, v, stats, is_causal, tau, precision.qk, precision.pv, precision.dv, precision.dp, precision.ds,
-        precision.smooth_k, precision.smooth_q, block_m, block_n,
+        precision.smooth_k, precision.smooth_q, block_m, block_n, plan.forward, plan.dkdv, plan.dq,
     )  # fmt: skip
     if not with_lse:
         return out, None

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.forward_health import qk_quant_error
 from sage_lightning.interception import bind_sdpa_arguments
-from sage_lightning.kernels import AttentionPrecision, sage_attention
+from sage_lightning.kernels import AttentionPrecision, UnsupportedAttention, sage_attention
 from sage_lightning.kernels.interface import MAX_TRITON_HEAD_DIM
 from sage_lightning.kernels.reference import exact_attention
 from sage_lightning.ledger import FALLBACK_PREFIX, FORWARD_END, FORWARD_START, SERVED, record, register
@@ -32,8 +32,6 @@ from sage_lightning.noise import noise_sums
 #: The attribute of a swapped module that holds its :class:`AttentionLayerState`.
 STATE_ATTRIBUTE = "sage_attention_state"
 
-# What the kernel's own validation (check_inputs) puts before every refusal.
-_KERNEL_REFUSAL = "sage_attention: "
 # Probe metrics are computed per output, in this order.
 _PROBED_OUTPUTS = ("O", "dQ", "dK", "dV")
 
@@ -288,10 +286,8 @@ class AttentionLayerState:
                 out = sage_attention(
                     q, k, v, is_causal=bound["is_causal"], scale=bound["scale"], precision=self.precision, stats=stats
                 )
-            except (TypeError, ValueError) as error:
-                if not str(error).startswith(_KERNEL_REFUSAL):
-                    raise
-                reason = str(error).removeprefix(_KERNEL_REFUSAL)
+            except UnsupportedAttention as error:
+                reason = error.reason
         if reason is not None:
             return self._fallback(reason, bound, args, kwargs)
         record(self, self.ledger_key, SERVED)

@@ -1,7 +1,7 @@
 """What the Gluon kernels' test files share (``test_gluon_backward.py``, ``test_gluon_dq.py``).
 
-* :func:`meta_backward`: the operands a dispatch rule (``gluon_*_applies``) reads, as meta tensors of SageBwd's
-  default backward, with a test's overrides of the shapes, dtype and Q-mean;
+* :func:`meta_plan`: the plan (:func:`sage_lightning.kernels.plan.plan_attention`) of SageBwd's default call on meta
+  tensors, with a test's overrides of the shapes, dtype, formats and tiles;
 * :func:`pretend_verified_hopper`: this machine as a verified Hopper with the Gluon API a kernel module is written for;
 * :func:`hopper_grads`: dQ, dK and dV of SageBwd's Triton path on the GPU with one kernel switch set;
 * :func:`count_calls`: which of the backward's Gluon kernels a call took, by name.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels import AttentionPrecision, plan
+from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.ops import sage_attention_triton
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -20,50 +21,50 @@ TRITON = ".".join(triton.__version__.split(".")[:2])
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="Gluon runs only on a Hopper GPU (not in the interpreter)")
 
 
-def meta_backward(overrides: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """``(grad_out, q_op, q_mean, k_op)`` on the meta device: B=1, 8 heads, N=Nk=4096, D=128, bf16, no Q-mean,
-    unless ``overrides`` names ``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``, ``dtype`` or ``q_mean``;
-    those keys are popped, so what stays in ``overrides`` is for the rule itself (formats, tiles).
+def meta_plan(causal: bool, overrides: dict) -> plan.KernelPlan:
+    """The plan of SageBwd's default call on the meta device (B=1, 8 heads, N=Nk=4096, D=128, bf16, 128 x 64 tiles),
+    unless ``overrides`` names ``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``, ``dtype``, ``block_m``,
+    ``block_n``, a product's format (``qk``, ``dv``, ``dp``, ``ds``) or ``smooth_q``.
 
     Example::
 
-        grad_out, q_op, q_mean, k_op = meta_backward({"head_dim": 64})
+        meta_plan(False, {"head_dim": 64}).dkdv   # "gluon_dkdv_wg" where the Gluon kernels are taken
     """
     shape = {"batch": 1, "heads": 8, "seq_q": 4096, "seq_k": 4096, "head_dim": 128}
-    shape.update({name: overrides.pop(name) for name in list(overrides) if name in shape})
-    dtype = overrides.pop("dtype", torch.bfloat16)
-    q_mean = overrides.pop("q_mean", None)
+    shape.update({name: overrides[name] for name in overrides if name in shape})
     b, h, n, nk, d = shape.values()
-    q_op = torch.zeros(b, h, n, d, dtype=torch.int8, device="meta")
-    k_op = torch.zeros(b, h, nk, d, dtype=torch.int8, device="meta")
-    grad_out = torch.zeros(b, h, n, d, dtype=dtype, device="meta")
-    return grad_out, q_op, q_mean, k_op
+    dtype = overrides.get("dtype", torch.bfloat16)
+    q = torch.zeros(b, h, n, d, dtype=dtype, device="meta")
+    k = torch.zeros(b, h, nk, d, dtype=dtype, device="meta")
+    formats = {name: overrides[name] for name in ("qk", "dv", "dp", "ds", "smooth_q") if name in overrides}
+    tiles = {name: overrides.get(name, default) for name, default in (("block_m", 128), ("block_n", 64))}
+    return plan.plan_attention(q, k, AttentionPrecision(**formats), is_causal=causal, **tiles, backend="triton")
 
 
-def pretend_verified_hopper(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
-    """Make ``module`` (a Gluon kernel module with ``HAVE_GLUON``, ``GLUON_TRITON`` and ``ENV``) see a verified
-    Hopper with its Gluon API, both switches unset."""
-    monkeypatch.setattr(module, "HAVE_GLUON", True)
-    monkeypatch.setattr(module, "GLUON_TRITON", (TRITON,))
-    monkeypatch.setattr(dispatch, "verified_here", lambda device: True)
-    monkeypatch.delenv(module.ENV, raising=False)
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+def pretend_verified_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the plan see a verified Hopper with the Gluon API the kernels are written for, every switch unset."""
+    monkeypatch.setattr(gluon_backward, "HAVE_GLUON", True)
+    monkeypatch.setattr(gluon_backward, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(plan, "verified_here", lambda device: True)
+    for name in plan.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    plan.refresh_settings()
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list[str]:
-    """Wrap each kernel of ``names`` as ``kernels.backward`` calls it; the returned list names each call's kernel.
+    """Wrap each kernel of ``names`` as ``kernels.ops`` runs it; the returned list names each call's kernel.
 
     Example::
 
         calls = count_calls(monkeypatch, ("gluon_dq", "gluon_dq_wg"))
     """
-    from sage_lightning.kernels import backward
+    from sage_lightning.kernels import ops
 
     calls: list[str] = []
     for name in names:
-        original = getattr(backward, name)
+        original = getattr(ops, name)
         monkeypatch.setattr(
-            backward, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
+            ops, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw)
         )  # fmt: skip
     return calls
 
@@ -76,6 +77,7 @@ def hopper_grads(
     inputs, so two settings see the same tensors."""
     batch, hq, hkv, n, nk, d, causal = shape
     monkeypatch.setenv(env, setting)
+    plan.refresh_settings()
     gen = torch.Generator(device="cuda").manual_seed(n + nk + d + hq)
     q = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16().requires_grad_()
     k = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()

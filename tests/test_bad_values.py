@@ -32,8 +32,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from sage_lightning.kernels import AttentionPrecision, ops
-from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels import AttentionPrecision, ops, plan
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import NO_BAD_KEY, finite_mean, quantize_channels_fp8, quantize_rows
 from sage_lightning.kernels.reference import confine, sage_attention_reference
@@ -60,9 +59,11 @@ def _backend(name: str, monkeypatch: pytest.MonkeyPatch):
     if name == "hopper":
         if not (INTERPRETED or ON_HOPPER):
             pytest.skip("the Hopper forward needs an sm_90 GPU or TRITON_INTERPRET=1")
-        monkeypatch.setenv(dispatch.ENV, "force")
+        monkeypatch.setenv(plan.HOPPER_ENV, "force")
+        plan.refresh_settings()
     else:
-        monkeypatch.setenv(dispatch.ENV, "off")
+        monkeypatch.setenv(plan.HOPPER_ENV, "off")
+        plan.refresh_settings()
     calls = []
     original = ops.hopper_forward
     monkeypatch.setattr(ops, "hopper_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))

@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_support import TRITON, count_calls, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
-from sage_lightning.kernels.hopper import dispatch
+from gluon_support import TRITON, count_calls, hopper_grads, meta_plan, needs_hopper, pretend_verified_hopper
+from sage_lightning.kernels import plan
+from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.hopper import gluon_backward as gb
 from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
-    """:func:`gb.gluon_dkdv_applies` on meta tensors of SageBwd's default backward (B=1, 8 heads, N=Nk=4096, D=128),
-    with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
-    formats."""
-    grad_out, q_op, q_mean, k_op = meta_backward(overrides)
-    args = dict(block_m=128, block_n=64, qk="int8", dv="int8", dp="bf16", ds="int8")
-    return gb.gluon_dkdv_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
+    """Whether the plan of SageBwd's default call on meta tensors (B=1, 8 heads, N=Nk=4096, D=128) takes a Gluon
+    dK/dV kernel, with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype,
+    formats, Q-smoothing and tiles (:func:`gluon_support.meta_plan`)."""
+    return meta_plan(causal, overrides).dkdv in ("gluon_dkdv", "gluon_dkdv_wg")
 
 
 @pytest.fixture
 def gluon_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend this machine is a verified Hopper with the Gluon API the kernel is written for."""
-    pretend_verified_hopper(monkeypatch, gb)
+    pretend_verified_hopper(monkeypatch)
 
 
 def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here):
@@ -43,24 +42,24 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here)
     assert not _applies(batch=2, heads=8, causal=True, head_dim=64)
 
 
-def test_auto_defers_to_the_hopper_switch_and_to_the_device(gluon_here, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV, "off")
+def test_auto_defers_to_the_hopper_switch_and_to_the_device(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.HOPPER_ENV, "off")
     assert not _applies()
-    monkeypatch.setattr(dispatch, "verified_here", lambda device: False)
-    monkeypatch.setenv(dispatch.ENV, "auto")
+    monkeypatch.setattr(plan, "verified_here", lambda device: False)
+    kernel_switch(plan.HOPPER_ENV, "auto")
     assert not _applies()  # not a verified Hopper
-    monkeypatch.setenv(gb.ENV, "force")
+    kernel_switch(plan.GLUON_DKDV_ENV, "force")
     assert _applies(heads=1, seq_q=128, seq_k=64)  # force: whatever the device and the size
 
 
-def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch):
-    monkeypatch.setenv(gb.ENV, "off")
+def test_off_and_other_tritons_keep_the_portable_kernel(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.GLUON_DKDV_ENV, "off")
     assert not _applies()
-    monkeypatch.setenv(gb.ENV, "force")
-    monkeypatch.setattr(gb, "GLUON_TRITON", ("0.0",))
+    kernel_switch(plan.GLUON_DKDV_ENV, "force")
+    monkeypatch.setattr(gluon_backward, "GLUON_TRITON", ("0.0",))
     assert not _applies()  # its Gluon API is Triton 3.6's
-    monkeypatch.setattr(gb, "GLUON_TRITON", (TRITON,))
-    monkeypatch.setattr(gb, "HAVE_GLUON", False)
+    monkeypatch.setattr(gluon_backward, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(gluon_backward, "HAVE_GLUON", False)
     assert not _applies()
 
 
@@ -73,7 +72,7 @@ def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch)
         {"dv": "bf16"},
         {"ds": "bf16"},
         {"qk": "bf16"},
-        {"q_mean": torch.zeros(1)},
+        {"smooth_q": True},
         {"dtype": torch.float16},
         {"head_dim": 96},
         {"block_m": 64},
@@ -82,14 +81,14 @@ def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch)
         {"seq_k": 4032 + 16},
     ],
 )
-def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(gluon_here, monkeypatch, overrides):
-    monkeypatch.setenv(gb.ENV, "force")
+def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(kernel_switch, gluon_here, monkeypatch, overrides):
+    kernel_switch(plan.GLUON_DKDV_ENV, "force")
     assert _applies()
     assert not _applies(**overrides)
 
 
-def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
-    monkeypatch.setenv(gb.ENV, "fast")
+def test_an_unknown_setting_is_refused(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.GLUON_DKDV_ENV, "fast")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DKDV must be one of auto, off, force; received 'fast'"):
         _applies()
 
@@ -98,30 +97,33 @@ def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
     ("head_dim", "seq_k", "takes"),
     [(64, 4096, True), (64, 128, True), (64, 4032, False), (128, 4096, False), (96, 4096, False)],
 )
-def test_the_one_warpgroup_per_half_kernel_takes_d64_with_whole_128_key_programs(monkeypatch, head_dim, seq_k, takes):
-    monkeypatch.delenv(wg.ENV, raising=False)
-    assert wg.gluon_dkdv_wg_applies(head_dim, seq_k) is takes
-    monkeypatch.setenv(wg.ENV, "off")
-    assert not wg.gluon_dkdv_wg_applies(head_dim, seq_k)
+def test_the_one_warpgroup_per_half_kernel_takes_d64_with_whole_128_key_programs(
+    kernel_switch, gluon_here, head_dim, seq_k, takes
+):
+    kernel_switch(plan.GLUON_DKDV_ENV, "force")
+    assert (meta_plan(False, dict(head_dim=head_dim, seq_k=seq_k)).dkdv == "gluon_dkdv_wg") is takes
+    kernel_switch(plan.GLUON_DKDV_WG_ENV, "off")
+    assert meta_plan(False, dict(head_dim=head_dim, seq_k=seq_k)).dkdv != "gluon_dkdv_wg"
 
 
-def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(monkeypatch):
-    monkeypatch.setenv(wg.ENV, "force")
+def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_switch):
+    kernel_switch(plan.GLUON_DKDV_WG_ENV, "force")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DKDV_WG must be one of auto, off; received 'force'"):
-        wg.gluon_dkdv_wg_applies(64, 4096)
+        meta_plan(False, {"head_dim": 64})
     with pytest.raises(ValueError, match=r"gluon_dkdv_wg: serves head_dim in \(64,\) .* received head_dim=128"):
         x = torch.zeros(1, 1, 4096, 128, dtype=torch.int8, device="meta")
         wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1)
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Both Gluon dK/dV kernels as ``backward()`` calls them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
-    monkeypatch.delenv(wg.ENV, raising=False)
+    """Both Gluon dK/dV kernels as ``ops`` runs them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
+    monkeypatch.delenv(plan.GLUON_DKDV_WG_ENV, raising=False)
+    plan.refresh_settings()
     return count_calls(monkeypatch, ("gluon_dkdv", "gluon_dkdv_wg"))
 
 
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
-    return hopper_grads(monkeypatch, gb.ENV, setting, shape, with_stats=True)
+    return hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, setting, shape, with_stats=True)
 
 
 @needs_hopper
@@ -156,8 +158,8 @@ def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, bat
 
 
 @needs_hopper
-def test_auto_takes_gluon_on_this_gpu_at_the_threshold(monkeypatch):
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+def test_auto_takes_gluon_on_this_gpu_at_the_threshold(kernel_switch, monkeypatch):
+    kernel_switch(plan.HOPPER_ENV, None)
     calls = _count_gluon_calls(monkeypatch)
     seq = 4096
     for head_dim, min_scores in gb.AUTO_MIN_SCORES.items():

@@ -9,35 +9,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gluon_support import TRITON, count_calls, hopper_grads, meta_backward, needs_hopper, pretend_verified_hopper
-from sage_lightning.kernels.hopper import dispatch
+from gluon_support import TRITON, count_calls, hopper_grads, meta_plan, needs_hopper, pretend_verified_hopper
+from sage_lightning.kernels import plan
+from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.hopper import gluon_dq as gq
 from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
-    """:func:`gq.gluon_dq_applies` on meta tensors of SageBwd's default backward (B=1, 8 heads, N=Nk=4096, D=128),
-    with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype, Q-mean and
-    formats."""
-    grad_out, q_op, q_mean, k_op = meta_backward(overrides)
-    args = dict(block_m=128, block_n=64, qk="int8", dp="bf16", ds="int8")
-    return gq.gluon_dq_applies(grad_out, q_op, q_mean, k_op, is_causal=causal, **{**args, **overrides})
+    """Whether the plan of SageBwd's default call on meta tensors (B=1, 8 heads, N=Nk=4096, D=128) takes a Gluon
+    dQ kernel, with ``overrides`` of the shapes (``batch``, ``heads``, ``seq_q``, ``seq_k``, ``head_dim``), dtype,
+    formats, Q-smoothing and tiles (:func:`gluon_support.meta_plan`)."""
+    return meta_plan(causal, overrides).dq in ("gluon_dq", "gluon_dq_wg")
 
 
 @pytest.fixture
 def gluon_here(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pretend this machine is a verified Hopper with the Gluon API the kernel is written for."""
-    pretend_verified_hopper(monkeypatch, gq)
+    pretend_verified_hopper(monkeypatch)
 
 
 def test_auto_is_the_default_once_a_gpu_run_has_checked_it(gluon_here):
-    assert gq.DEFAULT == "auto"
+    assert plan.settings().gluon_dq == "auto"
     assert _applies(batch=4, heads=16)  # 2^30 scores: measured 1.09x on the whole backward
     assert not _applies()  # 2^27 scores: below the measured crossover
 
 
-def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here, monkeypatch):
-    monkeypatch.setenv(gq.ENV, "auto")
+def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.GLUON_DQ_ENV, "auto")
     assert _applies(batch=2)  # 2 x 8 heads x 4096 x 4096 scores = 2^28
     assert not _applies(heads=1, seq_q=1024, seq_k=1024)
     edge = gq.AUTO_MIN_SCORES[128] // (4096 * 4096)
@@ -45,23 +44,23 @@ def test_auto_takes_it_on_a_verified_hopper_above_the_size_threshold(gluon_here,
     for head_dim in (64, 128):
         edge = gq.AUTO_MIN_SCORES.get(head_dim)
         assert _applies(batch=4, heads=16, head_dim=head_dim) is (edge is not None), head_dim
-    monkeypatch.setenv(dispatch.ENV, "off")
+    kernel_switch(plan.HOPPER_ENV, "off")
     assert not _applies()
-    monkeypatch.setattr(dispatch, "verified_here", lambda device: False)
-    monkeypatch.setenv(dispatch.ENV, "auto")
+    monkeypatch.setattr(plan, "verified_here", lambda device: False)
+    kernel_switch(plan.HOPPER_ENV, "auto")
     assert not _applies()  # not a verified Hopper
-    monkeypatch.setenv(gq.ENV, "force")
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
     assert _applies(heads=1, seq_q=128, seq_k=64)  # force: whatever the device and the size
 
 
-def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch):
-    monkeypatch.setenv(gq.ENV, "off")
+def test_off_and_other_tritons_keep_the_portable_kernel(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.GLUON_DQ_ENV, "off")
     assert not _applies()
-    monkeypatch.setenv(gq.ENV, "force")
-    monkeypatch.setattr(gq, "GLUON_TRITON", ("0.0",))
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
+    monkeypatch.setattr(gluon_backward, "GLUON_TRITON", ("0.0",))
     assert not _applies()
-    monkeypatch.setattr(gq, "GLUON_TRITON", (TRITON,))
-    monkeypatch.setattr(gq, "HAVE_GLUON", False)
+    monkeypatch.setattr(gluon_backward, "GLUON_TRITON", (TRITON,))
+    monkeypatch.setattr(gluon_backward, "HAVE_GLUON", False)
     assert not _applies()
 
 
@@ -73,7 +72,7 @@ def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch)
         {"ds": "fp8"},
         {"ds": "bf16"},
         {"qk": "bf16"},
-        {"q_mean": torch.zeros(1)},
+        {"smooth_q": True},
         {"dtype": torch.float16},
         {"head_dim": 96},
         {"block_m": 64},
@@ -82,14 +81,14 @@ def test_off_and_other_tritons_keep_the_portable_kernel(gluon_here, monkeypatch)
         {"seq_k": 4032 + 16},
     ],
 )
-def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(gluon_here, monkeypatch, overrides):
-    monkeypatch.setenv(gq.ENV, "force")
+def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(kernel_switch, gluon_here, monkeypatch, overrides):
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
     assert _applies()
     assert not _applies(**overrides)
 
 
-def test_an_unknown_setting_is_refused(gluon_here, monkeypatch):
-    monkeypatch.setenv(gq.ENV, "fast")
+def test_an_unknown_setting_is_refused(kernel_switch, gluon_here, monkeypatch):
+    kernel_switch(plan.GLUON_DQ_ENV, "fast")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DQ must be one of auto, off, force; received 'fast'"):
         _applies()
 
@@ -109,17 +108,17 @@ def test_defer_and_the_producer_refuse_a_one_stage_ring(variant, needs):
 
 
 @pytest.mark.parametrize(("head_dim", "takes"), [(64, True), (128, False), (96, False)])
-def test_the_one_warpgroup_per_block_kernel_takes_d64(monkeypatch, head_dim, takes):
-    monkeypatch.delenv(gqw.ENV, raising=False)
-    assert gqw.gluon_dq_wg_applies(head_dim) is takes
-    monkeypatch.setenv(gqw.ENV, "off")
-    assert not gqw.gluon_dq_wg_applies(head_dim)
+def test_the_one_warpgroup_per_block_kernel_takes_d64(kernel_switch, gluon_here, head_dim, takes):
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
+    assert (meta_plan(False, dict(head_dim=head_dim)).dq == "gluon_dq_wg") is takes
+    kernel_switch(plan.GLUON_DQ_WG_ENV, "off")
+    assert meta_plan(False, dict(head_dim=head_dim)).dq != "gluon_dq_wg"
 
 
-def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not_serve(monkeypatch):
-    monkeypatch.setenv(gqw.ENV, "force")
+def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not_serve(kernel_switch):
+    kernel_switch(plan.GLUON_DQ_WG_ENV, "force")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_GLUON_DQ_WG must be one of auto, off; received 'force'"):
-        gqw.gluon_dq_wg_applies(64)
+        meta_plan(False, {"head_dim": 64})
     q = torch.zeros(1, 1, 256, 128, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: serves head_dim in \(64,\); received head_dim=128"):
         gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
@@ -129,12 +128,13 @@ def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not
 
 
 def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
-    return hopper_grads(monkeypatch, gq.ENV, setting, shape)
+    return hopper_grads(monkeypatch, plan.GLUON_DQ_ENV, setting, shape)
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Both Gluon dQ kernels as ``backward()`` calls them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
-    monkeypatch.delenv(gqw.ENV, raising=False)
+    """Both Gluon dQ kernels as ``ops`` runs them (:func:`gluon_support.count_calls`), ``wg`` at auto."""
+    monkeypatch.delenv(plan.GLUON_DQ_WG_ENV, raising=False)
+    plan.refresh_settings()
     return count_calls(monkeypatch, ("gluon_dq", "gluon_dq_wg"))
 
 
@@ -193,13 +193,14 @@ def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 
     prec = AttentionPrecision()
     return sagebwd_forward(
-        q, k, v, None, True, 128**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64
-    )
+        q, k, v, None, True, 128**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64,
+        "triton_forward", "triton_dkdv", "triton_dq",
+    )  # fmt: skip
 
 
 @needs_hopper
-def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(monkeypatch):
-    monkeypatch.delenv(dispatch.ENV, raising=False)
+def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(kernel_switch, monkeypatch):
+    kernel_switch(plan.HOPPER_ENV, None)
     calls = _count_gluon_calls(monkeypatch)
     seq = 4096
     for head_dim, min_scores in gq.AUTO_MIN_SCORES.items():

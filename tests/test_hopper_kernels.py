@@ -12,8 +12,7 @@ import os
 
 import pytest
 import torch
-from sage_lightning.kernels import AttentionPrecision, ops
-from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels import AttentionPrecision, ops, plan
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.reference import exact_attention, sage_attention_reference
 
@@ -31,9 +30,9 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def hopper_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def hopper_calls(monkeypatch: pytest.MonkeyPatch, kernel_switch) -> list[int]:
     """Force the Hopper path and count the calls that reach its forward."""
-    monkeypatch.setenv(dispatch.ENV, "force")
+    kernel_switch(plan.HOPPER_ENV, "force")
     calls = []
     original = ops.hopper_forward
 
@@ -121,11 +120,13 @@ def _applies(**overrides: object) -> bool:
         q = q[..., : overrides.pop("head_dim")]
     if "seq_k" in overrides:
         k = k[:, :, : overrides.pop("seq_k")]
-    return dispatch.hopper_forward_applies(q, k, **{**args, **overrides})
+    args.update(overrides)
+    precision = AttentionPrecision(qk=args.pop("qk"), pv=args.pop("pv"))
+    return plan.plan_attention(q, k, precision, **args, backend="triton").forward == "hopper_forward"
 
 
-def test_dispatch_serves_the_default_precision_when_forced(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV, "force")
+def test_dispatch_serves_the_default_precision_when_forced(kernel_switch):
+    kernel_switch(plan.HOPPER_ENV, "force")
     assert _applies()
     assert _applies(head_dim=64, block_n=128)
     assert _applies(pv="fp8")  # FP8 P V
@@ -144,19 +145,19 @@ def test_dispatch_serves_the_default_precision_when_forced(monkeypatch):
         {"block_n": 32},
     ],
 )
-def test_dispatch_leaves_what_it_does_not_serve_to_the_portable_kernels(monkeypatch, overrides):
-    monkeypatch.setenv(dispatch.ENV, "force")
+def test_dispatch_leaves_what_it_does_not_serve_to_the_portable_kernels(kernel_switch, overrides):
+    kernel_switch(plan.HOPPER_ENV, "force")
     assert not _applies(**overrides)
 
 
-def test_dispatch_auto_takes_the_path_only_on_a_verified_hopper(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV, "auto")
+def test_dispatch_auto_takes_the_path_only_on_a_verified_hopper(kernel_switch):
+    kernel_switch(plan.HOPPER_ENV, "auto")
     assert not _applies()  # CPU tensors: not a Hopper GPU
-    monkeypatch.setenv(dispatch.ENV, "off")
+    kernel_switch(plan.HOPPER_ENV, "off")
     assert not _applies()
 
 
-def test_dispatch_refuses_an_unknown_setting(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV, "fast")
+def test_dispatch_refuses_an_unknown_setting(kernel_switch):
+    kernel_switch(plan.HOPPER_ENV, "fast")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_HOPPER must be one of auto, off, force; received 'fast'"):
         _applies()

@@ -131,15 +131,15 @@ def test_fp8_products_on_a_gpu_without_fp8_tensor_cores_are_refused(monkeypatch:
     and INT8 or bf16 precisions are not checked at all."""
     from types import SimpleNamespace
 
-    from sage_lightning.kernels import interface
+    from sage_lightning.kernels import UnsupportedAttention, plan
 
     q = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     capability = {"value": (8, 0)}
-    monkeypatch.setattr(interface, "_capability", lambda index: capability["value"])
-    with pytest.raises(ValueError) as info:
-        interface._check_fp8_device(q, AttentionPrecision(pv="fp8", ds="fp8"))
+    monkeypatch.setattr(plan, "_capability", lambda index: capability["value"])
+    with pytest.raises(UnsupportedAttention) as info:
+        plan.check_fp8_device(q, AttentionPrecision(pv="fp8", ds="fp8"))
     for piece in ("pv='fp8', ds='fp8'", "8.9", "8.0", "'int8' or 'bf16'"):
         assert piece in str(info.value)
-    interface._check_fp8_device(q, AttentionPrecision())  # no FP8 product: nothing to check
+    plan.check_fp8_device(q, AttentionPrecision())  # no FP8 product: nothing to check
     for capability["value"] in ((8, 9), (9, 0)):
-        interface._check_fp8_device(q, AttentionPrecision.all_fp8())
+        plan.check_fp8_device(q, AttentionPrecision.all_fp8())

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sage_lightning.kernels import AttentionPrecision, KernelPath, kernel_path, paths, use_backend
-from sage_lightning.kernels.hopper import dispatch
+from sage_lightning.kernels import AttentionPrecision, KernelPath, kernel_path, paths, plan, use_backend
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,20 +44,20 @@ def test_the_portable_kernels_off_a_gpu_name_the_hopper_requirement():
     assert "compute capability 9.0" in path.reason
 
 
-def test_the_path_follows_the_hopper_switch(monkeypatch):
+def test_the_path_follows_the_hopper_switch(kernel_switch):
     # ``force`` takes the Hopper forward for every call whose shapes it serves, whatever the device: the report must
-    # say so, because the call would run it (both ask ops.forward_kernel).
+    # say so, because the call would run it (both run plan.plan_attention's answer).
     q = _qk(seq=256, head_dim=128)
-    monkeypatch.setenv(dispatch.ENV, "force")
+    kernel_switch(plan.HOPPER_ENV, "force")
     with use_backend("triton"):
         forced = kernel_path(q, q)
         odd_head = kernel_path(_qk(head_dim=96), _qk(head_dim=96))
     assert forced.forward == "hopper_forward" and forced.backend == "hopper"
     assert odd_head.forward == "triton_forward"  # head dims 64 and 128 only
-    monkeypatch.setenv(dispatch.ENV, "off")
+    kernel_switch(plan.HOPPER_ENV, "off")
     with use_backend("triton"):
         assert kernel_path(q, q).forward == "triton_forward"
-    monkeypatch.setenv(dispatch.ENV, "sometimes")
+    kernel_switch(plan.HOPPER_ENV, "sometimes")
     with use_backend("triton"), pytest.raises(ValueError, match="SAGE_LIGHTNING_HOPPER must be one of"):
         kernel_path(q, q)
 
@@ -127,5 +126,5 @@ def test_a_cuda_call_logs_its_path_once(caplog, monkeypatch):
     assert len(records) == 1
     expected = kernel_path(q, q, is_causal=True)
     assert expected.describe() in records[0].getMessage()
-    if torch.cuda.get_device_capability() == (9, 0) and dispatch.TRITON_VERSION in dispatch.VERIFIED_TRITON:
+    if torch.cuda.get_device_capability() == (9, 0) and plan.TRITON_VERSION in plan.VERIFIED_TRITON:
         assert expected.forward == "hopper_forward"

@@ -66,7 +66,7 @@ def test_wheel_holds_every_module_its_license_and_package_data(tmp_path: Path) -
     wheel, project = _build(tmp_path)
     assert wheel_check.check_contents(wheel, REPO) == []
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"sage_lightning/policy/engine.py", "sage_lightning/kernels/hopper/dispatch.py"} <= names
+    assert {"sage_lightning/policy/engine.py", "sage_lightning/kernels/hopper/forward.py"} <= names
     assert "sage_lightning/py.typed" in names and "sage_lightning/gpu_record.json" in names
     (license_file,) = [name for name in names if name.endswith(".dist-info/licenses/LICENSE")]
     assert "Apache License" in zipfile.ZipFile(wheel).read(license_file).decode()

@@ -50,7 +50,7 @@ def compiled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads(out.read_text())
     if request.param == "verified":
-        from sage_lightning.kernels.hopper.dispatch import VERIFIED_TRITON
+        from sage_lightning.kernels.plan import VERIFIED_TRITON
 
         version = ".".join(result["triton"].split(".")[:2])
         assert version in VERIFIED_TRITON, f"{VERIFIED_PYTHON} has Triton {result['triton']}, not {VERIFIED_TRITON}"

@@ -311,6 +311,54 @@ def test_torch_compile_has_no_graph_break(precision):
         assert torch.equal(g, e)
 
 
+def test_a_dynamic_compile_leaves_the_kernels_to_the_operators(monkeypatch):
+    """Under ``torch.compile`` with dynamic shapes the plan chooses no kernel by size (no shape guard, no trace of its
+    cache): the operators get :data:`~sage_lightning.kernels.plan.IN_OPERATOR` and plan each call on its concrete
+    tensors, as an eager call of its shapes is planned. Two sequence lengths (one a multiple of the tiles, one not)
+    compile one graph and give the eager results, bit for bit."""
+    from sage_lightning.kernels import ops
+    from sage_lightning.kernels.plan import IN_OPERATOR, plan_attention
+
+    plans, operator_plan = [], ops._operator_plan
+
+    def recording_plan(*args, **kwargs):  # runs inside the operators, out of the tracer's sight
+        plans.append(operator_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(ops, "_operator_plan", recording_plan)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def attention(q, k, v):
+        return sage_attention(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend=backend, dynamic=True)
+    with use_backend("triton"):
+        for calls, (seq, seed) in enumerate(((64, 11), (80, 12)), start=1):
+            q, k, v, do = _inputs((1, 2, seq, 16), (1, 1, seq, 16), torch.bfloat16, seed=seed)
+            out = compiled(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            eager = attention(q, k, v)
+            assert torch.equal(out, eager)
+            for g, e in zip(grads, torch.autograd.grad(eager, (q, k, v), do), strict=True):
+                assert torch.equal(g, e)
+            eager_plan = plan_attention(q, k, is_causal=True)
+            # The forward's plan and the backward's, each made inside its operator, are the eager call's.
+            assert len(plans) == 2 * calls
+            kernels = (eager_plan.forward, eager_plan.dkdv, eager_plan.dq)
+            assert [(p.forward, p.dkdv, p.dq) for p in plans[-2:]] == [kernels, kernels]
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    # The kernel names the traced call hands the forward operator.
+    forward_op = torch.ops.sage_lightning.sagebwd_forward.default
+    (call,) = [node for node in graphs[0].graph.nodes if node.target is forward_op]
+    assert tuple(call.args[-3:]) == (IN_OPERATOR,) * 3
+
+
 def test_eager_calls_skip_the_operators_and_match_them(monkeypatch):
     """Eager calls run the kernels through ``_SageBwd`` (no ``torch.library`` dispatch on the host); traced calls
     (forced here) through the two operators: the same output and gradients, bit for bit, and the same dS statistics."""
@@ -370,7 +418,8 @@ def test_the_operators_autograd_formula_does_not_materialize_gradients_either():
 
     ctx = RecordingCtx()
     x = torch.zeros(1)
-    ops._setup_context(ctx, (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64), (x,) * 7)
+    inputs = (x, x, x, None, True, 0.1, True, True, True, False, True, True, False, 128, 64)
+    ops._setup_context(ctx, (*inputs, "triton_forward", "triton_dkdv", "triton_dq"), (x,) * 7)
     assert ("materialize", False) in ctx.calls and ("non-differentiable", 6) in ctx.calls
 
 
@@ -432,7 +481,8 @@ def test_o_comes_back_in_the_callers_layout():
         assert torch.equal(g_s, g)
     # The fakes: the forward's O as q; the backward's gradients contiguous, as the kernels write them.
     prec = AttentionPrecision()
-    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64)
+    args = (None, True, 32**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64,
+            "triton_forward", "triton_dkdv", "triton_dq")  # fmt: skip
     do_s = _model_layout(do)
     with FakeTensorMode() as mode:
         fq, fk, fv, fdo = (mode.from_tensor(x) for x in (qs, ks, vs, do_s))
@@ -440,7 +490,7 @@ def test_o_comes_back_in_the_callers_layout():
         out, lse, q_op, q_scale, q_mean, k_op, k_scale = fake
         fgrads = torch.ops.sage_lightning.sagebwd_backward(
             fdo, out, lse, q_op, q_scale, q_mean, k_op, k_scale, fv, None, True, 32**-0.5, "int8", "int8", "bf16",
-            "int8", 128, 64,
+            "int8", 128, 64, "triton_dkdv", "triton_dq",
         )  # fmt: skip
     assert fake[0].stride() == out_s.stride()
     for f, g in zip(fgrads, grads_s, strict=True):

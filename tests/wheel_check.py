@@ -39,7 +39,7 @@ def expected_files(repo: Path) -> set[str]:
 
     Example::
 
-        "sage_lightning/kernels/hopper/dispatch.py" in expected_files(Path("."))   # True
+        "sage_lightning/kernels/hopper/forward.py" in expected_files(Path("."))   # True
     """
     files = set(PACKAGE_DATA)
     for source, installed in ROOTS.items():

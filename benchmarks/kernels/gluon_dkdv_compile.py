@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from sage_lightning.kernels.backward import backward
     from sage_lightning.kernels.hopper import gluon_backward as gb
     from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
+    from sage_lightning.kernels.plan import plan_attention
 
     failures = 0
     for head_dim in args.head_dim:
@@ -57,10 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"gluon-{variant} D={head_dim} causal={causal} stats={with_stats} st={stages}"
                     )
                     try:
-                        assert gb.gluon_dkdv_applies(
-                            x["grad_out"], x["q_op"], None, x["k_op"], is_causal=causal, block_m=128, block_n=64,
-                            qk="int8", dv="int8", dp="bf16", ds="int8",
-                        )  # fmt: skip
+                        planned = plan_attention(x["grad_out"], x["k_op"], is_causal=causal, backend="triton").dkdv
+                        assert planned.startswith("gluon_dkdv"), planned
                         operands = (
                             x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
                             x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"], stats,
@@ -78,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
                 if args.no_portable or with_stats:
                     continue
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
-                os.environ[gb.ENV] = "off"  # backward() itself, with the portable _dkdv_kernel
-                backward(
+                backward(  # backward() itself, with the portable _dkdv_kernel
                     x["grad_out"], x["out"], x["q_op"], x["q_scale"], None, x["k_op"], x["k_scale"], x["v"], x["lse"],
                     None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk="int8",
                     dv="int8", dp="bf16", ds="int8",
                 )  # fmt: skip
-                os.environ[gb.ENV] = "force"
     failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)
 
     import triton

@@ -63,7 +63,7 @@ SM90_WARPS_PER_SM = 64
 SM90_BLOCKS_PER_SM = 32
 #: ``--path`` choices: which of SageBwd's kernel paths each case compiles.
 PATHS = {"portable": ("portable",), "hopper": ("hopper",), "both": ("portable", "hopper")}
-#: The variable that picks the path (``kernels/hopper/dispatch.py``); set per case.
+#: The variable that picks the path (``kernels/plan.py``); set per case.
 HOPPER_ENV = "SAGE_LIGHTNING_HOPPER"
 
 
@@ -347,11 +347,12 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     """Call one entry point forward and backward on CPU tensors (their values are never read on a device)."""
-    from sage_lightning.kernels import AttentionPrecision
+    from sage_lightning.kernels import AttentionPrecision, plan
     from sage_lightning.kernels.ops import sage_attention_triton
 
     # The Hopper path is taken only on a verified GPU; here it is forced (or switched off) for the call.
     os.environ[HOPPER_ENV] = {"hopper": "force", "portable": "off"}[settings.get("path", "portable")]
+    plan.refresh_settings()
     shape = (1, heads, seq, settings["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
     if settings["impl"] == "sagebwd":

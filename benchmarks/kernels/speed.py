@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.kernels.hopper.dispatch import ENV as HOPPER_ENV
 from sage_lightning.kernels.ops import sage_attention_triton
+from sage_lightning.kernels.plan import HOPPER_ENV, refresh_settings
 from sage_lightning.kernels.reference import sage_attention_reference
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -38,7 +38,7 @@ BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.C
 #: ``sage`` dispatches as a user's call does (the Hopper path where it applies); ``sage_portable`` keeps the
 #: portable kernels (``SAGE_LIGHTNING_HOPPER=off`` around the call), to set the two side by side.
 #: SageBwd with products in FP8 (e4m3): the INT8 default with pv, ds or both in FP8, and every product in FP8. Each
-#: dispatches as ``sage`` does (the Hopper forward takes an FP8 pv; see ``hopper_forward_applies``).
+#: dispatches as ``sage`` does (the Hopper forward takes an FP8 pv; see ``plan_attention``).
 FP8_IMPLS: dict[str, AttentionPrecision] = {
     "sage_fp8_pv": AttentionPrecision(pv="fp8"),
     "sage_fp8_ds": AttentionPrecision(ds="fp8"),
@@ -117,6 +117,7 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
         def portable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
             previous = os.environ.get(HOPPER_ENV)
             os.environ[HOPPER_ENV] = "off"
+            refresh_settings()
             try:
                 return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
             finally:
@@ -124,6 +125,7 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
                     del os.environ[HOPPER_ENV]
                 else:
                     os.environ[HOPPER_ENV] = previous
+                refresh_settings()
 
         return portable
 

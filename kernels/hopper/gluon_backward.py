@@ -1,6 +1,6 @@
 """Gluon (``triton.experimental.gluon``) dK/dV kernel of SageBwd for Hopper (sm_90): TMA loads, async wgmma.
 
-``backward.backward`` calls it for the dK/dV work where :func:`gluon_dkdv_applies` says it serves the call (by
+``backward.backward`` calls it for the dK/dV work where the plan (:func:`..plan.plan_attention`) takes it (by
 default on a compute capability 9.0 GPU under Triton 3.6, SageBwd's default formats, large enough calls); every
 other call keeps the portable ``_dkdv_kernel``. On an H100 its dK and dV equal ``_dkdv_kernel``'s bit for bit and
 it takes 2.59 against 4.27 ms at B=4, 16 heads, N=4096, D=128 (``benchmarks/gluon_dkdv_check.py``).
@@ -34,13 +34,11 @@ device test: ``benchmarks/gluon-dkdv.md``.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton.language as tl
 
 from ..tiles import LOG2E
-from . import dispatch
 
 try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernel.
     from triton.experimental import gluon
@@ -59,9 +57,6 @@ try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the 
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-#: The environment variable that selects the Gluon dK/dV kernel, and the values it takes (:func:`gluon_dkdv_applies`).
-ENV = "SAGE_LIGHTNING_GLUON_DKDV"
-CHOICES = ("auto", "off", "force")
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
 #: takes the Gluon kernel; head dims not listed keep ``_dkdv_kernel``. Measured on an H100
 #: (``benchmarks/gluon_dkdv_check.py --crossover``, the whole backward with and without it): at D=128 1.35x at
@@ -456,66 +451,6 @@ if HAVE_GLUON:
             )  # fmt: skip
 
 
-def gluon_dkdv_applies(
-    grad_out: torch.Tensor,
-    q_op: torch.Tensor,
-    q_mean: torch.Tensor | None,
-    k_op: torch.Tensor,
-    *,
-    is_causal: bool,
-    block_m: int,
-    block_n: int,
-    qk: str,
-    dv: str,
-    dp: str,
-    ds: str,
-) -> bool:
-    """Whether :func:`gluon_dkdv` computes this backward's dK and dV instead of ``_dkdv_kernel``.
-
-    It serves SageBwd's default formats (INT8 ``qk``, ``dv``, ``ds``, bf16 ``dp``, no Q-smoothing), bf16, head
-    dim 64 or 128, 128 x 64 tiles, a query count that is a multiple of 128 and a key count that is a multiple
-    of 64 (every TMA tile lies inside one head: no masks for padding). :data:`ENV` chooses: ``auto`` (default)
-    takes it on a compute capability 9.0 GPU under a Triton of :data:`GLUON_TRITON`, for calls of at least
-    :data:`AUTO_MIN_SCORES` scores at their head dim (where it was measured faster), unless
-    ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it serves, whatever the device and the
-    size (the device check and tests).
-
-    Args:
-        grad_out: dO ``[B, Hq, N, D]``.
-        q_op, q_mean, k_op: the forward's Q'^, its smoothing mean (``None`` without), K'^.
-        is_causal, block_m, block_n: as the forward.
-        qk, dv, dp, ds: the products' formats (it serves ``"int8"`` ones with ``dp="bf16"``).
-
-    Example::
-
-        if gluon_dkdv_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk="int8",
-                              dv="int8", dp="bf16", ds="int8"):
-            dk, dv = gluon_dkdv(...)
-    """
-    choice = dispatch.env_choice(ENV, CHOICES)
-    if not HAVE_GLUON or choice == "off" or dispatch.TRITON_VERSION not in GLUON_TRITON:
-        return False
-    if choice == "auto":
-        if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
-            return False
-        batch, heads, seq_q = q_op.shape[:3]
-        scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
-        if scores < AUTO_MIN_SCORES.get(q_op.shape[3], math.inf):
-            return False
-    seq_q, head_dim = q_op.shape[2], q_op.shape[3]
-    return (
-        qk == dv == ds == "int8"
-        and dp == "bf16"
-        and q_mean is None
-        and grad_out.dtype == torch.bfloat16
-        and head_dim in HEAD_DIMS
-        and block_m == BLOCK_M
-        and block_n == BLOCK_N
-        and seq_q % BLOCK_M == 0
-        and k_op.shape[2] % BLOCK_N == 0
-    )
-
-
 @functools.cache
 def _tile_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
     # Built once per tile shape and dtype: the layout object is the same every call and costs the host to make.
@@ -560,7 +495,7 @@ def gluon_dkdv(
     defer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
-    ``stats``), for the calls :func:`gluon_dkdv_applies` accepts.
+    ``stats``), for the calls the plan (:func:`..plan.plan_attention`) gives it.
 
     Args:
         grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).

@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from . import dispatch
 from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc, _rows_desc
 
 if HAVE_GLUON:
@@ -44,10 +43,6 @@ if HAVE_GLUON:
 
     from .gluon_backward import _ROUNDER, _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
-#: The environment variable that can turn this variant off (``auto``: it serves every call it can; ``off``: the
-#: calls go to :func:`.gluon_backward.gluon_dkdv`), to compare the two or to step around a fault.
-ENV = "SAGE_LIGHTNING_GLUON_DKDV_WG"
-CHOICES = ("auto", "off")
 #: Keys per program: one 64-key half (:data:`.gluon_backward.BLOCK_N`, the K quantization block) per warpgroup.
 KEYS_PER_PROGRAM = 2 * BLOCK_N
 #: Head dims it serves (register budget: see the module's docstring).
@@ -295,19 +290,8 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
-def gluon_dkdv_wg_applies(head_dim: int, seq_k: int) -> bool:
-    """Whether a call that :func:`.gluon_backward.gluon_dkdv_applies` sends to a Gluon dK/dV kernel takes this one:
-    :func:`gluon_dkdv_wg_serves`, unless :data:`ENV` is ``off``; an unknown value raises ``ValueError``.
-
-    Example::
-
-        kernel = gluon_dkdv_wg if gluon_dkdv_wg_applies(64, 4096) else gluon_dkdv
-    """
-    return dispatch.env_choice(ENV, CHOICES) == "auto" and gluon_dkdv_wg_serves(head_dim, seq_k)
-
-
 def gluon_dkdv_wg_serves(head_dim: int, seq_k: int) -> bool:
-    """Whether :func:`gluon_dkdv_wg` serves a call :func:`.gluon_backward.gluon_dkdv_applies` accepted: head dim
+    """Whether :func:`gluon_dkdv_wg` serves a call :func:`.gluon_backward.gluon_dkdv` serves: head dim
     in :data:`HEAD_DIMS` and a key count that is a multiple of :data:`KEYS_PER_PROGRAM`.
 
     Example::

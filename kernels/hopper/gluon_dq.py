@@ -1,6 +1,6 @@
 """Gluon (``triton.experimental.gluon``) dQ kernel of SageBwd for Hopper (sm_90): TMA loads, async wgmma.
 
-``backward.backward`` calls it for the dQ work where :func:`gluon_dq_applies` says it serves the call (by default
+``backward.backward`` calls it for the dQ work where the plan (:func:`..plan.plan_attention`) takes it (by default
 on a verified Hopper from :data:`AUTO_MIN_SCORES` scores, where it was measured faster); every other call keeps
 the portable ``_dq_kernel``. Its first GPU run (H100, Triton 3.6) found it bitwise equal to ``_dq_kernel`` in every
 case and 1.20x its time at N=4096, D=128 (``benchmarks/results/speed-h100-20261123-gluon-dq-crossover.md``).
@@ -37,13 +37,10 @@ offline figures and the device check: ``benchmarks/pending/gluon-dq.md`` and ``b
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..tiles import LOG2E
-from . import dispatch
-from .gluon_backward import GLUON_TRITON, HAVE_GLUON, WS_MAXNREG, _desc
+from .gluon_backward import HAVE_GLUON, WS_MAXNREG, _desc
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -59,12 +56,6 @@ if HAVE_GLUON:
 
     from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
 
-#: The environment variable that selects the Gluon dQ kernel, and the values it takes (:func:`gluon_dq_applies`).
-ENV = "SAGE_LIGHTNING_GLUON_DQ"
-CHOICES = ("auto", "off", "force")
-#: The default of :data:`ENV` (the GPU check, ``benchmarks/gluon_dq_check.py``, found it bitwise equal to
-#: ``_dq_kernel``).
-DEFAULT = "auto"
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
 #: takes a Gluon dQ kernel; head dims not listed keep ``_dq_kernel``. Measured on an H100 (whole backward with it
 #: against without): at D=128 1.06-1.09x from 2^28 scores, 0.91-1.07x at 2^27 (host-bound there), slower below.
@@ -405,67 +396,6 @@ if HAVE_GLUON:
             )  # fmt: skip
 
 
-def gluon_dq_applies(
-    grad_out: torch.Tensor,
-    q_op: torch.Tensor,
-    q_mean: torch.Tensor | None,
-    k_op: torch.Tensor,
-    *,
-    is_causal: bool,
-    block_m: int,
-    block_n: int,
-    qk: str,
-    dp: str,
-    ds: str,
-) -> bool:
-    """Whether :func:`gluon_dq` computes this backward's dQ instead of ``_dq_kernel``.
-
-    It serves SageBwd's default formats for dQ (INT8 ``qk`` and ``ds``, bf16 ``dp``, no Q-smoothing; ``dv``'s
-    format does not enter dQ), bf16, head dim 64 or 128, 128 x 64 tiles, a query count that is a positive multiple
-    of 128 and a key count that is a positive multiple of 64 (every TMA tile inside one head: no padding masks).
-    :data:`ENV` chooses (default :data:`DEFAULT`): ``auto`` takes it on a compute capability 9.0 GPU under a Triton
-    of :data:`.gluon_backward.GLUON_TRITON`, for calls of at least :data:`AUTO_MIN_SCORES` scores at their head
-    dim, unless ``SAGE_LIGHTNING_HOPPER=off``; ``off`` never; ``force`` for every call it
-    serves, whatever the device and the size (the device check and tests).
-
-    Args:
-        grad_out: dO ``[B, Hq, N, D]``.
-        q_op, q_mean, k_op: the forward's Q'^, its smoothing mean (``None`` without), K'^.
-        is_causal, block_m, block_n: as the forward.
-        qk, dp, ds: the products' formats (it serves ``"int8"`` ones with ``dp="bf16"``).
-
-    Example::
-
-        if gluon_dq_applies(grad_out, q_op, None, k_op, is_causal=True, block_m=128, block_n=64, qk="int8",
-                            dp="bf16", ds="int8"):
-            dq = gluon_dq(...)
-    """
-    choice = dispatch.env_choice(ENV, CHOICES, DEFAULT)
-    if not HAVE_GLUON or choice == "off" or dispatch.TRITON_VERSION not in GLUON_TRITON:
-        return False
-    if choice == "auto":
-        if dispatch.choice() == "off" or not dispatch.verified_here(q_op.device):
-            return False
-        batch, heads, seq_q = q_op.shape[:3]
-        scores = batch * heads * seq_q * k_op.shape[2] // (2 if is_causal else 1)
-        if scores < AUTO_MIN_SCORES.get(q_op.shape[3], math.inf):
-            return False
-    seq_q, head_dim, seq_k = q_op.shape[2], q_op.shape[3], k_op.shape[2]
-    return (
-        qk == ds == "int8"
-        and dp == "bf16"
-        and q_mean is None
-        and grad_out.dtype == torch.bfloat16
-        and head_dim in HEAD_DIMS
-        and block_m == BLOCK_M
-        and block_n == BLOCK_N
-        and seq_q > 0
-        and seq_k > 0
-        and seq_q % BLOCK_M == 0
-        and seq_k % BLOCK_N == 0
-    )
-
-
 def default_stages(head_dim: int) -> int:
     """The TMA ring's depth: 4 key tiles (24 KiB each at D=128: 152 KiB with Q'^, dO and K'^'s transposed tile;
     12 KiB at D=64)."""
@@ -489,7 +419,8 @@ def gluon_dq(
     codes_in_registers: bool = True,
     defer: bool = False,
 ) -> torch.Tensor:
-    """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls :func:`gluon_dq_applies` accepts.
+    """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
+    (:func:`..plan.plan_attention`) gives it.
 
     Args:
         grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).

@@ -30,7 +30,6 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from . import dispatch
 from .gluon_backward import HAVE_GLUON, _desc
 from .gluon_dkdv_wg import WG_MAXNREG
 from .gluon_dq import BLOCK_M, BLOCK_N, PRODUCER_REGS
@@ -48,10 +47,6 @@ if HAVE_GLUON:
     from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
     from .gluon_dq import _dq_producer
 
-#: The environment variable that can turn this variant off (``auto``: it serves every call it can; ``off``: the
-#: calls go to :func:`.gluon_dq.gluon_dq`), to compare the two or to step around a fault.
-ENV = "SAGE_LIGHTNING_GLUON_DQ_WG"
-CHOICES = ("auto", "off")
 #: Queries per program: one 128-query block (the Q and dO quantization block) per warpgroup.
 QUERIES_PER_PROGRAM = 2 * BLOCK_M
 #: Head dims it serves (register budget: see the module's docstring).
@@ -244,19 +239,8 @@ if HAVE_GLUON:
         )  # fmt: skip
 
 
-def gluon_dq_wg_applies(head_dim: int) -> bool:
-    """Whether a call that :func:`.gluon_dq.gluon_dq_applies` sends to a Gluon dQ kernel takes this one:
-    :func:`gluon_dq_wg_serves`, unless :data:`ENV` is ``off``; an unknown value raises ``ValueError``.
-
-    Example::
-
-        kernel = gluon_dq_wg if gluon_dq_wg_applies(64) else gluon_dq
-    """
-    return dispatch.env_choice(ENV, CHOICES) == "auto" and gluon_dq_wg_serves(head_dim)
-
-
 def gluon_dq_wg_serves(head_dim: int) -> bool:
-    """Whether :func:`gluon_dq_wg` serves a call :func:`.gluon_dq.gluon_dq_applies` accepted: head dim in
+    """Whether :func:`gluon_dq_wg` serves a call :func:`.gluon_dq.gluon_dq` serves: head dim in
     :data:`HEAD_DIMS`.
 
     Example::
