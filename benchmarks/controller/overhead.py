@@ -134,10 +134,16 @@ NEVER = 10**9
 
 
 def _callback(
-    ds_stats: int | None = None, probe: int | None = None, snapshot: int = 100, check_before_step: bool | None = None
+    ds_stats: int | None = None,
+    probe: int | None = None,
+    snapshot: int = 100,
+    check_before_step: bool | None = None,
+    noise: int | None = None,
 ) -> Callable[[], AdaptivePrecision]:
-    """A factory of the callback with some periods changed (``None``: the default)."""
-    changes = {"ds_stats_every_n_steps": ds_stats, "probe_every_n_steps": probe}
+    """A factory of the callback with some periods changed (``None``: the default; ``noise``: the noise ratio measured
+    every ``noise`` steps and never acted on, so the run stays calm)."""
+    changes = {"ds_stats_every_n_steps": ds_stats, "probe_every_n_steps": probe, "noise_every_n_steps": noise}
+    changes["noise_ratio_high"] = None if noise is None else 1e9
     config = PolicyConfig(**{name: value for name, value in changes.items() if value is not None})
     return lambda: AdaptivePrecision(
         config,
@@ -165,6 +171,8 @@ SETTINGS: dict[str, tuple[Callable[[], AdaptivePrecision] | None, bool]] = {
     "callback, dS statistics every step": (_callback(ds_stats=1, probe=NEVER, snapshot=NEVER), False),
     "callback, probe every step": (_callback(ds_stats=NEVER, probe=1, snapshot=NEVER), False),
     "callback, snapshot every step": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=1), False),
+    "callback, defaults, noise ratio every 25 steps": (_callback(noise=25), True),
+    "callback, noise ratio every step": (_callback(ds_stats=NEVER, probe=NEVER, snapshot=NEVER, noise=1), False),
 }
 
 
@@ -274,6 +282,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="synchronise the device only where the measured steps start and end, not at every step's end",
     )
+    parser.add_argument("--skip", action="append", default=[], choices=list(SETTINGS)[1:], help="leave a setting out")
     parser.add_argument("--profile-steps", type=int, default=0, help="then profile this many steps of three settings")
     parser.add_argument("--out", type=Path, default=None, help="JSON path; the .md table is written beside it")
     args = parser.parse_args(argv)
@@ -309,13 +318,15 @@ def format_table(result: dict) -> str:
             f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} | {host} |"
         )
     base = by_label[BASELINE]["step_ms"]
-    off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
     config, callback = PolicyConfig(), AdaptivePrecision()
     periods = {
         "dS statistics every step": config.ds_stats_every_n_steps,
         "probe every step": config.probe_every_n_steps,
         "snapshot every step": callback.snapshot_every_n_steps,
     }
+    if not {"callback, signals and snapshots off", *(f"callback, {what}" for what in periods)} <= set(by_label):
+        return "\n".join(lines)  # a setting was skipped: no rebuilt estimate
+    off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
     parts = [("every step", off - base)]
     for what, period in periods.items():
         armed = base * (1 + by_label[f"callback, {what}"]["overhead"])
@@ -355,8 +366,8 @@ def measure_rounds(args: argparse.Namespace, data: torch.Tensor) -> tuple[dict[s
     (the baseline's: one per round, the medians of that round's baseline runs) and, for the others, by round, the
     mean step time of the two baseline runs around it.
     """
-    others = [label for label in SETTINGS if label != BASELINE]
-    rounds: dict[str, list[Run]] = {label: [] for label in SETTINGS}
+    others = [label for label in SETTINGS if label not in (BASELINE, *args.skip)]
+    rounds: dict[str, list[Run]] = {label: [] for label in (BASELINE, *others)}
     paired: dict[str, list[float]] = {label: [] for label in others}
 
     def measured(label: str, steps: int | None = None) -> Run:
@@ -408,8 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
         name: getattr(args, name) for name in ("layers", "d_model", "heads", "seq", "batch", "precision", "backend")
     }
     rows = []
-    for label in SETTINGS:
-        runs = rounds[label]
+    for label, runs in rounds.items():
         means = [run.step_ms for run in runs]
         paired = baselines.get(label, means)
         rows.append(
