@@ -66,9 +66,10 @@ PRECISIONS: dict[str, dict[str, Any]] = {
 #: (0.034, 0.045).
 #: Attn-QAT's dV: the matched backward's dV takes P re-quantized to E2M1 as the forward's O does, so one flipped code
 #: moves it by a whole FP4 step too. Held to 2e-2 (SageBwd's bound) until a run at 1dff64d measured 2.03e-2 (N=4096,
-#: D=64, GQA; the same kernels had given at most 1.85e-2 on the inputs of the run before), O's bound since.
-BOUNDS = {"O": 4e-3, "O_attn_qat": 3e-2, "O_fp8": 1e-2, "dQ": 2e-2, "dK": 2e-2, "dV": 2e-2, "dV_attn_qat": 3e-2,
-          "ds_stats": 2e-3}  # fmt: skip
+#: D=64, GQA; the same kernels had given at most 1.85e-2 on the inputs of the run before), O's bound since. dK too
+#: (dS^T Q): same inputs and kernels gave 0.012-0.0205 run to run on an H200 (the autotuner's picks; NOTES run 18).
+BOUNDS = {"O": 4e-3, "O_attn_qat": 3e-2, "O_fp8": 1e-2, "dQ": 2e-2, "dK": 2e-2, "dK_attn_qat": 3e-2, "dV": 2e-2,
+          "dV_attn_qat": 3e-2, "ds_stats": 2e-3}  # fmt: skip
 SEQS, HEAD_DIMS, HEADS = (1000, 4096, 8192), (64, 128), ((2, 2), (4, 2))
 #: Cosine to float64 of the SageBwd default (INT8 dS) on N(0, 1) inputs, N=4096, D=128 (issue #3's bars).
 ACCURACY_BARS = {"O": 0.999, "dV": 0.999, "dQ": 0.997, "dK": 0.997}
@@ -112,7 +113,7 @@ def agreement(name: str) -> list[dict[str, Any]]:
                         x, r = got[tensor].detach().double(), ref[tensor].detach().double()
                         rel = ((x - r).norm() / r.norm().clamp_min(1e-30)).item()
                         bound = BOUNDS[tensor]
-                        if tensor in ("O", "dV") and precision.mode == "attn_qat":
+                        if tensor in ("O", "dK", "dV") and precision.mode == "attn_qat":
                             bound = BOUNDS[f"{tensor}_attn_qat"]
                         elif tensor == "O" and precision.fp8_products:
                             bound = BOUNDS["O_fp8"]
