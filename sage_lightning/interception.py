@@ -125,7 +125,14 @@ class WrappedForward:
         self.original = original
 
     def _target(self) -> Callable:
-        """The ``forward`` this one replaced."""
+        """The ``forward`` this one replaced (for its signature; calls go through :meth:`_call`)."""
         if self.original is not None:
             return self.original
         return type(self.module).forward.__get__(self.module)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the ``forward`` this one replaced. The class's is called as a plain function with the module first:
+        torch 2.11's dynamo cannot trace ``function.__get__`` (a graph break, an error under ``fullgraph=True``)."""
+        if self.original is not None:
+            return self.original(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)

@@ -57,7 +57,7 @@ class MultiheadAttentionForward(WrappedForward):
         reason = unserved_reason(module, query, key_padding_mask, need_weights, attn_mask, is_causal)
         if reason is not None:
             state.count_unserved(reason)
-            return self._target()(
+            return self._call(
                 query,
                 key,
                 value,

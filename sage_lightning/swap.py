@@ -57,7 +57,7 @@ class _InterceptedForward(WrappedForward):
         if training:
             record(state, state.ledger_key, FORWARD_START)
         with SDPAInterceptor(state):
-            out = self._target()(*args, **kwargs)
+            out = self._call(*args, **kwargs)
         if training:
             record(state, state.ledger_key, FORWARD_END)
         return out

@@ -87,7 +87,7 @@ def test_the_wheel_check_fails_on_a_wheel_that_lost_a_subpackage(tmp_path: Path)
     wheel, project = _build(tmp_path, drop="kernels/hopper/__init__.py")
     assert not any(name.startswith("sage_lightning/kernels/hopper/") for name in zipfile.ZipFile(wheel).namelist())
     (problem,) = wheel_check.check_contents(wheel, REPO)
-    assert "in package(s) sage_lightning.kernels.hopper:" in problem and "hopper/dispatch.py" in problem
+    assert "in package(s) sage_lightning.kernels.hopper:" in problem and "hopper/forward.py" in problem
     done = _installed_check(wheel, project, tmp_path)
     assert done.returncode == 1
     assert (
