@@ -46,13 +46,9 @@ def versions() -> dict[str, str]:
 
 
 def commit() -> str:
-    """``$GIT_COMMIT``, else ``git rev-parse HEAD`` of the repository (read-only) with ``+dirty`` when tracked files
-    differ from it, else ``"unknown"``.
-
-    The device machine gets a copy of the working tree without this repository's ``.git``; the caller passes the
-    sha. A copy there once carried an older ``.git``, and every result written without ``GIT_COMMIT`` named that
-    older commit: the ``+dirty`` mark shows such a mismatch (and a run of uncommitted code here).
-    """
+    """``$GIT_COMMIT`` (the device's copy of the tree has no ``.git``: the caller passes the sha), else ``git
+    rev-parse HEAD`` with ``+dirty`` when tracked files differ (it showed a stale ``.git`` copied to the device once,
+    and shows a run of uncommitted code), else ``"unknown"``."""
     if os.environ.get("GIT_COMMIT"):
         return os.environ["GIT_COMMIT"]
     try:

@@ -187,19 +187,75 @@ def test_every_figure_and_table_names_its_json_and_command(page: tuple[str, Path
         assert not images and "Figure not drawn: matplotlib is not installed" in text
 
 
-def test_the_committed_results_give_a_page_that_marks_the_matrix_pending(tmp_path: Path) -> None:
+def test_the_committed_results_give_a_page_with_the_matrix_as_run(tmp_path: Path) -> None:
     doc = tmp_path / "docs" / "results.md"
     text = results_doc.main(
         ["--results", str(REPO / "benchmarks/results"), "--doc", str(doc), "--images", str(tmp_path / "im")]
     )
-    if not list((REPO / "benchmarks/results").glob("training-*-evidence-*.json")):
-        assert "**Pending: the matrix has not run on a GPU yet.**" in text
-        for group in EVIDENCE_GROUPS:
-            if not group.startswith("e2e-"):
-                assert re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text)
+    # The combined file of benchmarks/noise_evidence.sh (4 H200s) is the matrix as run: no pending note.
+    assert "**Pending" not in text and "The matrix as run: [training-h200-20261127-noise-evidence.json]" in text
+    assert "| full | full precision | 0.8041 | 0.8165 | yes / yes |" in text
+    assert "| 0.8254 | 0.8425 | no / no |" in text and "no gap at most 0.8227" in text
+    assert "The controller ended without a gap in 1 of 2 seed(s) where SageBwd fixed of the same seed had one" in text
+    assert "no threshold separates them" in text and "acted at noise_ratio_high 0.2, set by hand" in text
+    for group in EVIDENCE_GROUPS:
+        if not group.startswith("e2e-"):
+            assert not re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text), group
     small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
     sage = final_val(small, "sage")
     assert sage == (2000, pytest.approx(0.8135, abs=5e-5)) and f"| sage | 2000 | {sage[1]:.4f} |" in text
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        assert (doc.parent / target).is_file(), target
+
+
+def _combined(tmp_path: Path) -> Path:
+    """A small combined file as benchmarks/noise_evidence.sh writes it: two groups, rows and summary keyed by group."""
+    finals = {  # group -> run -> (seed, final val loss)
+        "large-qknorm": {"full": (1234, 0.80), "full-seed1235": (1235, 0.81), "sage-fixed": (1234, 0.85),
+                         "sage-fixed-seed1235-observe": (1235, 0.84), "sage-controller": (1234, 0.815)},
+        "small-qknorm": {"full": (1234, 0.70), "full-seed1235": (1235, 0.702), "sage-fixed": (1234, 0.705)},
+    }  # fmt: skip
+    rows, summary = [], []
+    for group, runs in finals.items():
+        for run, (seed, loss) in runs.items():
+            attention = "full" if run.startswith("full") else "sage"
+            rows += [{"group": group, "run": run, "attention": attention, "step": step, "tokens_seen": 100 * step,
+                      "train_loss": loss + 0.1, "val_loss": loss + (10 - step) / 100} for step in (5, 10)]  # fmt: skip
+            readings = [[step, f"model.blocks.{i}.attn", 0.1 * (i + 1), 0.1] for step in (0, 5, 10) for i in (0, 1)]
+            summary.append(
+                {"group": group, "run": run, "attention": attention, "seed": seed, "precision": attention,
+                 "controller": run.startswith("sage-controller") or run.endswith("-observe"), "max_steps": 10,
+                 "tokens_per_step": 100, "qk_norm": True, "decisions": int(run == "sage-controller"),
+                 "threshold": 0.2 if run == "sage-controller" else None, "int8_fraction": None,
+                 "noise_readings": readings if run.endswith("-observe") else []}
+            )  # fmt: skip
+    decision = "step 5: model.blocks.1.attn precision: sagebwd:int8=ds -> sagebwd:int8=qk (noise_ratio 0.3 > 0.2)"
+    result = {"kind": "training", "device": "NVIDIA H200", "date": "2026-11-27", "commit": "abc", "rows": rows,
+              "command": "bash benchmarks/noise_evidence.sh start", "summary": summary,
+              "decisions": {"large-qknorm/sage-controller": [decision]}}  # fmt: skip
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "training-h200-20261127-noise-evidence.json").write_text(json.dumps(result))
+    return tmp_path
+
+
+def test_a_combined_file_renders_its_groups_and_final_losses(tmp_path: Path) -> None:
+    results = _combined(tmp_path / "results")
+    doc = tmp_path / "docs" / "results.md"
+    text = results_doc.main(["--results", str(results), "--doc", str(doc), "--images", str(tmp_path / "im")])
+    assert "**Pending" not in text and "The matrix as run: [training-h200-20261127-noise-evidence.json]" in text
+    # Each group's table: the seeds side by side, and whether each run ends within the margin (mean 0.805 + 0.01).
+    assert "### large-qknorm:" in text and "### small-qknorm:" in text
+    assert "| full | full precision | 0.8000 | 0.8100 | yes / yes |" in text
+    assert "| sage-fixed | `sage`; seed 1235: the controller observing only | 0.8500 | 0.8400 | no / no |" in text
+    assert "| sage-controller | `sage`, controller at noise_ratio_high 0.2 | 0.8150 |  | yes |" in text
+    assert "mean 0.8050, margin 0.0100" in text and "no gap at most 0.8150" in text
+    assert "| full | full precision | 0.7000 | 0.7020 | yes / yes |" in text
+    assert "### large-no-qknorm: " in text and "Not measured yet." in text
+    # The controller's decisions, and whether it closed the gap where SageBwd fixed of its seed had one.
+    assert "| 5 | model.blocks.1.attn | precision | sagebwd:int8=ds | sagebwd:int8=qk | noise_ratio 0.3 > 0.2 |" in text
+    assert "The controller closed the gap in this seed." in text
+    assert "1 of 1 seed(s)" in text and "Noise ratio of **sage-fixed-seed1235-observe**" in text
+    assert "at large tokens per step 0.8500 / 0.8400 (seeds 1234 / 1235), beyond the margin; at small 0.7050" in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert (doc.parent / target).is_file(), target
 

@@ -1,19 +1,13 @@
 """What ``AdaptivePrecision`` costs per optimizer step: the same training with and without the callback.
 
 A small transformer (by default 8 layers, d_model 1024, 16 heads, seq 2048, batch 4, bf16-mixed, SageBwd attention)
-trains on tokens of a fixed random Markov chain once per setting: ``no callback`` (the baseline), ``callback,
-defaults`` (signals read two steps late from a pinned host copy, no host sync) and the same with
-``check_before_step=True``, ``--steps`` steps each; then, ``--breakdown-steps`` steps each, the per-step cost without
-signals and snapshots, and the dS statistics, the probe or the snapshot alone on every step. ``--profile-steps N``
-profiles ``N`` steps of three settings (``overhead_profile``).
-
-A run's step time is the wall time of its measured steps over their number, the device synchronised at each step's
-end (``--no-step-sync``: at the window's ends only). Each of ``--repeats`` rounds runs every setting in turn (the
-order reversed every other round), each paired with the mean of the baseline runs just before and after it (run
-order mattered: at dc3c3c8 on an H100 the defaults' median step was 42.65 ms early in a round and 49.33 ms late), and
-every run starts isolated from the earlier ones (``overhead_timing.isolated``). A row reports medians over rounds
-(``step_ms``, ``baseline_step_ms``, ``overhead``) and every round's figures (``round_*``: step times, decisions,
-late verdict reads, garbage-collector time, allocator retries, the hooks' host time, the slowest steps).
+trains on a fixed random Markov chain's tokens once per setting of :data:`SETTINGS` (the baseline without the callback,
+the defaults, ``check_before_step=True``, then each signal alone on every step for ``--breakdown-steps``). Step time:
+the measured steps' wall time over their number, the device synchronised at each step's end (``--no-step-sync``: at
+the window's ends only). Each of ``--repeats`` rounds runs every setting in turn (the order reversed every other
+round), each paired with the baseline runs just before and after it (run order mattered: at dc3c3c8 on an H100 the
+defaults' median step was 42.65 ms early in a round and 49.33 ms late), each isolated (``overhead_timing.isolated``);
+rows report medians over rounds and every round's figures (``round_*``).
 
 Example::
 
@@ -76,15 +70,8 @@ class Block(nn.Module):
 
 
 class TransformerLM(SageAttentionMixin, L.LightningModule):
-    """A decoder-only language model: embedding, ``layers`` blocks, a tied head; AdamW.
-
-    Args:
-        layers: transformer blocks.
-        d_model: model width.
-        heads: attention heads (head dim ``d_model // heads``).
-        lr: AdamW learning rate.
-        fused: AdamW's fused implementation (what GPU training usually runs).
-    """
+    """A decoder-only language model: embedding, ``layers`` blocks of width ``d_model`` and ``heads`` heads, a tied
+    head; AdamW at ``lr`` (``fused``: its fused implementation, what GPU training usually runs)."""
 
     def __init__(
         self, layers: int = 4, d_model: int = 512, heads: int = 8, lr: float = 3e-4, fused: bool = False

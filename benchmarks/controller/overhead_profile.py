@@ -42,17 +42,10 @@ def traced_hooks(controller: Callback) -> None:
 
 
 class ProfilerWindow(Callback):
-    """Profile optimizer steps ``start_step`` to ``start_step + steps - 1`` (the device synchronised at both ends).
-
-    Args:
-        start_step: the first profiled optimizer step (the steps before it are warm-up: compilation, autotuning).
-        steps: how many optimizer steps to profile.
-        device_only: on CUDA, record the kernels only: no CPU operators, which slow the host when traced and whose
-            ranges would count their kernels' device time a second time (``step_profile.py`` found it, at 49163cf).
-            The controller's hook ranges are CPU events, so their host time is not recorded then.
-
-    ``wall_s`` is the window's wall time, between its two synchronisations, once it has closed.
-    """
+    """Profile optimizer steps ``start_step`` to ``start_step + steps - 1`` (the device synchronised at both ends;
+    ``wall_s``: the time between, once closed). ``device_only``: on CUDA, the kernels only: no CPU operators, which slow
+    the host when traced and count their kernels' time twice (``step_profile.py`` at 49163cf), nor the controller's
+    hook ranges (CPU events)."""
 
     def __init__(self, start_step: int, steps: int, device_only: bool = False) -> None:
         self.start_step, self.steps, self.device_only = start_step, steps, device_only

@@ -25,13 +25,9 @@ from lightning.pytorch.callbacks import Callback
 
 @dataclasses.dataclass
 class RunCosts:
-    """What one run spent beside the model and the callback.
-
-    Attributes:
-        gc_ms: wall milliseconds in Python's cyclic garbage collector during the run (warm-up included).
-        alloc_retries: the CUDA caching allocator's retries during the run (an allocation that failed, every cached
-            block released and the allocation tried again: memory held elsewhere, or fragmented); 0 on the CPU.
-    """
+    """What one run spent beside the model and the callback: wall ms in Python's cyclic garbage collector (warm-up
+    included) and the CUDA caching allocator's retries (an allocation that failed, every cached block released and the
+    allocation tried again: memory held elsewhere, or fragmented; 0 on the CPU)."""
 
     gc_ms: float = 0.0
     alloc_retries: int = 0
@@ -76,11 +72,8 @@ class HookClock:
     with ``perf_counter`` (no sync; about a microsecond per call) and charged to the step it ran in.
 
     Replaces the profiler's hook ranges, which read 0 ms for ``on_before_optimizer_step`` (it runs inside Lightning's
-    optimizer closure) and slow the host they measure.
-
-    Args:
-        callback: the callback whose hooks are timed (its instance attributes are wrapped; its class is untouched).
-    """
+    optimizer closure) and slow the host they measure. The callback's instance attributes are wrapped, its class
+    untouched."""
 
     def __init__(self, callback: Callback) -> None:
         self.seconds: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -129,12 +122,8 @@ class HookClock:
 class StepTimer(Callback):
     """Wall time of each optimizer step, the device synchronised at its end; with ``step_sync=False`` on CUDA,
     synchronised only where the measured window starts (the end of step ``skip - 1``) and ends, each step's end
-    marked by a CUDA event: the mean is then the window's wall time over its steps, the median the device's.
-
-    Args:
-        step_sync: synchronise the device at every step's end.
-        skip: the warm-up steps before the measured window.
-    """
+    marked by a CUDA event: the mean is then the window's wall time over its steps, the median the device's. ``skip``:
+    the warm-up steps before the measured window."""
 
     def __init__(self, step_sync: bool = True, skip: int = 0) -> None:
         self.ends: list[float] = []

@@ -1,11 +1,7 @@
-"""The measurements behind ``PolicyConfig``'s default thresholds (``docs/controller.md`` cites them).
-
-1. Signals per rung (``accuracy-<device>-<date>-controller.json``): for each input kind of the accuracy harness and
-   each rung of the default ladder, ``ds_rel_err`` from the kernel's statistics buffer and the probe (O, dQ, dK, dV
-   against float64 attention), exactly as the controller computes them.
-2. A calm run (``training-<device>-<date>-calm.json``): ``overhead``'s transformer at a small size trained with
-   ``AdaptivePrecision`` on its Markov-chain tokens, one row per step: the loss, the gradient norm, the spike
-   detectors' robust z-scores and ``ds_rel_err``. How far calm training's noise reaches is what the thresholds clear.
+"""The measurements behind ``PolicyConfig``'s default thresholds (``docs/controller.md`` cites them): the signals
+per rung of the default ladder on each input kind of the accuracy harness (``accuracy-<device>-<date>-controller``),
+and a calm run of ``overhead``'s transformer with ``AdaptivePrecision`` (``training-<device>-<date>-calm``: loss,
+gradient norm, the spike detectors' z-scores and ``ds_rel_err`` per step), whose noise the thresholds must clear.
 
 Example::
 

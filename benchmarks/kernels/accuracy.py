@@ -1,14 +1,9 @@
 """Per-tensor error of SageBwd's PyTorch reference against float64 attention: which product costs what.
 
-For every input kind, precision setting and K-smoothing on and off, ``sage_attention_intermediates`` (the reference,
-keeping every intermediate) is compared on ``O, lse, delta, P, dP, dS, dQ, dK, dV`` with ``exact_attention`` (float64)
-on the same bf16 inputs: cosine similarity and relative L2 in float64 (a non-finite metric is JSON ``null``).
-Inputs: q, k ~ N(0, sigma^2) for sigma in 1, 4, 10 (v, dO ~ N(0, 1)), and 4 outlier channels of q and k (offset 10,
-scale 3: the per-channel bias K-smoothing removes), all from one generator seeded with ``--seed``. Settings: ``bf16``
-(no INT8), ``sagebwd`` (the default), ``all7`` (dP INT8 too) and each product alone in INT8. ``--mode formats`` adds
-FP8 (e4m3) products alone and in mixes; ``--mode attn_qat`` simulated NVFP4 (matched and drop-in backward), also
-against the FP4 forward's own float64 gradient (``"against": "fp4_float64"``). ``--path triton`` measures the kernels'
-outputs and gradients instead of the reference's intermediates.
+For every input kind (:func:`input_kinds`), precision setting and K-smoothing on and off, the reference's
+intermediates (``O, lse, delta, P, dP, dS, dQ, dK, dV``) against ``exact_attention`` (float64) on the same bf16
+inputs: cosine and relative L2 in float64 (non-finite: JSON ``null``). ``--mode`` picks the settings (:data:`MODES`:
+INT8 products alone, FP8 formats, simulated NVFP4); ``--path triton`` measures the kernels' outputs instead.
 
 Example::
 
@@ -322,13 +317,9 @@ def ds_dominates(table: dict[str, dict[str, dict]]) -> bool:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    """Summary lines on the default ``sagebwd`` setting with K-smoothing, one block per input kind.
-
-    Answers, against the SageBwd study (dS the lowest-cos intermediate; dQ and dK the worst outputs):
-    which of P, dP, dS has the lowest cos, which two of O, dQ, dK, dV are worst, and which share of the
-    dQ/dK error (squared rel_l2, errors of independent sources add in squares) switching ``ds`` alone to
-    INT8 reproduces, beside the single product that reproduces the most.
-    """
+    """Summary lines on the default ``sagebwd`` setting with K-smoothing, per input kind, against the SageBwd study
+    (dS the lowest-cos intermediate, dQ and dK the worst outputs): the lowest cos of P, dP, dS, the two worst of O, dQ,
+    dK, dV, and the share of the dQ/dK error (squared rel_l2) that ``ds`` alone in INT8 reproduces, beside the most."""
     if any("against" in row for row in rows):
         return summarize_attn_qat(rows)
     formats = summarize_formats(rows) if any(row["label"] in FP8_LABELS for row in rows) else []

@@ -7,13 +7,11 @@ Run it with the GPU image's Triton (3.6); exits 1 when a Gluon case fails to com
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
 from benchmarks.kernels import sm90_compile as offline  # sets a fresh Triton cache before triton is imported
-from benchmarks.kernels.gluon_dq_compile import record_failure
+from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
 #: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv_wg.py``, D=64 only).
@@ -21,21 +19,12 @@ VARIANTS = ("ws", "plain", "ws-defer", "plain-defer", "wg")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument(
-        "--stages", type=int, nargs="+", default=[0], help="Gluon TMA ring depths to compile (0: the wrapper's default)"
-    )
+    parser = compile_parser(__doc__, "_dkdv_kernel")
     parser.add_argument(
         "--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS),
         help="Gluon variants: warp-specialised (a load warp) or one 8-warp partition; -defer finishes each tile's "
         "dV and dK in the next iteration",
     )  # fmt: skip
-    parser.add_argument("--no-portable", action="store_true", help="skip the portable _dkdv_kernel")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--verbose", action="store_true", help="print failures' tracebacks")
-    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
     args = parser.parse_args(argv)
     offline._DUMP["dir"] = args.dump
     offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile

@@ -31,6 +31,21 @@ def record_failure(kernel: str, num_stages: int | None, error: BaseException) ->
                                              num_stages=num_stages, fits=False, error=message))  # fmt: skip
 
 
+def compile_parser(doc: str, portable: str) -> argparse.ArgumentParser:
+    """The Gluon compile scripts' shared options (``--variant`` and what differs are added by each)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=[0], help="Gluon TMA ring depths to compile (0: the wrapper's default)"
+    )
+    parser.add_argument("--no-portable", action="store_true", help=f"skip the portable {portable}")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--verbose", action="store_true", help="print failures' tracebacks")
+    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
+    return parser
+
+
 def _portable(x: dict, causal: bool) -> None:
     """``backward()``'s ``_dq_kernel`` launch (every autotuning candidate is compiled)."""
     from sage_lightning.kernels import backward as bwd
@@ -53,18 +68,9 @@ def _portable(x: dict, causal: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seq", type=int, default=4096)
+    parser = compile_parser(__doc__, "_dq_kernel")
     parser.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[0, 1])
-    parser.add_argument(
-        "--stages", type=int, nargs="+", default=[0], help="Gluon TMA ring depths to compile (0: the wrapper's default)"
-    )
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--no-portable", action="store_true", help="skip the portable _dq_kernel")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--verbose", action="store_true", help="print failures' tracebacks")
-    parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS here")
     args = parser.parse_args(argv)
     offline._DUMP["dir"] = args.dump
     offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile

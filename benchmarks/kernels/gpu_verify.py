@@ -1,22 +1,13 @@
 """Prove the kernels on one GPU in one call and write the GPU-verification record (``gpu-verified.json``).
 
 The CPU interpreter does not prove a kernel (it passed a backward whose dV was wrong on every H100 and H200): this is
-the gate a change to ``kernels/`` goes through (``tests/test_gpu_record.py`` checks its record in CI). Four checks,
-started side by side as subprocesses, together under 8 minutes on an H100 or H200 from a bare machine:
-
-1. ``kernel_tests``: the Triton, Hopper, Gluon, Attn-QAT, bad-value and kernel-path tests on CUDA, every test
-   (pytest-xdist workers where installed); passes when none fails, errs or is skipped.
-2. ``agreement``: the Triton path against the PyTorch reference at full size (N in {1000, 4096, 8192}, D in {64, 128},
-   causal and not, MHA and GQA) for :data:`PRECISIONS`: relative L2 of O, dQ, dK, dV and the dS statistics, each
-   under its rounding-level bound in :data:`BOUNDS`.
-3. ``accuracy``: ``benchmarks.kernels.accuracy --path triton`` at N=4096, D=128; the default on N(0, 1) inputs must
-   reach :data:`ACCURACY_BARS` (O and dV 0.999, dQ and dK 0.997 cosine to float64).
-4. ``training_parity``: ``benchmarks.training.pretrain_compare`` on the small config, SageBwd and full precision,
-   controller off, ``--parity-steps`` steps: the final validation losses within :data:`PARITY_TOLERANCE`.
-
-The record (the header of ``shared/RESULTS.md``, ``kind: "gpu-verification"``) holds the sha256 of every file under
-``kernels/`` and their digest (:mod:`benchmarks.kernels.gpu_record`) and each check's figures with ``passed``; rows
-are the agreement's. The parts' own files go to ``--work-dir``.
+the gate a change to ``kernels/`` goes through (``tests/test_gpu_record.py`` checks its record in CI). Four checks run
+side by side as subprocesses, each judged by its ``judge_*``: ``kernel_tests`` (the CUDA kernel tests: none may fail,
+err or skip), ``agreement`` (the Triton path against the reference at full size for :data:`PRECISIONS`, within
+:data:`BOUNDS`), ``accuracy`` (``benchmarks.kernels.accuracy --path triton`` against :data:`ACCURACY_BARS`) and
+``training_parity`` (``pretrain_compare``, SageBwd against full precision within :data:`PARITY_TOLERANCE`). The record
+holds the sha256 of every file under ``kernels/``, their digest (:mod:`benchmarks.kernels.gpu_record`) and each
+check's figures with ``passed``; the parts' own files go to ``--work-dir``.
 
 Example::
 

@@ -1,23 +1,16 @@
 """Compile every Triton kernel of a forward and backward for a Hopper GPU, on a machine without one.
 
-A kernel that does not compile under the GPU image's Triton (3.6), needs more shared memory than an H100/H200 has, or
-spills registers should be found before a device run. This installs a stand-in CUDA driver in Triton (target
-``sm_90``, 227 KiB of shared memory per block, launches that do nothing) and calls SageBwd's and Attn-QAT's entry
-points on CPU tensors, so every kernel and autotuning candidate is compiled as on the GPU; nothing is numerically
-checked here (the tests and ``benchmarks.kernels.gpu_verify`` do that). Per compiled kernel it reports the launch
-config and tile constexprs, shared memory and whether it fits, registers and spills (``ptxas -v``), blocks per SM,
-the hot loop's SASS size (all, fast path, quarter-rate: :data:`QUARTER_RATE`), and the tensor-core instructions in
-the PTX (``wgmma`` shapes, ``mma.sync``), with local loads and stores in the SASS.
+A stand-in CUDA driver in Triton (target ``sm_90``, 227 KiB of shared memory per block, launches that do nothing)
+lets SageBwd's and Attn-QAT's entry points run on CPU tensors, so every kernel and autotuning candidate compiles as on
+the GPU (nothing is checked numerically). Per kernel: launch config, tile constexprs, shared memory and whether it
+fits, registers and spills, blocks per SM, the hot loop's SASS size (:data:`QUARTER_RATE`), ``wgmma``/``mma.sync``
+and local memory. Run it with the GPU image's Triton (3.6) in a CPU-only environment, as ``.ci/run`` makes one
+(``SAGE_SM90_TRITON_PYTHON``)::
 
-Run it with the GPU image's Triton in a CPU-only environment (``TRITON_INTERPRET`` unset)::
+    python -m benchmarks.kernels.sm90_compile --head-dim 128 --tiles 128x64 128x128 --out /tmp/sm90.json
 
-    python -m venv /tmp/tr36 && /tmp/tr36/bin/pip install torch==2.13.0 triton==3.6.0 numpy lightning==2.6.6 \\
-        torchmetrics tensorboard
-    /tmp/tr36/bin/pip install --no-deps -e .
-    /tmp/tr36/bin/python -m benchmarks.kernels.sm90_compile --head-dim 128 --tiles 128x64 128x128 --out /tmp/sm90.json
-
-Exits 1 when an entry point fails (a kernel with no candidate that compiles and fits); candidates the autotuner
-would skip are listed, marked ``!`` (too much shared memory) or FAILED.
+Exits 1 when an entry point fails; candidates the autotuner would skip are marked ``!`` (too much shared memory) or
+FAILED.
 """
 
 from __future__ import annotations
@@ -68,11 +61,8 @@ HOPPER_ENV = "SAGE_LIGHTNING_HOPPER"
 
 
 def blocks_per_sm(registers: int, num_warps: int, shared: int) -> int:
-    """Thread blocks of a kernel resident on one SM at once (the occupancy calculator's rule for sm_90).
-
-    Registers are allocated per warp in units of 256 (8 per thread); each block also has 1 KiB of shared
-    memory reserved.
-    """
+    """Thread blocks of a kernel resident on one SM at once (the occupancy calculator's rule for sm_90: registers
+    per warp in units of 256, 8 per thread; 1 KiB of shared memory reserved per block)."""
     per_warp = -(-registers * 32 // 256) * 256
     by_registers = SM90_REGS_PER_SM // (per_warp * num_warps) if per_warp else SM90_BLOCKS_PER_SM
     by_shared = SM90_SHARED_PER_SM // (shared + 1024)
@@ -122,11 +112,7 @@ class _NoLaunch:
 
 
 class OfflineHopperDriver(CudaDriver):
-    """Triton's CUDA driver with a Hopper as the current device and no CUDA underneath.
-
-    Args:
-        capability: the compute capability to compile for (90 for H100/H200).
-    """
+    """Triton's CUDA driver with a Hopper (``capability`` 90: H100/H200) as the current device and no CUDA under it."""
 
     def __init__(self, capability: int = 90) -> None:  # CudaDriver.__init__ would load libcuda
         self.capability = capability
@@ -203,10 +189,8 @@ def _sass(cubin: bytes) -> str | None:
 
 def hot_loop(sass: str) -> dict | None:
     """The innermost loop that issues tensor-core instructions (``*GMMA``): its instruction count, how many of
-    those are quarter-rate (:data:`QUARTER_RATE`) and the opcode counts; ``None`` when there is no such loop.
-
-    A loop is a branch back to a lower address; the innermost is the shortest span holding a GMMA.
-    """
+    those are quarter-rate (:data:`QUARTER_RATE`) and the opcode counts; ``None`` when there is no such loop (a
+    loop: a branch back to a lower address; the innermost: the shortest span holding a GMMA)."""
     lines = [(int(addr, 16), op, rest) for addr, op, rest in _SASS_LINE.findall(sass)]
     branches = [(a, int(t.group(1), 16)) for a, o, r in lines if o == "BRA" and (t := _BRANCH_TARGET.search(o + r))]
     loops = []

@@ -1,10 +1,8 @@
 """Speed of SageBwd's Triton kernels against PyTorch's SDPA (flash and cuDNN backends), on one GPU.
 
-First the Triton path against the PyTorch reference at full sizes (relative L2 of O, dQ, dK, dV; ``--no-check``
-skips it), then ``triton.testing.do_bench`` medians of forward, backward and forward+backward per implementation,
-bf16, ``B x N = --tokens``, heads ``2048 / D`` (TFLOPS: ``4 B H N Nk D`` per forward, 2.5 times that backward, half
-when causal), the peak memory above the inputs, and a table of our ratio to each backend. ``--impl`` also takes the
-FP8 mixes of :data:`FP8_IMPLS`. Writes ``benchmarks/results/speed-<device>-<date>.json`` and a ``.md`` table.
+After a check against the reference (``--no-check`` skips it), ``triton.testing.do_bench`` medians of forward,
+backward and both per implementation (bf16, ``B x N = --tokens``, heads ``2048 / D``), TFLOPS, peak memory and our
+ratio to each backend; ``--impl`` also takes :data:`FP8_IMPLS`. Writes ``speed-<device>-<date>.json`` and ``.md``.
 
 Example::
 
@@ -59,12 +57,9 @@ def flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool, which: 
 
 
 def check(device: str, impls: tuple[str, ...] = ("sage",)) -> list[dict]:
-    """The Triton path against the reference at full sizes; one row per (implementation, shape, tensor) with
-    ``rel_l2`` and the ``precision`` (its short name) both ran.
-
-    Agreement is to rounding (a few flipped bf16 values or INT8 codes), far below the INT8 error (~1e-2). FP8
-    products sum in fp32 in an order of their own, so their agreement is looser than INT8's exact sums.
-    """
+    """The Triton path against the reference at full sizes, a row per (implementation, shape, tensor) with ``rel_l2``
+    and the ``precision`` both ran: agreement to rounding (a few flipped bf16 values or INT8 codes), far below the INT8
+    error (~1e-2); looser for FP8 products, which sum in fp32 in an order of their own."""
     rows, seen = [], set()
     for impl in impls:
         precision = PRECISIONS[impl]
@@ -241,11 +236,8 @@ def autotuned_configs() -> dict[str, str]:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory; then, where the
-    run timed any of :data:`FP8_IMPLS`, one row per FP8 implementation, shape and pass (:func:`fp8_table`).
-
-    An implementation the run did not time (or that refused a shape) leaves its cells ``nan`` or ``-``.
-    """
+    """Markdown: TFLOPS of each implementation and pass, our ratio to flash and cuDNN, peak memory (``nan`` or ``-``
+    where not timed); then, where the run timed any of :data:`FP8_IMPLS`, :func:`fp8_table`."""
     text = sage_table(rows) if any(r["impl"] == "sage" for r in rows) else ""
     fp8 = fp8_table(rows)
     return "\n\n".join(part for part in (text, fp8) if part)

@@ -23,15 +23,10 @@ from examples.corpus import TextDataModule
 
 
 def evidence_groups(seed: int, large_batch: int, small_batch: int, seq_len: int) -> list[Group]:
-    """Issue #7's matrix: which runs, in which groups, in the order they train.
-
-    The large and small groups differ by ``large_batch / small_batch`` in tokens per step (the study compared
-    2.1M and 260K, 8x; 64 and 8 sequences of 2048 are 131K and 16K). Full precision runs twice, with seeds
-    ``seed`` and ``seed + 1``, for the noise floor; every other run uses ``seed``, so the compared runs share
-    initial weights and data order. Full precision and SageBwd fixed train without the controller; K-smoothing off
-    is SageBwd fixed. The speed group (issue #4) trains at ``2 * seq_len`` with ``small_batch`` sequences: SageBwd
-    against SDPA's cuDNN and flash backends, tokens/s and peak memory.
-    """
+    """Issue #7's matrix: which runs, in which groups, in the order they train. The large and small groups differ
+    by ``large_batch / small_batch`` in tokens per step (the study's 2.1M and 260K: 8x). Full precision runs with
+    seeds ``seed`` and ``seed + 1`` (the margin), every other run with ``seed``; the speed group (issue #4) trains
+    at ``2 * seq_len`` with ``small_batch`` sequences: SageBwd against SDPA's cuDNN and flash backends."""
     full = RunSpec(name="full", attention="full", controller=False)
     full_b = RunSpec(name=f"full-seed{seed + 1}", attention="full", controller=False, seed=seed + 1)
     fixed = RunSpec(name="sage-fixed", attention="sage", controller=False)

@@ -1,25 +1,16 @@
 """Pretraining with SageBwd against full-precision attention: the same config run once per attention setting.
 
-Trains an example config (``examples/configs/small.yaml`` by default) once per ``--attention`` value, everything else
-equal (seed, data order, callbacks, step budget), and records each run's training loss per optimizer step, its
-validation loss, tokens per second, peak GPU memory and the controller's decisions: ``training-<device>-<date>-<tag>``
-``.json`` (kind ``training``), ``.md`` (a summary table) and ``.png`` (where matplotlib is installed; ``--plot-only``
-draws it later), and the runs' TensorBoard logs, in ``--out-dir`` (``$OUT`` when set, else ``benchmarks/results``).
+Trains a config (``examples/configs/small.yaml`` by default) once per ``--attention`` value, everything else equal
+(seed, data order, callbacks, step budget), and writes ``training-<device>-<date>-<tag>`` ``.json`` (kind
+``training``: rows per ``trainer.log_every_n_steps`` steps and run as ``runs.run_one`` makes them, a ``summary`` per
+run, the controller's ``decisions`` and ``decision_log``), ``.md`` and ``.png`` (``--plot-only`` draws it later), and
+TensorBoard logs, in ``--out-dir`` (``$OUT`` when set, else ``benchmarks/results``).
 
 ``--runs`` takes runs that differ in more than the attention, one ``ATTENTION[:KEY=VALUE,...]`` each, keys
-``controller=on|off``, ``seed=N``, ``smooth_k=on|off``, ``smooth_q=on|off``, ``sdpa=BACKEND`` (``default``,
-``cudnn``, ``flash``, ``efficient``, ``math``: the SDPA backend ``full`` layers call) and ``name=NAME``; ``ATTENTION``
-is a key of ``examples.pretrain``'s ``ATTENTION_MODES``. ``--matrix evidence`` runs issue #7's matrix
-(``benchmarks.training.matrix``; ``benchmarks/gpu_evidence.sh`` runs it on the device, ``results_doc`` makes
-``docs/results.md`` of it). ``--save-checkpoint RUN`` (``GROUP/RUN`` under ``--matrix``) keeps one run's final model
-and its config (the input of the attribution on real activations, retired: ``results/retired.md``). The model, data
-and callbacks are built from the config without LightningCLI (no jsonargparse needed); ``--set section.key=value``
-changes one entry for every run.
-
-Rows, one per ``trainer.log_every_n_steps`` steps and run: ``run``, ``attention``, ``tokens_per_step``, ``qk_norm``,
-``seed``, ``step``, ``tokens_seen``, ``train_loss`` (the window's mean), ``tokens_per_s``, ``val_loss`` (where
-validated), ``seconds`` and, on a GPU, ``peak_mem_mb``. The header's ``summary`` has one entry per run, ``decisions``
-and ``decision_log`` the controller's decisions as text and as records.
+``controller=on|off``, ``seed=N``, ``smooth_k=on|off``, ``smooth_q=on|off``, ``sdpa=BACKEND`` (the SDPA backend
+``full`` layers call) and ``name=NAME``; ``ATTENTION`` is a key of ``examples.pretrain``'s ``ATTENTION_MODES``.
+``--matrix evidence`` runs issue #7's matrix (``benchmarks.training.matrix``). ``--set section.key=value`` changes
+one config entry for every run; no LightningCLI (no jsonargparse needed).
 
 Example::
 

@@ -1,11 +1,8 @@
 """The README's performance table, generated from the latest committed speed result (and end-to-end training run).
 
-The table sits in README.md between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->``; this rewrites
-what is between them, so the README never shows a figure that is not in ``benchmarks/results/``. The latest speed
-result is the ``speed-*.json`` of ``benchmarks.kernels.speed`` (not marked ``diagnostic``) whose measured commit is
-the newest in this repository's history (by the header's ``date`` where git does not know the commit); the
-end-to-end row comes from the latest ``training-*-e2e*.json``. Ratios are to SDPA's backends timed in the same run,
-against issue #4's bars (forward 1.7x cuDNN, forward+backward 1.3x).
+It rewrites README.md between ``<!-- perf-table:start -->`` and ``<!-- perf-table:end -->`` from the ``speed-*.json``
+(not ``diagnostic``) whose commit is the newest in this repository's history (else by ``date``) and the latest
+``training-*-e2e*.json``: ratios to SDPA's backends of the same run, against issue #4's bars.
 
 Example::
 

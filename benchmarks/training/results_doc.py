@@ -1,17 +1,13 @@
 """docs/results.md from the committed result files: issue #7's evidence, every figure traced to its JSON and command.
 
-Reads ``--results`` (``benchmarks/results``): the ``training-*.json`` of ``pretrain_compare`` (the groups of
-``--matrix evidence``, the newest file of each, and the earlier comparisons run on a GPU), ``accuracy-*-activations``
-``.json`` (the per-tensor error on real activations) and the accuracy harness's files. Draws the figures into
-``--images`` where matplotlib is installed and writes ``--doc``: loss curves per group, final validation losses
-against full precision with two seeds' spread as the noise floor, the controller's record, tokens/s, and the findings
-set against the SageBwd study's. What has not been measured says so. No torch: it runs wherever the repository is.
+Reads ``--results``: the training files of ``pretrain_compare`` (the newest file of each group of ``--matrix
+evidence``, or a combined file of ``benchmarks/noise_evidence.sh`` keyed by group, and earlier comparisons run on a
+GPU) and the accuracy harness's files; draws figures into ``--images`` where matplotlib is installed. No torch.
 
 Example::
 
     python -m benchmarks.training.results_doc
     python -m benchmarks.training.results_doc --tracked-only   # only what git tracks: what a commit links to
-    python -m benchmarks.training.results_doc --results /tmp/out --doc /tmp/results.md --images /tmp/images
 """
 
 from __future__ import annotations
@@ -20,6 +16,8 @@ import argparse
 import json
 import math
 import os
+import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,21 +25,26 @@ from typing import Any
 from benchmarks.result_file import REPO, RESULTS
 from benchmarks.training.evidence import (
     EVIDENCE_GROUPS,
+    MIN_MARGIN,
     ROLES,
+    by_seed,
     decision_records,
     difference,
     dq_error_shares,
+    ends,
     final_val,
     findings,
     load,
+    margin,
     model_source,
     noise_floor,
+    observed,
+    p95,
     roles,
     rows_by_run,
     summaries_by_run,
     tracked_files,
     val_points,
-    verdict,
 )
 from benchmarks.training.summary import plot_group
 
@@ -50,10 +53,11 @@ REGENERATE = "python -m benchmarks.training.results_doc"
 GPU_COMMAND = "GIT_COMMIT=$(git rev-parse HEAD) bash benchmarks/gpu_evidence.sh"
 
 
-# ------------------------------------------------------------------------------------------------------ plotting
-
-
-# ------------------------------------------------------------------------------------------------------- writing
+def prose(section: str) -> str:
+    """A section of the page's fixed prose (``results_page.md`` beside this file), its commands filled in."""
+    text = (Path(__file__).parent / "results_page.md").read_text()
+    found = dict(re.findall(r"<!-- ([\w-]+) -->\n(.*?)\n*(?=<!-- |\Z)", text, re.S))
+    return found[section].format(regenerate=REGENERATE, gpu_command=GPU_COMMAND)
 
 
 def _f(value: float | None, digits: int = 4, sign: bool = False) -> str:
@@ -114,13 +118,8 @@ def group_table(result: dict[str, Any]) -> list[str]:
         ratio = ""
         if delta is not None and floor is not None and floor[1] > 0:
             ratio = f"{abs(delta[1]) / floor[1]:.1f}x"
-        int8 = (
-            ""
-            if s.get("attention") == "full"
-            else "1 (no controller)"
-            if s.get("int8_fraction") is None
-            else f"{s['int8_fraction']:.3f}"
-        )
+        share = s.get("int8_fraction")
+        int8 = "" if s.get("attention") == "full" else "1 (no controller)" if share is None else f"{share:.3f}"
         memory = "" if s.get("peak_memory_gb") is None else f"{s['peak_memory_gb']:.1f}"
         speed = _speed(s.get("tokens_per_s"))
         stopped = " (stopped early)" if s.get("max_steps") and s.get("steps", 0) < s["max_steps"] else ""
@@ -146,13 +145,13 @@ def controller_record(result: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for s in result.get("summary", []):
         name = s.get("run", s.get("attention"))
-        if not s.get("controller") or s.get("error") or s.get("attention") == "full":
+        if not s.get("controller") or s.get("error") or s.get("attention") == "full" or name.endswith("-observe"):
             continue
         records = decision_records(result, name)
         share = s.get("int8_fraction")
         fixed = summaries.get(found.get("sage_fixed", ""), {})
         cost = ""
-        if fixed.get("tokens_per_s") and s.get("tokens_per_s"):
+        if fixed.get("tokens_per_s") and s.get("tokens_per_s") and not result.get("matrix", {}).get("combined"):
             cost = f"; tokens/s {s['tokens_per_s'] / fixed['tokens_per_s']:.3f}x SageBwd fixed's"
         lines.append(
             f"**{name}**: {len(records)} decision(s); INT8 share of layer-steps {_f(share, 3)}; skipped steps "
@@ -173,26 +172,132 @@ def controller_record(result: dict[str, Any]) -> list[str]:
 
 
 def gap_closed(result: dict[str, Any], run: str) -> list[str]:
-    """Whether the controlled run closed SageBwd fixed's gap to full precision, from the group's final validation."""
-    found = roles(result)
-    if "full" not in found or "sage_fixed" not in found:
+    """Whether the controlled run ended without a gap where SageBwd fixed of the same seed had one (the margin)."""
+    bound, point = margin(result), final_val(result, run)
+    fixed = by_seed(result).get("sage-fixed", {}).get(summaries_by_run(result).get(run, {}).get("seed") or 0)
+    if bound is None or point is None or fixed is None:
         return []
-    fixed, adaptive = difference(result, found["sage_fixed"], found["full"]), difference(result, run, found["full"])
-    if fixed is None or adaptive is None:
-        return []
-    point = noise_floor(result)
-    floor = None if point is None else point[1]
-    text = (
-        f"Against full precision at the last validation: SageBwd fixed {verdict(fixed[1], floor)}; with the "
-        f"controller {verdict(adaptive[1], floor)}. "
+    top = sum(bound)
+    where = [
+        f"{v:.4f}, " + ("without a gap" if v <= top else f"{v - top:+.4f} beyond the margin")
+        for v in (point[1], fixed[1])
+    ]
+    text = f"Final val loss {where[0]} (at most {top:.4f}); SageBwd fixed of the same seed ({fixed[0]}) {where[1]}. "
+    if fixed[1] <= top:
+        return [text + "SageBwd fixed left no gap in this seed: there was none to close."]
+    closed = (
+        "closed the gap" if point[1] <= top else f"did not close the gap ({point[1] - fixed[1]:+.4f} against fixed)"
     )
-    if floor is None:
-        return [text + "No noise floor in this group: no verdict."]
-    if fixed[1] <= floor:
-        return [text + "SageBwd fixed left no gap beyond the noise, so there was no gap for the controller to close."]
-    if adaptive[1] <= floor:
-        return [text + "The controller closed the gap to within the noise."]
-    return [text + f"The controller did not close the gap (it narrowed it by {fixed[1] - adaptive[1]:+.4f})."]
+    return [text + f"The controller {closed} in this seed."]
+
+
+def seed_table(result: dict[str, Any]) -> list[str]:
+    """A combined group's runs, seeds side by side: final validation loss and whether it ends without a gap."""
+    bound, runs, summaries = margin(result), by_seed(result), summaries_by_run(result)
+    seeds = sorted({seed for by in runs.values() for seed in by})
+    lines = [
+        f"| run | what | {' | '.join(f'val loss, seed {seed}' for seed in seeds)} | no gap |",
+        "|---|---|" + "---:|" * len(seeds) + ":---:|",
+    ]
+    for base in sorted(runs, key=lambda name: (name != "full", name)):
+        by, first = runs[base], summaries[next(iter(runs[base].values()))[0]]
+        what = "full precision" if first.get("attention") == "full" else f"`{first.get('precision')}`"
+        what += f", controller at noise_ratio_high {first['threshold']}" if first.get("threshold") else ""
+        what += "".join(
+            f"; seed {seed}: the controller observing only" for seed, (n, _) in by.items() if "observe" in n
+        )
+        inside = " / ".join("yes" if v <= sum(bound) else "no" for _, v in by.values()) if bound else ""
+        lines.append(
+            f"| {base} | {what} | " + " | ".join(_f(by[s][1]) if s in by else "" for s in seeds) + f" | {inside} |"
+        )
+    if bound:
+        spread = [
+            f"{max(v for _, v in r.values()) - min(v for _, v in r.values()):.4f} ({b})"
+            for b, r in runs.items()
+            if len(r) > 1 and b != "full"
+        ]
+        lines += [
+            "",
+            f"Margin: full precision's mean {bound[0]:.4f}, margin {bound[1]:.4f} (the seeds' spread or {MIN_MARGIN}, "
+            f"whichever is larger): no gap at most {sum(bound):.4f}."
+            + (f" Low-bit runs' spread between seeds: {', '.join(spread)}." if spread else ""),
+        ]
+    return lines
+
+
+def noise_record(result: dict[str, Any]) -> list[str]:
+    """The noise ratio (base precision, after step 0) of each run that observed without acting."""
+    lines = []
+    for run, readings in observed(result).items():
+        late: dict[str, list[float]] = {}
+        for step, layer, base, _ in readings:
+            if step > 0.2 * readings[-1][0]:
+                late.setdefault(layer.removeprefix("model.blocks.").removesuffix(".attn"), []).append(base)
+        values = [r[2] for r in readings]
+        lines += [
+            f"Noise ratio of **{run}** (the controller measuring, not acting): {len(values)} readings, median "
+            f"{statistics.median(values):.3f}, 95th percentile {p95(values):.3f}, max {max(values):.3f}; per layer, "
+            f"median over the last 80%: {', '.join(f'{k}: {statistics.median(v):.3f}' for k, v in late.items())}.",
+            "",
+        ]
+    return lines
+
+
+def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
+    """What the combined files say: per group, which low-bit runs end without a gap; the controller's count; the
+    noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
+    lines: list[str] = []
+    for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
+        groups = [(g, loaded["matrix"][g][1]) for g in EVIDENCE_GROUPS if loaded["matrix"].get(g, (None,))[0] == path]
+        first, human = groups[0][1], path.with_suffix(".md")
+        lines += [
+            f"The matrix as run: {_link(path, doc)} ({first['device']}, {first['date']}: `{first['command']}`). "
+            + first.get("note", "")
+            + (f" Its tables written by hand: {_link(human, doc)}." if human.is_file() else ""),
+            "",
+        ]
+        quiet: list[float] = []
+        loud: list[list[float]] = []
+        for group, result in groups:
+            bound, runs = margin(result), by_seed(result)
+            if bound is None:
+                continue
+            top, ran = sum(bound), [(n, v) for b, by in runs.items() if b != "full" for n, v in by.values()]
+            pairs = [(runs["sage-fixed"].get(seed), c) for seed, c in runs.get("sage-controller", {}).items()]
+            pairs = [c for f, c in pairs if f and f[1] > top]
+            lines.append(
+                f"- **{group}** ({result['matrix']['title']}): without a gap (at most {top:.4f}): "
+                f"{', '.join(n for n, v in ran if v <= top) or 'none'}; beyond the margin: "
+                f"{', '.join(n for n, v in ran if v > top) or 'none'}."
+                + (
+                    f" The controller ended without a gap in {sum(c[1] <= top for c in pairs)} of {len(pairs)} "
+                    "seed(s) where SageBwd fixed of the same seed had one."
+                    if pairs
+                    else ""
+                )  # fmt: skip
+            )
+            readings = [r[2] for v in observed(result).values() for r in v]
+            if ends(result, "sage-fixed")[1]:
+                quiet += readings
+            elif readings:
+                loud.append(readings)
+        used = ", ".join(
+            map(str, sorted({s["threshold"] for _, g in groups for s in g["summary"] if s.get("threshold")}))
+        )
+        if quiet and loud:
+            ceiling, floor = p95(quiet), min(statistics.median(v) for v in loud)
+            verdict = f"a threshold of {math.sqrt(ceiling * floor):.3f} separates them."
+            if floor <= ceiling:
+                verdict = "no threshold separates them, so the rule is off by default (docs/controller.md, Noise ratio)"
+                verdict += f"; the controller runs here acted at noise_ratio_high {used}, set by hand." if used else "."
+            lines += [
+                "",
+                "Noise ratio, calibrated as `sage_lightning.noise.calibrate_threshold` does on the observing runs: the "
+                f"groups where SageBwd fixed ends beyond the margin read a lowest median of {floor:.3f}, those without "
+                f"a gap a 95th percentile of {ceiling:.3f}: {verdict}",
+            ]
+        lines.append("")
+    return lines
 
 
 def speed_table(result: dict[str, Any]) -> list[str]:
@@ -266,43 +371,11 @@ def attribution_table(result: dict[str, Any]) -> list[str]:
 def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False) -> str:
     """Draw the figures and write the page; returns its text."""
     loaded = load(results, tracked_files(results) if tracked_only else None)
-    lines = [
-        "# Evidence: SageBwd at small scale, and the controller (issue #7)",
-        "",
-        f"Generated by `{REGENERATE}` from the JSON files in `benchmarks/results/`: edit that script, not this page. "
-        "Every figure and table names the file it comes from and the command that made it (run from the repository "
-        "root with the project's environment active, `source .venv/bin/activate`; on a GPU machine, the Python the "
-        "project is installed in).",
-        "",
-        "The SageBwd study (a 325M LLaMA) found: (i) QK-norm is needed for stability at large tokens per step; "
-        "(ii) the error comes mostly from dS; (iii) with fewer tokens per step SageBwd matches full precision in "
-        "pretraining; (iv) K-smoothing is essential, Q-smoothing helps little. Below, each is set against what we "
-        "measured; where we differ, it says so.",
-        "",
-        "## The runs and why this size",
-        "",
-        "`benchmarks/gpu_evidence.sh` runs the whole matrix in one GPU session "
-        "(`python -m benchmarks.training.pretrain_compare --matrix evidence --budget-minutes ...`). The model is "
-        "`examples/configs/small.yaml` (37M parameters, 8 "
-        "layers, width 640, GQA 10/5, sequences of 2048, bf16): the largest of our configs that trains the 15 runs "
-        "of the matrix to a few tens of millions of tokens each in about 20 minutes of one H100/H200 (2,000 steps of "
-        "32K tokens took 152 s with SageBwd on an H200). Groups: 64 sequences per step (131K tokens) and 8 (16K), "
-        "the study's ratio of 8 (2.1M against 260K); full precision twice (seeds 1234 and 1235) for the noise "
-        "floor, SageBwd fixed (INT8 dS, K-smoothing, no Q-smoothing, no controller) and SageBwd with the controller "
-        "(the config's thresholds), all with the same seed and data order; the same without QK-norm at 131K; "
-        "K-smoothing off once at 131K. Every training run sees the same number of tokens, planned from throughputs "
-        "measured in the warm-ups so that the matrix fits its time budget; learning-rate warmup is a tenth of each "
-        "run and the cosine ends at its last step. Validation: the same 64 held-out sequences at ten points of "
-        "every run. The corpus (`CORPUS=site`, the default): the Python sources and text files of the GPU image's "
-        "standard library and site-packages, up to 256 MB of byte tokens, so that no run repeats data. The matrix "
-        "keeps the final model of large-qknorm's first full-precision run with the config it trained with "
-        "(`--save-checkpoint large-qknorm/full`), the input of section 1's measurement on real activations.",
-        "",
-    ]
-    if loaded["matrix"]:
-        plans = {name: result["matrix"] for name, (_, result) in loaded["matrix"].items()}
-        first = next(iter(plans.values()))
-        first_result = next(iter(loaded["matrix"].values()))[1]
+    lines = [prose("intro"), ""]
+    planned = [result for _, result in loaded["matrix"].values() if "plan" in result["matrix"]]
+    lines += data_says(loaded, doc)
+    if planned:
+        first, first_result = planned[0]["matrix"], planned[0]
         corpus = first_result.get("corpus", {})
         per_run = first["plan"].get("tokens_per_run", 0)
         passes = per_run / corpus["tokens"] if corpus.get("tokens") else None
@@ -320,13 +393,8 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
             ),
             "",
         ]
-    else:
-        lines += [
-            "**Pending: the matrix has not run on a GPU yet.** Every matrix table below reads *not measured yet* "
-            f"until `{GPU_COMMAND}` has run and its `training-*-evidence-*.json` files (with its "
-            "`accuracy-*-activations.json`, section 1) are committed.",
-            "",
-        ]
+    elif not loaded["matrix"]:
+        lines += [prose("pending"), ""]
 
     lines += ["## 1. Error attribution with real activations", ""]
     if loaded["activations"]:
@@ -343,13 +411,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
                 "",
             ]
     else:
-        lines += [
-            "Not measured yet: the attribution on real activations (`benchmarks/attribution.py`, retired after its CPU "
-            "run: `benchmarks/results/retired.md`) writes `accuracy-<device>-<date>-activations.json` from a trained "
-            "checkpoint such as the one the matrix keeps; this page shows its table once the file is committed. "
-            "Synthetic inputs are in docs/accuracy.md.",
-            "",
-        ]
+        lines += [prose("no-activations"), ""]
 
     lines += ["## 2. Training: loss curves and final validation loss", ""]
     for group, question in EVIDENCE_GROUPS.items():
@@ -360,9 +422,10 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
             lines += ["Not measured yet.", ""]
             continue
         path, result = loaded["matrix"][group]
-        image = images / f"{path.stem}.png"
+        image = images / f"{path.stem}{'' if group in path.stem else '-' + group}.png"
         drawn = plot_group(result, image)
-        lines += [f"{result['matrix']['title']}.", "", *group_table(result), ""]
+        table = seed_table(result) if result["matrix"].get("combined") else group_table(result)
+        lines += [f"{result['matrix']['title']}.", "", *table, ""]
         lines += _figure(path, result, image, drawn, doc, f"loss curves, {group}")
 
     lines += ["## 3. The controller's record", ""]
@@ -370,7 +433,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
     for group in EVIDENCE_GROUPS:
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
-            record = controller_record(result)
+            record = controller_record(result) + noise_record(result)
             if record:
                 any_record = True
                 lines += [f"### {group}", "", *record, _source(path, result, doc), ""]
@@ -388,17 +451,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
     lines += ["## 5. Findings against the study's", "", *findings(loaded)]
 
-    lines += [
-        "## Earlier runs (before the matrix)",
-        "",
-        "Single-seed comparisons of `small.yaml` on one GPU; each file's command gives its tokens per step and its "
-        "line its device and commit (files before 2026-11-23 ran older kernels). Differences are computed within one "
-        "file only (runs of one command); with no seed spread, differences under about 0.01 are not evidence. The "
-        "`parity` runs are `benchmarks.kernels.gpu_verify`'s, beside its other checks on the same GPU: their tokens/s "
-        "are "
-        "not speeds.",
-        "",
-    ]
+    lines += [prose("earlier"), ""]
     if not loaded["earlier"]:
         lines += ["None committed.", ""]
     for path, result in loaded["earlier"]:

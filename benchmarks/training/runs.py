@@ -126,11 +126,8 @@ def sdpa_backend(name: str | None) -> Iterator[None]:
 
 
 def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device: str, dtype: torch.dtype) -> None:
-    """Refuse a forced SDPA backend that cannot run this model's attention call, before any training.
-
-    One forward and backward of SDPA with the model's shapes (one sequence, its query and key/value heads, causal,
-    ``enable_gqa`` as the model calls it) under the backend.
-    """
+    """Refuse a forced SDPA backend that cannot run this model's attention call (one forward and backward of SDPA
+    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training."""
     if SDPA_BACKENDS[name or "default"] is None:
         return
     head_dim = cfg.d_model // cfg.n_heads
@@ -175,11 +172,8 @@ def warm_up(
     sdpa: str | None = None,
 ) -> float | None:
     """Train ``steps`` untimed steps, then ``timed_steps`` timed ones, with the run's settings, and throw the model
-    away: the Triton kernels compile and autotune (once per process and shape; minutes on a fresh machine) and
-    CUDA initialises before any run is timed, so no run's time budget pays for them.
-
-    A controller in the warm-up measures dS on every step, so the kernels' statistics variant compiles here too.
-    """
+    away: the kernels compile and autotune (minutes on a fresh machine; with a controller measuring dS every step,
+    the statistics variant too) and CUDA initialises before any run is timed, so no run's budget pays for them."""
     spec = RunSpec(name=spec, attention=spec) if isinstance(spec, str) else spec
     model = build_model(config, spec, data)
     trainer_args = {k: v for k, v in (config.get("trainer") or {}).items() if k not in TRAINER_OWN}
@@ -347,13 +341,9 @@ def run_one(
 def save_final_model(
     trainer: L.Trainer, config: dict[str, Any], spec: RunSpec, seed: int, path: Path, source: str
 ) -> tuple[Path, Path]:
-    """Save a run's final model as a Lightning checkpoint and, beside it, the config it trained with.
-
-    The checkpoint is ``Trainer.save_checkpoint``'s with ``weights_only`` (the weights, the hyperparameters and the
-    global step; no optimizer state): ``LlamaPretraining.load_from_checkpoint`` rebuilds the model from it. The YAML
-    beside it (``path`` with ``.yaml``) is the config as the run used it, every change applied, with the run's seed,
-    attention and steps (what the retired attribution.py of 49163cf takes as ``--config``).
-    """
+    """Save a run's final model (``Trainer.save_checkpoint`` with ``weights_only``: no optimizer state; what
+    ``LlamaPretraining.load_from_checkpoint`` rebuilds) and, beside it as ``.yaml``, the config as the run used it,
+    with its seed, attention and steps (the retired attribution.py of 49163cf takes it as ``--config``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(path, weights_only=True)
     effective = copy.deepcopy(config)
@@ -374,9 +364,7 @@ def save_final_model(
 
 
 def steady_tokens_per_s(windows: list[dict[str, float]]) -> float | None:
-    """Median tokens/s over the windows after the first tenth of the run (and never the first window, which holds
-    the kernels' compilation and autotuning).
-    """
+    """Median tokens/s over the windows after the first tenth of the run (never the first window: compilation)."""
     if not windows:
         return None
     last = windows[-1]["step"]

@@ -35,18 +35,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One training run of a comparison: the attention setting and what else differs from the config.
-
-    Attributes:
-        name: the run's name in the result files and TensorBoard (letters, digits, ``.``, ``_``, ``+``, ``-``).
-        attention: ``LlamaPretraining``'s ``attention``, a key of ``ATTENTION_MODES`` (``sage``, ``sage_fp8_pv``,
-            ``sage_fp8_ds``, ``sage_fp8_pv_ds``, ``sage_fp8``, ``attn_qat``, ``attn_qat_dropin``, ``full``).
-        controller: ``AdaptivePrecision`` attached (``True``), not (``False``), or as the config says (``None``).
-        seed: ``seed_everything``'s seed (initial weights and data order); the config's when ``None``.
-        smooth_k: SageBwd's K-smoothing; the attention's default when ``None``.
-        smooth_q: SageBwd's Q-smoothing; the attention's default when ``None``.
-        sdpa_backend: a key of :data:`SDPA_BACKENDS` forced while the run trains; ``--sdpa-backend``'s when ``None``.
-    """
+    """One training run of a comparison: its name (letters, digits, ``.``, ``_``, ``+``, ``-``), its attention (a key
+    of ``ATTENTION_MODES``) and what else differs from the config; ``None``: the config's (``sdpa_backend``:
+    ``--sdpa-backend``'s; ``smooth_k``, ``smooth_q``: the attention's default)."""
 
     name: str
     attention: str
@@ -59,15 +50,8 @@ class RunSpec:
 
 @dataclass
 class Group:
-    """A group of runs of the matrix that share a config (tokens per step, QK-norm, sequence length).
-
-    Attributes:
-        name: file-name part, e.g. ``large-qknorm``.
-        title: one line saying what the group is.
-        changes: ``SECTION.KEY=VALUE`` changes applied to the config for this group.
-        runs: the runs, in the order they train.
-        speed: a speed group: a fixed number of steps (``--speed-steps``), no validation, no token plan.
-    """
+    """A group of runs of the matrix that share a config: ``changes`` (``SECTION.KEY=VALUE``), ``runs`` in the order
+    they train; a ``speed`` group takes ``--speed-steps`` steps, no validation and no token plan."""
 
     name: str
     title: str

@@ -64,12 +64,8 @@ def compare(result: dict[str, Any]) -> list[str]:
 
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Loss against step and tokens/s against step, one line per run; ``False`` where matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in rows_by_run(result).items():
