@@ -134,6 +134,7 @@ def test_command(work: Path, workers: int) -> list[str]:
         "tests/test_attn_qat.py",
         "tests/test_bad_values.py",
         "tests/test_kernel_paths.py",
+        "tests/test_every_attention.py",  # the swap under the image's torch (its torch.compile tests failed on 2.11)
     ]
     argv = [sys.executable, "-m", "pytest", *tests]
     argv += ["-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={work / 'kernel-tests.xml'}"]
