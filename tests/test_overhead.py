@@ -30,6 +30,9 @@ def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
         assert row["round_verdict_waits"] == [0]  # on the CPU the signals are on the host at once
         assert len(row["round_baseline_step_ms"]) == 1 and row["round_alloc_retries"] == [0]
         assert len(row["round_gc_ms"]) == 1 and row["round_gc_ms"][0] >= 0
+        if row["what"] != overhead.BASELINE:  # every measured step's time, to find which steps are slow
+            (each,) = row["round_step_durations_ms"]
+            assert len(each) == row["steps"] and all(ms > 0 for ms in each)
     assert saved["rows"][0]["overhead"] == 0.0
     table = out.with_suffix(".md").read_text()
     assert "| callback, defaults | 3 |" in table and "Defaults rebuilt from the breakdown" in table
@@ -191,3 +194,16 @@ def test_a_run_starts_with_the_earlier_runs_collected() -> None:
         del garbage
         gc.collect()
     assert costs.gc_ms > 0 and costs.alloc_retries == 0
+
+
+def test_skipped_settings_are_left_out_and_the_noise_settings_run(tmp_path) -> None:
+    out = tmp_path / "overhead.json"
+    kept = ["no callback", "callback, defaults, noise ratio every 25 steps", "callback, noise ratio every step"]
+    skips = [arg for label in overhead.SETTINGS if label not in kept for arg in ("--skip", label)]
+    argv = [*TINY, "--steps", "3", "--breakdown-steps", "2", "--warmup", "1", "--precision", "32-true", *skips]
+    saved = overhead.main([*argv, "--repeats", "1", "--out", str(out)])
+    assert [row["what"] for row in saved["rows"]] == kept
+    assert all(row["round_decisions"] == [[]] for row in saved["rows"])  # measured, never acted on
+    assert "Defaults rebuilt" not in out.with_suffix(".md").read_text()  # its settings were skipped
+    with pytest.raises(SystemExit):
+        overhead.parse_args([*TINY, "--skip", "no callback"])  # the baseline cannot be left out

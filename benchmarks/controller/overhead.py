@@ -178,6 +178,7 @@ class Run:
     alloc_retries: int = 0
     hook_ms: dict = dataclasses.field(default_factory=dict)
     slowest: list = dataclasses.field(default_factory=list)
+    durations: list = dataclasses.field(default_factory=list)  # every measured step's ms, in order
 
 
 def setting_steps(args: argparse.Namespace, label: str) -> int:
@@ -229,7 +230,8 @@ def run_once(
     hooks = {} if clock is None else clock.summary(skip=args.warmup)
     hook_ms = {key: value for key, value in hooks.items() if key != "step_ms"}
     slowest = _slowest(timer, hooks, args)
-    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries, hook_ms, slowest)
+    durations = timer.durations_ms(skip=args.warmup)
+    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries, hook_ms, slowest, durations)
 
 
 def _slowest(timer: StepTimer, hooks: dict, args: argparse.Namespace) -> list[dict]:
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "round_alloc_retries": [run.alloc_retries for run in runs],
                 "round_hook_host_ms": [run.hook_ms for run in runs],
                 "round_slowest_steps": [run.slowest for run in runs],
+                "round_step_durations_ms": [run.durations for run in runs],
                 **shape,
             }
         )
