@@ -151,6 +151,17 @@ def noise_ratio(bias2: float, err_var: float, grad_var: float, sequences_per_ste
     return math.sqrt(max(sequences_per_step * max(bias2, 0.0) + max(err_var, 0.0), 0.0) / grad_var)
 
 
+def percentile_95(readings: Sequence[float]) -> float:
+    """The 95th percentile of ``readings`` (at least one), interpolated between them (numpy's "linear"): how
+    :func:`calibrate_threshold` reads the runs without a loss gap.
+
+    Example::
+
+        percentile_95([0.1, 0.1, 0.2])   # 0.19
+    """
+    return statistics.quantiles(readings, n=20, method="inclusive")[18] if len(readings) > 1 else readings[0]
+
+
 def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]]) -> tuple[float | None, str]:
     """A ``noise_ratio_high`` from readings taken without acting (``PolicyConfig(noise_ratio_high=1e6)``; the
     callback's ``policy.noise_readings``): the geometric mean of the 95th percentile of ``quiet`` (a run where
@@ -173,8 +184,7 @@ def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]])
     medians = [statistics.median(run) for run in loud if run]
     if not quiet or not medians:
         return None, "needs readings of a run without a loss gap and of one with a gap at least"
-    # The 95th percentile, interpolated between the readings (numpy's "linear").
-    ceiling = statistics.quantiles(quiet, n=20, method="inclusive")[18] if len(quiet) > 1 else quiet[0]
+    ceiling = percentile_95(quiet)
     floor = min(medians)
     if floor <= ceiling:
         return None, f"no separation: the lowest loud median {floor:.3f} <= the quiet 95th percentile {ceiling:.3f}"

@@ -229,14 +229,13 @@ def run_once(
     mean, median = timer.step_ms(skip=args.warmup), timer.median_step_ms(skip=args.warmup)
     hooks = {} if clock is None else clock.summary(skip=args.warmup)
     hook_ms = {key: value for key, value in hooks.items() if key != "step_ms"}
-    slowest = _slowest(timer, hooks, args)
     durations = timer.durations_ms(skip=args.warmup)
+    slowest = _slowest(durations, hooks, args)
     return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries, hook_ms, slowest, durations)
 
 
-def _slowest(timer: StepTimer, hooks: dict, args: argparse.Namespace) -> list[dict]:
+def _slowest(durations: list[float], hooks: dict, args: argparse.Namespace) -> list[dict]:
     """The :data:`SLOWEST` slowest measured steps, in step order: step, milliseconds, the hooks' host ms in it."""
-    durations = timer.durations_ms(skip=args.warmup)
     slowest = sorted(range(len(durations)), key=durations.__getitem__, reverse=True)[:SLOWEST]
     in_hooks = hooks.get("step_ms", {})
     return [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -170,11 +169,6 @@ def observed(result: dict[str, Any]) -> dict[str, list[list[Any]]]:
     """``[step, layer, base, ran]`` noise readings after step 0 of each run that observed without acting."""
     runs = {s["run"]: [r for r in s.get("noise_readings") or [] if r[0] > 0] for s in result.get("summary", [])}
     return {run: readings for run, readings in runs.items() if readings and run.endswith("-observe")}
-
-
-def p95(values: Sequence[float]) -> float:
-    """The 95th percentile, interpolated (numpy's "linear", as ``calibrate_threshold``)."""
-    return statistics.quantiles(values, n=20, method="inclusive")[18] if len(values) > 1 else values[0]
 
 
 def decision_records(result: dict[str, Any], run: str) -> list[dict[str, Any]]:

@@ -39,7 +39,6 @@ from benchmarks.training.evidence import (
     model_source,
     noise_floor,
     observed,
-    p95,
     roles,
     rows_by_run,
     summaries_by_run,
@@ -47,6 +46,7 @@ from benchmarks.training.evidence import (
     val_points,
 )
 from benchmarks.training.summary import plot_group
+from sage_lightning.noise import calibrate_threshold, percentile_95
 
 #: The command that regenerates this page, and the one that makes the matrix on a GPU.
 REGENERATE = "python -m benchmarks.training.results_doc"
@@ -236,8 +236,9 @@ def noise_record(result: dict[str, Any]) -> list[str]:
         values = [r[2] for r in readings]
         lines += [
             f"Noise ratio of **{run}** (the controller measuring, not acting): {len(values)} readings, median "
-            f"{statistics.median(values):.3f}, 95th percentile {p95(values):.3f}, max {max(values):.3f}; per layer, "
-            f"median over the last 80%: {', '.join(f'{k}: {statistics.median(v):.3f}' for k, v in late.items())}.",
+            f"{statistics.median(values):.3f}, 95th percentile {percentile_95(values):.3f}, max {max(values):.3f}; per "
+            f"layer, median over the last 80%: {', '.join(f'{k}: {statistics.median(v):.3f}' for k, v in late.items())}"
+            ".",
             "",
         ]
     return lines
@@ -285,16 +286,18 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
             map(str, sorted({s["threshold"] for _, g in groups for s in g["summary"] if s.get("threshold")}))
         )
         if quiet and loud:
-            ceiling, floor = p95(quiet), min(statistics.median(v) for v in loud)
-            verdict = f"a threshold of {math.sqrt(ceiling * floor):.3f} separates them."
-            if floor <= ceiling:
-                verdict = "no threshold separates them, so the rule is off by default (docs/controller.md, Noise ratio)"
-                verdict += f"; the controller runs here acted at noise_ratio_high {used}, set by hand." if used else "."
+            threshold, why = calibrate_threshold(quiet, loud)
+            if threshold is not None:
+                verdict = f"a threshold of {threshold:.3f} separates them ({why})."
+            else:
+                verdict = f"no threshold separates them ({why}), so the rule is off by default (docs/controller.md, "
+                verdict += "Noise ratio)" + (
+                    f"; the controller runs here acted at noise_ratio_high {used}, set by hand." if used else "."
+                )
             lines += [
                 "",
-                "Noise ratio, calibrated as `sage_lightning.noise.calibrate_threshold` does on the observing runs: the "
-                f"groups where SageBwd fixed ends beyond the margin read a lowest median of {floor:.3f}, those without "
-                f"a gap a 95th percentile of {ceiling:.3f}: {verdict}",
+                "Noise ratio, calibrated by `sage_lightning.noise.calibrate_threshold` on the observing runs (loud: "
+                f"the groups where SageBwd fixed ends beyond the margin; quiet: those without a gap): {verdict}",
             ]
         lines.append("")
     return lines

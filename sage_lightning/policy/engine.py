@@ -764,12 +764,8 @@ class PrecisionPolicy:
         self._grad_norm_detector.load_state_dict(state["grad_norm_detector"])
 
 
-_NOISE_DEFAULTS = {
-    "noise_high_streak": 0,
-    "last_noise_ratio": None,
-    "last_noise_ratio_ran": None,
-    "last_noise_step": None,
-}
+#: The noise fields' defaults (a checkpoint from before them lacks them), read off the dataclass.
+_NOISE_DEFAULTS = {f.name: f.default for f in fields(_LayerState) if "noise" in f.name}
 
 _POLICY_KEYS = (
     "version",
