@@ -118,7 +118,7 @@ def _sagebwd_forward(
     tiles = {"out_dtype": q.dtype, "is_causal": is_causal, "scale": scale, "block_m": block_m, "block_n": block_n,
              "out": output_like(q), "row_poison": row_poison, "first_bad": first_bad}  # fmt: skip
     if forward_kernel == HOPPER_FORWARD:
-        out, lse = hopper_forward(*operands, **tiles, pv=pv)
+        out, lse = hopper_forward(*operands, **tiles, qk=qk, pv=pv)
     else:
         out, lse = forward(*operands, **tiles, qk=qk, pv=pv)
     q_mean = q_mean if q_mean is not None else q.new_empty(_EMPTY, dtype=torch.float32)

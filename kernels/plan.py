@@ -305,7 +305,7 @@ def _forward_kernel(q, k, formats, scale, block_m, block_n, switches) -> tuple[s
     if switches.hopper == "auto" and not verified_here(q.device):
         return TRITON_FORWARD, "not a verified Hopper (compute capability 9.0 under a verified Triton)"
     unmet = _first_unmet((
-        (formats["qk"] == "int8", "INT8 qk"),
+        (formats["qk"] in ("int8", "fp8"), "INT8 or FP8 qk"),
         (formats["pv"] in ("int8", "fp8"), "INT8 or FP8 pv"),
         (q.shape[-1] in HEAD_DIMS, f"head dim in {HEAD_DIMS}"),
         (k.shape[2] % 16 == 0, "a key count that is a multiple of 16"),

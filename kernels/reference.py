@@ -726,7 +726,9 @@ class _SageAttentionFunction(torch.autograd.Function):
             q, k, v, out, lse_rows = ctx.saved_tensors
             saved = _from_inputs(q, k, geo)
         else:
-            q_op, q_scale, k_op, k_scale, v, out, lse_rows, *means = ctx.saved_tensors
+            q_op, q_scale, k_op, k_scale, v, out, lse_rows, *rest = ctx.saved_tensors
+            # A list of its own: torch 2.11's dynamo makes the starred target a tuple, which has no pop.
+            means = list(rest)
             has_q_mean, has_k_mean = ctx.has_means
             q_mean = means.pop(0) if has_q_mean else None
             k_mean = means.pop(0) if has_k_mean else None

@@ -13,7 +13,10 @@ import os
 import pytest
 import torch
 from sage_lightning.kernels import AttentionPrecision, ops, plan
+from sage_lightning.kernels.forward import forward
+from sage_lightning.kernels.hopper.forward import hopper_forward
 from sage_lightning.kernels.ops import sage_attention_triton
+from sage_lightning.kernels.quant import finite_mean, quantize_channels_fp8, quantize_rows
 from sage_lightning.kernels.reference import exact_attention, sage_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,6 +47,7 @@ def hopper_calls(monkeypatch: pytest.MonkeyPatch, kernel_switch) -> list[int]:
     return calls
 
 
+ALL_FP8 = {"qk": "fp8", "pv": "fp8"}  # FP8 Q K^T and P V
 # (batch, q heads, kv heads, N, Nk, head dim, causal, precision): each line one thing the path must do.
 CASES = [
     pytest.param(1, 2, 2, 192, 192, 64, False, AttentionPrecision(), id="mha"),
@@ -52,6 +56,8 @@ CASES = [
     pytest.param(1, 2, 2, 144, 96, 64, True, AttentionPrecision(smooth_q=True), id="smooth-q-n-gt-nk"),
     pytest.param(1, 2, 1, 144, 144, 64, True, AttentionPrecision(pv="fp8"), id="fp8-pv-gqa-causal-ragged"),
     pytest.param(1, 2, 2, 80, 208, 128, False, AttentionPrecision(pv="fp8", smooth_q=True), id="fp8-pv-smooth-q-d128"),
+    pytest.param(1, 2, 1, 144, 144, 64, True, AttentionPrecision(qk="fp8"), id="fp8-qk-gqa-causal-ragged"),
+    pytest.param(1, 2, 2, 80, 208, 128, False, AttentionPrecision(**ALL_FP8, smooth_q=True), id="all-fp8-smooth-q"),
 ]
 
 
@@ -130,7 +136,8 @@ def test_dispatch_serves_the_default_precision_when_forced(kernel_switch):
     assert _applies()
     assert _applies(head_dim=64, block_n=128)
     assert _applies(pv="fp8")  # FP8 P V
-    assert not _applies(qk="fp8", pv="fp8")  # FP8 or bf16 QK: the portable forward
+    assert _applies(qk="fp8")  # FP8 Q K^T, with INT8 or FP8 P V
+    assert _applies(qk="fp8", pv="fp8", head_dim=64, block_n=128)
 
 
 @pytest.mark.parametrize(
@@ -138,6 +145,10 @@ def test_dispatch_serves_the_default_precision_when_forced(kernel_switch):
     [
         {"pv": "bf16"},
         {"qk": "bf16"},
+        {"qk": "fp8", "pv": "bf16"},
+        {"qk": "fp8", "head_dim": 96},
+        {"qk": "fp8", "pv": "fp8", "seq_k": 100},
+        {"qk": "fp8", "block_m": 64},
         {"head_dim": 96},
         {"seq_k": 100},  # V^'s transposed rows would not be 16-byte aligned for the copy engine
         {"scale": -0.125},
@@ -153,11 +164,62 @@ def test_dispatch_leaves_what_it_does_not_serve_to_the_portable_kernels(kernel_s
 def test_dispatch_auto_takes_the_path_only_on_a_verified_hopper(kernel_switch):
     kernel_switch(plan.HOPPER_ENV, "auto")
     assert not _applies()  # CPU tensors: not a Hopper GPU
+    assert not _applies(qk="fp8", pv="fp8")
     kernel_switch(plan.HOPPER_ENV, "off")
     assert not _applies()
+    assert not _applies(qk="fp8", pv="fp8")
 
 
 def test_dispatch_refuses_an_unknown_setting(kernel_switch):
     kernel_switch(plan.HOPPER_ENV, "fast")
     with pytest.raises(ValueError, match=r"SAGE_LIGHTNING_HOPPER must be one of auto, off, force; received 'fast'"):
         _applies()
+
+
+# (q heads, kv heads, N, Nk, head dim, block_n, causal, Q-smoothing, K-smoothing): the key counts are multiples of 16
+# and not of the key tile, so the last tile is ragged (the copy engine's zero fill, the mask).
+FP8_QK_CASES = [
+    pytest.param(2, 1, 144, 144, 64, 64, True, False, True, id="gqa-causal-d64"),
+    pytest.param(2, 2, 80, 208, 128, 64, False, True, True, id="smooth-q-d128"),
+    pytest.param(4, 2, 144, 96, 128, 64, True, True, False, id="gqa-causal-smooth-q-n-gt-nk-d128"),
+    pytest.param(2, 2, 200, 176, 64, 128, False, False, True, id="block-n-128-d64"),
+]
+
+
+def _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k):
+    """Q'^, K'^ in e4m3 and V^ in ``pv``, quantized as ``ops._sagebwd_forward`` does for ``qk="fp8"``."""
+    gen = torch.Generator().manual_seed(n + nk + d)
+    q = torch.randn(1, hq, n, d, generator=gen).to(DEVICE, torch.bfloat16)
+    k = (torch.randn(1, hkv, nk, d, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
+    v = torch.randn(1, hkv, nk, d, generator=gen).to(DEVICE, torch.bfloat16)
+    q_op, q_scale, q_mean = quantize_rows(q, 128, fmt="fp8", block_mean=smooth_q, confine=True)
+    k_op, k_scale, _ = quantize_rows(k, block_n, fmt="fp8", mean=finite_mean(k) if smooth_k else None, confine=True)
+    if pv == "int8":
+        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True, confine=True)
+    else:
+        v_op, v_scale = quantize_channels_fp8(v, confine=True)
+    assert q_op.dtype == k_op.dtype == torch.float8_e4m3fn and q_op.is_contiguous() and k_op.is_contiguous()
+    return q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale
+
+
+@needs_kernels
+@pytest.mark.parametrize("pv", ["fp8", "int8"])
+@pytest.mark.parametrize("hq, hkv, n, nk, d, block_n, causal, smooth_q, smooth_k", FP8_QK_CASES)
+def test_hopper_fp8_qk_equals_the_portable_forward(pv, hq, hkv, n, nk, d, block_n, causal, smooth_q, smooth_k):
+    """FP8 Q K^T on the Hopper forward: the portable forward's O and logsumexp on the same e4m3 operands. With FP8 P V
+    bit for bit in the interpreter; with INT8 P V, or on the GPU, up to the Hopper path's documented last-bit cases (its
+    INT8 P codes come from ``127 * exp2(S - tile_max)``, the portable loop's from ``exp2(S - m) * 127 / rowmax``, so a
+    code can flip at a rounding boundary and the row sum adds in another order; compiled, the exp2's argument is one
+    fused multiply-add and the tensor core adds P V into the running O)."""
+    operands = _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k)
+    kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=d**-0.5, block_m=128, block_n=block_n)
+    out, lse = hopper_forward(*operands, **kw, qk="fp8", pv=pv)
+    ref_out, ref_lse = forward(*operands, **kw, qk="fp8", pv=pv)
+    assert out.shape == ref_out.shape and torch.isfinite(out).all() and torch.isfinite(lse).all()
+    if pv == "fp8" and INTERPRETED:
+        assert torch.equal(out, ref_out)
+        assert torch.equal(lse, ref_lse)
+    else:
+        assert (out != ref_out).float().mean().item() < 1e-3
+        assert rel_l2(out, ref_out) < 1e-4
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)

@@ -18,6 +18,13 @@ instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
 With ``pv="fp8"`` (``PV_FMT``) P is coded ``e4m3(448 P~)`` against the running max and V^ per channel, so each tile's
 FP8 product adds into O's fp32 accumulator inside the tensor core: no int32 conversion and no per-tile scaling.
 
+With ``qk="fp8"`` (``QK_FMT``) Q'^ and K'^ are the portable forward's e4m3 codes (:func:`..quant.quantize_rows` with
+``fmt="fp8"``: ``s = max|X| / 448`` per ``Q_BLOCK`` rows and per ``BLOCK_N`` keys, after K-smoothing's mean and with
+Q-smoothing's block means, as for INT8), contiguous ``[B, H, N, D]`` like the INT8 codes, so the same descriptors
+read them. The tensor core returns the scores' fp32 sums directly: the rounder's integer add and float subtract per
+score (INT8's int32 -> fp32) go, and ``S = x * (s_Q s_K tau log2 e)`` is taken as the INT8 path takes it. Q-smoothing's
+branch is :func:`..tiles.scores_tile` in the same format, as the portable forward's.
+
 The first changes no value beyond the last bit of fp32 arithmetic (a code can flip where ``127 * E`` sits
 within that of a rounding boundary, as with the portable loop's fast division); the agreement against the
 reference is checked by the same tests and bounds as the portable kernels (``benchmarks/gpu_verify.py``).
@@ -37,6 +44,7 @@ from ..quant import (
     FP8_MAX,
     dot_precision,
     int32_scaled,
+    low_bit_dot,
     seq_bucket,
     to_dtype,
     to_e4m3,
@@ -78,6 +86,7 @@ def _configs() -> list[triton.Config]:
         "SMOOTH_Q",
         "Q_BLOCK",
         "BLOCK_N",
+        "QK_FMT",
         "PV_FMT",
         "DOT_PRECISION",
         "CONFINED",
@@ -109,6 +118,7 @@ def _hopper_forward_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     SMOOTH_Q: tl.constexpr,
+    QK_FMT: tl.constexpr,
     PV_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     CONFINED: tl.constexpr,
@@ -141,14 +151,18 @@ def _hopper_forward_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = desc_k.load([kv_bh, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         k_scale = tl.load(K_SCALE + kv_bh * k_blocks + tile)
-        # x * a is S (base 2): without Q-smoothing x is the int32 product read exactly as fp32 (one add) and
-        # a its scale, so the multiply folds into the exp2's argument.
+        # x * a is S (base 2): without Q-smoothing x is the product as fp32 (INT8: the int32 product read exactly
+        # as fp32, one add; FP8: the tensor core's fp32 sum as it is) and a its scale, so the multiply folds into the
+        # exp2's argument.
         if SMOOTH_Q:
             x, _ = scores_tile(
                 q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale,
-                CAUSAL, "int8", True, DOT_PRECISION, False,
+                CAUSAL, QK_FMT, True, DOT_PRECISION, False,
             )  # fmt: skip
             a = 1.0
+        elif QK_FMT == "fp8":
+            x = low_bit_dot(q, tl.trans(k), DOT_PRECISION)
+            a = q_scale * k_scale * qk_scale
         else:
             x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
             a = q_scale * k_scale * qk_scale
@@ -204,20 +218,23 @@ def hopper_forward(
     scale: float,
     block_m: int,
     block_n: int,
+    qk: str = "int8",
     pv: str = "int8",
     out: torch.Tensor | None = None,
     row_poison: torch.Tensor | None = None,
     first_bad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward on Hopper, for INT8 ``QK`` and INT8 or FP8 ``PV`` (what :func:`..forward.forward` takes, in its
-    layouts).
+    """The forward on Hopper, for INT8 or FP8 ``QK`` and INT8 or FP8 ``PV`` (what :func:`..forward.forward` takes, in
+    its layouts).
 
     Args:
-        q_op, q_scale, q_mean, k_op, k_scale: as :func:`..forward.forward`.
+        q_op, q_scale, q_mean, k_op, k_scale: as :func:`..forward.forward`: int8 codes, or for ``qk="fp8"`` e4m3
+            (``float8_e4m3fn``) codes, contiguous ``[B, H, N, D]`` (:func:`..quant.quantize_rows`).
         v_op, v_scale: V^ ``[B, Hkv, D, Nk]``: int8 with scales ``[B, Hkv, Nk / block_n]``, or for ``pv="fp8"`` e4m3
             with one scale per channel ``[B, Hkv, D]`` (:func:`..quant.quantize_channels_fp8`).
         out_dtype, is_causal, scale, block_m, block_n: as :func:`..forward.forward`; ``block_m`` is the Q
             quantization block (programs take 128 or 64 of its rows), ``block_n`` the key tile.
+        qk: the format of ``Q K^T``, ``"int8"`` or ``"fp8"``, matching ``q_op`` and ``k_op``.
         pv: the format of ``P V``, ``"int8"`` or ``"fp8"``.
         out: where O is written, as :func:`..forward.forward` takes it (its strides must suit a TMA descriptor:
             :func:`..quant.output_like` makes such a tensor).
@@ -270,6 +287,7 @@ def hopper_forward(
         BLOCK_N=block_n,
         CAUSAL=is_causal,
         SMOOTH_Q=q_mean is not None,
+        QK_FMT=qk,
         PV_FMT=pv,
         DOT_PRECISION=dot_precision(out_dtype),
         CONFINED=row_poison is not None,

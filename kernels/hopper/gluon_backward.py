@@ -33,29 +33,37 @@ device test: ``benchmarks/gluon-dkdv.md``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton.language as tl
 
 from ..tiles import LOG2E
+from .gluon_common import HAVE_GLUON, dkdv_operands
 
-try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernel.
+if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Tritons keep the portable kernel.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
-        tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    HAVE_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "async_copy_global_to_shared")
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    HAVE_GLUON = False
+    from .gluon_common import (
+        _dkdv_accumulate,
+        _dkdv_loader,
+        _dkdv_products,
+        _dkdv_program,
+        _dkdv_smem,
+        _dkdv_store,
+        _dkdv_tile,
+        _dkdv_zeros,
+        _ds_codes,
+        _int32_scaled,
+        _issue_loads,
+        _load_kv,
+        _p_codes,
+        _wgmma_layout,
+    )
 
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
 #: takes the Gluon kernel; head dims not listed keep ``_dkdv_kernel``. Measured on an H100
@@ -86,99 +94,6 @@ WS_MAXNREG = 168
 
 
 if HAVE_GLUON:
-    _ROUNDER = gl.constexpr(12582912.0)
-    _ROUNDER_BITS = gl.constexpr(0x4B400000)
-
-    @gluon.jit
-    def _max_nan(a, b):
-        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @gluon.jit
-    def _nan_max(x, axis: gl.constexpr):
-        """``max`` along ``axis`` that returns NaN when any element is NaN (``quant.nan_max``)."""
-        return gl.reduce(x, axis, _max_nan)
-
-    @gluon.jit
-    def _int8_scale(amax):
-        scale = amax / 127.0
-        return gl.where(scale == 0.0, 1.0, scale)
-
-    @gluon.jit
-    def _int8_codes(x, scale):
-        """``quant.int8_codes`` (not EXACT): the fma's rounded float's low byte is the code."""
-        return gl.fma(x, 1.0 / scale, _ROUNDER).to(gl.int32, bitcast=True).to(gl.int8)
-
-    @gluon.jit
-    def _head_chunk_order(lin, n_prog, n_heads, HEAD_CHUNK: gl.constexpr):
-        """Program ``lin`` of a 1-D grid of ``n_prog * n_heads`` as ``(prog, head)``: the heads in chunks of
-        ``HEAD_CHUNK``, and within a chunk program-major (``prog`` 0 of every head of the chunk, then 1, ...).
-
-        A causal kernel whose ``prog`` 0 is its longest program thus dispatches the long ones first in each chunk
-        and ends the grid on short ones (with ``prog`` fastest, the last head's longest program would start just
-        before the end and run alone); a chunk's programs read the same few heads, which stay in L2."""
-        per_chunk = HEAD_CHUNK * n_prog
-        chunk = lin // per_chunk
-        head0 = chunk * HEAD_CHUNK
-        within = lin - chunk * per_chunk
-        heads = gl.minimum(n_heads - head0, HEAD_CHUNK)
-        return within // heads, head0 + within % heads
-
-    @gluon.jit
-    def _int32_scaled(x, scale):
-        """``quant.int32_scaled``: ``x.to(fp32) * scale`` for an int32 INT8 product, one fma per element."""
-        c = (scale.to(gl.int32, bitcast=True) & -4).to(gl.float32, bitcast=True)
-        return gl.fma((x + _ROUNDER_BITS).to(gl.float32, bitcast=True), c, -(c * _ROUNDER))
-
-    @gluon.jit
-    def _issue_loads(
-        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
-        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
-        SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
-        stage ``t % STAGES``; nothing when ``t >= total``. ``row_q0``: the group's first head's first row in the
-        ``[B*H*N, D]`` views; ``col_t0``: its first row in the ``[B*H*D, N]`` views."""
-        s = t % STAGES
-        live = t < total
-        g = t // n_m
-        start_m = (lo_tile + t % n_m) * BLOCK_M
-        row = row_q0 + g * SEQ_Q + start_m
-        row_t = col_t0 + g * HEAD_DIM
-        bar = ready.index(s)
-        nbytes: gl.constexpr = (
-            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
-            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
-        )  # fmt: skip
-        mbarrier.expect(bar, nbytes, pred=live)
-        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
-        # The tile's lse and delta (512 bytes each) come with it.
-        tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s), pred=live)
-
-    @gluon.jit
-    def _dkdv_loader(
-        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """The load partition (one warp): K'^ and V once, then every iteration's four tiles into the ring, each
-        stage refilled once the compute partition has released it (``empty``)."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
-        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
-        ready, empty, kv_bar = bars
-        mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
-        for t in range(total):
-            # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
-            # ring does not wait.
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_loads(
-                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
-                q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-            )  # fmt: skip
 
     @gluon.jit
     def _dkdv_compute(
@@ -195,19 +110,12 @@ if HAVE_GLUON:
         ready, empty, kv_bar = bars
         # Accumulator layouts, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps and
         # the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_M // 2, 32]
-        )
-        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_M // 2, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HEAD_DIM // 2, 32]
-        )
+        s_layout: gl.constexpr = _wgmma_layout(4, 2, BLOCK_M // 2, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(4, 2, BLOCK_M // 2, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(4, 2, HEAD_DIM // 2, 32)
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
         pid_bkv = kv_row // SEQ_K
         pid_n = (kv_row - pid_bkv * SEQ_K) // BLOCK_N
@@ -215,9 +123,7 @@ if HAVE_GLUON:
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
         bh0 = row_q0 // SEQ_Q
         if not WARP_SPECIALIZE:
-            mbarrier.expect(kv_bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
-            tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
+            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, 1)
             # n_m is 0 or less where the key block starts past the last query (causal, more keys than queries):
             # total <= 0 and nothing loads, but _issue_loads still divides by n_m (undefined in LLVM IR for 0).
             # Inside the loop total > 0, so n_m >= 1 there.
@@ -231,13 +137,9 @@ if HAVE_GLUON:
 
         offs_key = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
         offs_q_tile = gl.arange(0, BLOCK_M, layout=query_l)
-        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
-        dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, dp_layout)
-        acc_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.int32, acc_layout)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        err2 = gl.zeros([BLOCK_N], gl.float32, key_l)
-        norm2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        s_zero, dp_zero, acc_zero, dk, dv, err2, norm2 = _dkdv_zeros(
+            s_layout, dp_layout, acc_layout, key_l, BLOCK_N, BLOCK_M, HEAD_DIM
+        )
         mbarrier.wait(kv_bar, 0)
         if DEFER:
             # The tile before's dV and dK products, finished in the next iteration (their scales with them).
@@ -256,13 +158,9 @@ if HAVE_GLUON:
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
                     HEAD_DIM, BLOCK_M, STAGES,
                 )  # fmt: skip
-            g = t // n_m
-            m_block = lo_tile + t % n_m
-            start_m = m_block * BLOCK_M
-            bh = bh0 + g
-            offs_q = start_m + offs_q_tile
-            q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
-            do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
+            start_m, offs_q, q_scale, do_scale = _dkdv_tile(
+                t, n_m, lo_tile, bh0, m_blocks, offs_q_tile, Q_SCALE, DO_SCALE, BLOCK_M
+            )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             if not DEFER:
@@ -293,41 +191,19 @@ if HAVE_GLUON:
                 lse = lse_smem.index(stage).load(query_l)
                 delta = delta_smem.index(stage).load(query_l)
             s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[None, :])
-            if CAUSAL:
-                # Only the first query tile of a key block can hold a key after its query (top-left).
-                if start_m + 1 < (pid_n + 1) * BLOCK_N:
-                    p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
-            # P's codes, one scale per key over the tile's 128 queries (a reduction across both warpgroups).
-            p_scale = _int8_scale(_nan_max(p, 1))
-            p_smem.store(_int8_codes(p, p_scale[:, None]))
+            # P's codes (its per-key scale a reduction across both warpgroups). Causal: only the first query tile
+            # of a key block can hold a key after its query (top-left).
+            masked = start_m + 1 < (pid_n + 1) * BLOCK_N
+            p, p_scale = _p_codes(s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            ds = p * (dp - delta[None, :])
-            # One dS scale for the 64 x 128 tile.
-            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-            ds_smem.store(_int8_codes(ds, ds_scale))
-            if WITH_STATS:
-                err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
-                err2 += gl.sum(err * err, axis=1)
-                norm2 += gl.sum(ds * ds, axis=1)
-            fence_async_shared()
-            gl.thread_barrier()
-            # dV and dK of the tile: A = the codes [64 keys, 128 queries], B = dO^ and Q'^ (K-major, [D, 128]).
-            dv_tok = warpgroup_mma(
-                p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-            )
-            dk_tok = warpgroup_mma(
-                ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-            )
+            # One dS scale for the 64 x 128 tile (a reduction across both warpgroups).
+            ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
+            dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
             if DEFER:
                 dv_c = gl.convert_layout(p_scale, acc_row_l) * do_scale
                 dk_c = ds_scale * q_scale
             else:
-                dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
-                p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
-                dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
-                dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
-                dk += _int32_scaled(dk_int, ds_scale * q_scale)
+                dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
                 # Both warpgroups are done with the codes and this stage before either overwrites them (and,
                 # with the load partition, before the stage is handed back to it).
                 gl.thread_barrier()
@@ -338,16 +214,10 @@ if HAVE_GLUON:
             dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
             dv += _int32_scaled(dv_int, dv_c[:, None])
             dk += _int32_scaled(dk_int, dk_c)
-
-        rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=acc_row_l)
-        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
-        io_dtype: gl.constexpr = DK.dtype.element_ty
-        gl.store(DK + out, (dk * tau).to(io_dtype))
-        gl.store(DV + out, dv.to(io_dtype))
-        if WITH_STATS:
-            gl.atomic_add(STATS, gl.sum(err2, axis=0))
-            gl.atomic_add(STATS + 1, gl.sum(norm2, axis=0))
+        _dkdv_store(
+            dk, dv, err2, norm2, pid_n * BLOCK_N, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout, HEAD_DIM, BLOCK_N,
+            WITH_STATS,
+        )  # fmt: skip
 
     @gluon.jit
     def _gluon_dkdv_kernel(
@@ -383,48 +253,15 @@ if HAVE_GLUON:
         DEFER: gl.constexpr,
         LOAD_REGS: gl.constexpr,
     ):
-        # Causal: program 0 of a kv head (its first keys) sees every query tile, the longest first.
-        pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // BLOCK_N, BKV, HEAD_CHUNK)
-        kv_heads = HEADS // GROUP
-        b = pid_bkv // kv_heads
-        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
-        lo_tile = 0
-        if CAUSAL:
-            # Query tiles that end before this key block starts see none of its keys.
-            lo_tile = pid_n * BLOCK_N // BLOCK_M
-        n_m = m_blocks - lo_tile
-        total = GROUP * n_m
-        bh0 = b * HEADS + (pid_bkv % kv_heads) * GROUP
-        row_q0 = bh0 * SEQ_Q
-        col_t0 = bh0 * HEAD_DIM
-        kv_row = pid_bkv * SEQ_K + pid_n * BLOCK_N
-
-        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
-        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
-        k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
-        v_smem = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
-        do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
-        dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
-        lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
-        delta_smem = gl.allocate_shared_memory(
-            desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout
+        # One 64-key block per program (_dkdv_program: the grid's order, the query tiles it walks).
+        pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
+            BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HEAD_CHUNK
         )
-        p_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
-        ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
-
+        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
-        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
-        bars = (ready, empty, kv_bar)
+        bufs, bars = _dkdv_smem(
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 1
+        )
         if WARP_SPECIALIZE:
             gl.warp_specialize(
                 [
@@ -437,7 +274,7 @@ if HAVE_GLUON:
                     (
                         _dkdv_loader,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES),
+                         STAGES, 1),
                     ),
                 ],
                 [1],
@@ -449,29 +286,6 @@ if HAVE_GLUON:
                 Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
                 WITH_STATS, WARP_SPECIALIZE, DEFER,
             )  # fmt: skip
-
-
-@functools.cache
-def _tile_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
-    # Built once per tile shape and dtype: the layout object is the same every call and costs the host to make.
-    gl_dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
-
-
-def _desc(x: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
-    """A 2-D TMA descriptor over ``x`` viewed ``[rows, cols]`` (contiguous), tiles of ``block``."""
-    return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, _tile_layout(tuple(block), x.dtype))
-
-
-@functools.cache
-def _rows_layout() -> object:
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-
-
-def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A 1-D TMA descriptor over the per-query fp32 ``x`` (lse or delta, ``[B, H, N]`` contiguous), tiles of
-    :data:`BLOCK_M` queries (512 bytes, no swizzle)."""
-    return TensorDescriptor.from_tensor(x.reshape(rows), [BLOCK_M], _rows_layout())
 
 
 def gluon_dkdv(
@@ -523,20 +337,10 @@ def gluon_dkdv(
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
-    dv = torch.empty_like(dk)
-    bh, bkv = batch * heads, batch * kv_heads
-    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
-    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
-    desc_lse, desc_delta = (_rows_desc(x, bh * seq_q) for x in (lse, delta))
+    descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
+    bkv = batch * kv_heads
     _gluon_dkdv_kernel[(seq_k // BLOCK_N * bkv,)](
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
-        q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
+        *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,

@@ -28,26 +28,33 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from .gluon_backward import BLOCK_M, BLOCK_N, HAVE_GLUON, LOAD_REGS, _desc, _rows_desc
+from .gluon_backward import BLOCK_M, BLOCK_N, LOAD_REGS
+from .gluon_common import HAVE_GLUON, dkdv_operands
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_backward import _ROUNDER, _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
+    from .gluon_common import (
+        _dkdv_accumulate,
+        _dkdv_loader,
+        _dkdv_products,
+        _dkdv_program,
+        _dkdv_smem,
+        _dkdv_store,
+        _dkdv_tile,
+        _dkdv_zeros,
+        _ds_codes,
+        _p_codes,
+        _wgmma_layout,
+    )
 
 #: Keys per program: one 64-key half (:data:`.gluon_backward.BLOCK_N`, the K quantization block) per warpgroup.
 KEYS_PER_PROGRAM = 2 * BLOCK_N
 #: Head dims it serves (register budget: see the module's docstring).
 HEAD_DIMS = (64,)
-#: kv heads per chunk of the grid's order (:func:`.gluon_backward._head_chunk_order`; at D=64 and N=4096 a query
+#: kv heads per chunk of the grid's order (:func:`.gluon_common._head_chunk_order`; at D=64 and N=4096 a query
 #: head's Q'^, Q'^T, dO and dO^T codes take 1.25 MiB, so 16 kv heads without GQA stay in L2). Measured on an H100
 #: against one head at a time: 1.07-1.16x causal, 1.04-1.07x non-causal (both take it).
 HEAD_CHUNK = 16
@@ -60,43 +67,6 @@ CONSUMER_REGS = 240
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _wg_loader(
-        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-    ):  # fmt: skip
-        """The load partition (one warp): both halves of K'^ and V once, then every iteration's Q'^, Q'^T, dO and
-        dO^T tiles into the ring, each stage refilled once both consumer warpgroups have released it."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
-        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
-        ready, empty, kv_bar = bars
-        half: gl.constexpr = desc_k.block_type.shape[0]
-        mbarrier.expect(kv_bar, 2 * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
-        for h in gl.static_range(2):
-            tma.async_copy_global_to_shared(desc_k, [kv_row + h * half, 0], kv_bar, k_smem.index(h))
-            tma.async_copy_global_to_shared(desc_v, [kv_row + h * half, 0], kv_bar, v_smem.index(h))
-        nbytes: gl.constexpr = (
-            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
-            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
-        )  # fmt: skip
-        for t in range(total):
-            s = t % STAGES
-            # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
-            # ring does not wait.
-            mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-            g = t // n_m
-            start_m = (lo_tile + t % n_m) * BLOCK_M
-            row = row_q0 + g * SEQ_Q + start_m
-            row_t = col_t0 + g * HEAD_DIM
-            bar = ready.index(s)
-            mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s))
-            tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s))
-            tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s))
-            tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s))
-            tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s))
-            tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s))
 
     @gluon.jit
     def _wg_compute(
@@ -114,19 +84,12 @@ if HAVE_GLUON:
         p_smem = p_all.index(HALF)
         ds_smem = ds_all.index(HALF)
         # One warpgroup: its 4 warps split the 64 keys' rows; a row's 128 queries lie in one thread quad.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 32]
-        )
-        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 32]
-        )
+        s_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_M, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_M, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(4, 1, HEAD_DIM, 32)
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -137,24 +100,16 @@ if HAVE_GLUON:
 
         offs_key = key0 + gl.arange(0, BLOCK_N, layout=key_l)
         offs_q_tile = gl.arange(0, BLOCK_M, layout=query_l)
-        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
-        dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, dp_layout)
-        acc_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.int32, acc_layout)
-        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        err2 = gl.zeros([BLOCK_N], gl.float32, key_l)
-        norm2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        s_zero, dp_zero, acc_zero, dk, dv, err2, norm2 = _dkdv_zeros(
+            s_layout, dp_layout, acc_layout, key_l, BLOCK_N, BLOCK_M, HEAD_DIM
+        )
         mbarrier.wait(kv_bar, 0)
 
         for t in range(total):
             stage = t % STAGES
-            g = t // n_m
-            m_block = lo_tile + t % n_m
-            start_m = m_block * BLOCK_M
-            bh = bh0 + g
-            offs_q = start_m + offs_q_tile
-            q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
-            do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
+            start_m, offs_q, q_scale, do_scale = _dkdv_tile(
+                t, n_m, lo_tile, bh0, m_blocks, offs_q_tile, Q_SCALE, DO_SCALE, BLOCK_M
+            )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # S^T = K'^ Q'^T (int32). dP^T's product is issued after P's codes are stored: with both accumulators
@@ -164,53 +119,24 @@ if HAVE_GLUON:
             s_int = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
             # lse and delta of the tile's queries came with its tiles through the TMA ring.
             lse = lse_smem.index(stage).load(query_l)
-            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[None, :])
-            if CAUSAL:
-                # A tile whose first query comes before this half's last key holds masked scores (top-left).
-                if start_m < key0 + BLOCK_N - 1:
-                    p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
-            # P's codes, one scale per key over the tile's 128 queries (within the thread quad that holds the row).
-            p_scale = _int8_scale(_nan_max(p, 1))
-            p_smem.store(_int8_codes(p, p_scale[:, None]))
+            # P's codes (its per-key scale within the thread quad that holds the row). Causal: a tile whose first
+            # query comes before this half's last key holds masked scores (top-left).
+            masked = start_m < key0 + BLOCK_N - 1
+            p, p_scale = _p_codes(s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL)
             dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            ds = p * (dp - delta[None, :])
             # One dS scale for this half's 64 x 128 tile (within the warpgroup).
-            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-            ds_smem.store(_int8_codes(ds, ds_scale))
-            if WITH_STATS:
-                err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
-                err2 += gl.sum(err * err, axis=1)
-                norm2 += gl.sum(ds * ds, axis=1)
-            fence_async_shared()
-            gl.thread_barrier()
-            # dV and dK: A = the codes [64 keys, 128 queries], B = dO^ and Q'^ (K-major, [D, 128]).
-            dv_tok = warpgroup_mma(
-                p_smem, dot_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-            )
-            dk_tok = warpgroup_mma(
-                ds_smem, qt_smem.index(stage).permute((1, 0)), acc_zero, use_acc=False, is_async=True
-            )
-            dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
-            p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
-            dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
-            dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
-            dk += _int32_scaled(dk_int, ds_scale * q_scale)
+            ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
+            dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
+            dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
             # The warpgroup is done with its codes and with this stage before it overwrites the one or hands
             # the other back (the load warp refills a stage once both warpgroups have).
             gl.thread_barrier()
             mbarrier.arrive(empty.index(stage), count=1)
-
-        rows = key0 + gl.arange(0, BLOCK_N, layout=acc_row_l)
-        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
-        io_dtype: gl.constexpr = DK.dtype.element_ty
-        gl.store(DK + out, (dk * tau).to(io_dtype))
-        gl.store(DV + out, dv.to(io_dtype))
-        if WITH_STATS:
-            gl.atomic_add(STATS, gl.sum(err2, axis=0))
-            gl.atomic_add(STATS + 1, gl.sum(norm2, axis=0))
+        _dkdv_store(
+            dk, dv, err2, norm2, key0, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout, HEAD_DIM, BLOCK_N, WITH_STATS
+        )
 
     @gluon.jit
     def _gluon_dkdv_wg_kernel(
@@ -221,50 +147,16 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
-        # Causal: program 0 of a head (its first keys) sees every query tile, the longest first.
-        pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // (2 * BLOCK_N), BKV, HEAD_CHUNK)
-        kv_heads = HEADS // GROUP
-        b = pid_bkv // kv_heads
-        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
-        lo_tile = 0
-        if CAUSAL:
-            # Query tiles that end before this program's first key see none of its keys.
-            lo_tile = pid_n * 2 * BLOCK_N // BLOCK_M
-        n_m = m_blocks - lo_tile
-        total = GROUP * n_m
-        bh0 = b * HEADS + (pid_bkv % kv_heads) * GROUP
-        row_q0 = bh0 * SEQ_Q
-        col_t0 = bh0 * HEAD_DIM
-        kv_row = pid_bkv * SEQ_K + pid_n * 2 * BLOCK_N
-
-        # Shared memory: both halves of K'^ and V, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, each
-        # warpgroup's codes.
-        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
-        k_smem = gl.allocate_shared_memory(desc_k.dtype, [2] + desc_k.block_type.shape, desc_k.layout)
-        v_smem = gl.allocate_shared_memory(desc_v.dtype, [2] + desc_v.block_type.shape, desc_v.layout)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
-        do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
-        dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
-        lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
-        delta_smem = gl.allocate_shared_memory(
-            desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout
+        # Two 64-key halves per program (_dkdv_program: the grid's order, the query tiles it walks).
+        pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
+            BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, BLOCK_M, 2 * BLOCK_N, CAUSAL, HEAD_CHUNK
         )
-        p_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_M], codes_layout)
-        ds_smem = gl.allocate_shared_memory(gl.int8, [2, BLOCK_N, BLOCK_M], codes_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            # Released by both consumer warpgroups.
-            mbarrier.init(empty.index(i), count=2)
-        mbarrier.init(kv_bar, count=1)
-        fence_async_shared()
-
+        # Shared memory: both halves of K'^ and V, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, each
+        # warpgroup's codes; a stage is released by both consumer warpgroups.
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
-        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
-        bars = (ready, empty, kv_bar)
+        bufs, bars = _dkdv_smem(
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 2
+        )
         gl.warp_specialize(
             [
                 (
@@ -280,9 +172,9 @@ if HAVE_GLUON:
                      CAUSAL, WITH_STATS),
                 ),
                 (
-                    _wg_loader,
+                    _dkdv_loader,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                     STAGES),
+                     STAGES, 2),
                 ),
             ],
             [4, 1],
@@ -342,20 +234,10 @@ def gluon_dkdv_wg(
             f"gluon_dkdv_wg: serves head_dim in {HEAD_DIMS} and seq_k a multiple of {KEYS_PER_PROGRAM}; "
             f"received head_dim={head_dim}, seq_k={seq_k}"
         )
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
-    dv = torch.empty_like(dk)
-    bh, bkv = batch * heads, batch * kv_heads
-    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
-    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_dot = _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, BLOCK_M])
-    desc_lse, desc_delta = (_rows_desc(x, bh * seq_q) for x in (lse, delta))
+    descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
+    bkv = batch * kv_heads
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM * bkv,)](
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
-        q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
+        *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, HEAD_CHUNK=HEAD_CHUNK, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,

@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from .gluon_backward import HAVE_GLUON, WS_MAXNREG, _desc
+from .gluon_backward import WS_MAXNREG
+from .gluon_common import HAVE_GLUON, dq_operands
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -54,7 +55,15 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
+    from .gluon_common import (
+        _dq_block,
+        _dq_ds_codes,
+        _dq_smem,
+        _dq_store,
+        _head_chunk_order,
+        _int32_scaled,
+        _wgmma_layout,
+    )
 
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
 #: takes a Gluon dQ kernel; head dims not listed keep ``_dq_kernel``. Measured on an H100 (whole backward with it
@@ -69,7 +78,7 @@ HEAD_DIMS = (64, 128)
 BLOCK_M = 128
 BLOCK_N = 64
 #: Per head dim, the query heads per chunk of the grid's order for causal calls
-#: (:func:`.gluon_backward._head_chunk_order`; the chunk's K'^, K'^T and V, 2 MiB per head at D=128 and N=4096, stay
+#: (:func:`.gluon_common._head_chunk_order`; the chunk's K'^, K'^T and V, 2 MiB per head at D=128 and N=4096, stay
 #: in L2). Measured on an H100 against one head at a time: 1.05-1.07x causal at D=128; non-causal calls keep one
 #: head at a time (0.99-1.01x with chunks).
 HEAD_CHUNK = {64: 16, 128: 8}
@@ -181,21 +190,11 @@ if HAVE_GLUON:
         q_smem = q_all.index(0)
         do_smem = do_all.index(0)
         # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
-        )
-        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, HEAD_DIM, 32]
-        )
+        s_layout: gl.constexpr = _wgmma_layout(8, 1, BLOCK_N, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(8, 1, BLOCK_N, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(8, 1, HEAD_DIM, 32)
         # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -203,15 +202,10 @@ if HAVE_GLUON:
             _issue_q(desc_q, desc_do, q_all, do_all, q_bar, q_row, BLOCK_M, 1)
             for i in gl.static_range(STAGES - 1):
                 _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
-        offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
-        q_scale = gl.load(Q_SCALE + bh * m_blocks + pid_m)
-        lse = gl.load(LSE + bh * SEQ_Q + offs_m)
-        delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, dp_layout)
-        acc_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, acc_layout)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        offs_m, offs_n_tile, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq = _dq_block(
+            pid_m, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout, dp_layout, acc_layout, BLOCK_M, BLOCK_N,
+            HEAD_DIM,
+        )  # fmt: skip
         mbarrier.wait(q_bar, 0)
         if DEFER:
             # The tile before's dQ product and its scale, finished in the next iteration.
@@ -246,18 +240,11 @@ if HAVE_GLUON:
                     mbarrier.arrive(kt_empty.index((t + 1) % 2), count=1, pred=t > 0)
                 else:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
-            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[:, None])
-            if CAUSAL:
-                # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
-                if start_n >= full_hi:
-                    offs_n = start_n + offs_n_tile
-                    p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
-            dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            ds = p * (dp - delta[:, None])
-            # One dS scale for the 128 x 64 tile (a reduction across both warpgroups).
-            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-            codes = _int8_codes(ds, ds_scale)
+            # P, dS and its codes; one dS scale for the 128 x 64 tile (a reduction across both warpgroups).
+            ds_scale, codes = _dq_ds_codes(
+                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                s_layout, BLOCK_N, CAUSAL,
+            )  # fmt: skip
             if WARP_SPECIALIZE:
                 mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its transposed
@@ -285,11 +272,7 @@ if HAVE_GLUON:
         if DEFER:
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
             dq += _int32_scaled(dq_int, dq_c)
-
-        rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
-        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-        out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
-        gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
+        _dq_store(dq, pid_m, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
 
     @gluon.jit
     def _gluon_dq_kernel(
@@ -339,38 +322,13 @@ if HAVE_GLUON:
         kv_row0 = kv_bh * SEQ_K
 
         # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^ and V tiles, K'^ transposed (two
-        # buffers with the producer warpgroup or DEFER), the dS codes.
-        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
-        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, [1] + desc_q.block_type.shape, desc_q.layout)
-        do_smem = gl.allocate_shared_memory(desc_do.dtype, [1] + desc_do.block_type.shape, desc_do.layout)
-        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(
-            gl.int8, [2 if DEFER or WARP_SPECIALIZE else 1, HEAD_DIM, BLOCK_N], kt_layout
-        )
-        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-        if CODES_IN_REGISTERS:
-            ds_smem = q_smem  # unused
-        else:
-            ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_N], codes_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            # With the producer warpgroup a stage is released by it (its K'^ transposed) and by the consumers.
-            mbarrier.init(empty.index(i), count=2 if WARP_SPECIALIZE else 1)
-        for i in gl.static_range(2):
-            mbarrier.init(kt_ready.index(i), count=1)
-            mbarrier.init(kt_empty.index(i), count=1)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
-
+        # buffers with the producer warpgroup or DEFER), the dS codes. With the producer warpgroup a stage is
+        # released by it (its K'^ transposed) and by the consumers.
+        bufs, bars = _dq_smem(
+            desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1,
+            2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, 2 if WARP_SPECIALIZE else 1, 1,
+        )  # fmt: skip
         descs = (desc_q, desc_do, desc_k, desc_v)
-        bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem)
-        bars = (ready, empty, q_bar, kt_ready, kt_empty)
         if WARP_SPECIALIZE:
             gl.warp_specialize(
                 [
@@ -458,16 +416,10 @@ def gluon_dq(
     if stages < (2 if defer or warp_specialize else 1):
         needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
         raise ValueError(f"gluon_dq: stages={stages} would deadlock with {needs}; use stages >= 2")
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
-    bh, bkv = batch * heads, batch * kv_heads
-    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    descs, dq = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
+    bh = batch * heads
     _gluon_dq_kernel[(seq_q // BLOCK_M * bh,)](
-        desc_q, desc_do, desc_k, desc_v, q_scale, k_scale, lse, delta, dq,
-        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        *descs, q_scale, k_scale, lse, delta, dq, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,

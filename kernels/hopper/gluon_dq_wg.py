@@ -30,28 +30,31 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from .gluon_backward import HAVE_GLUON, _desc
+from .gluon_common import HAVE_GLUON, dq_operands
 from .gluon_dkdv_wg import WG_MAXNREG
 from .gluon_dq import BLOCK_M, BLOCK_N, PRODUCER_REGS
 
 if HAVE_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-    from .gluon_backward import _head_chunk_order, _int8_codes, _int8_scale, _int32_scaled, _nan_max
+    from .gluon_common import (
+        _dq_block,
+        _dq_ds_codes,
+        _dq_smem,
+        _dq_store,
+        _head_chunk_order,
+        _int32_scaled,
+        _wgmma_layout,
+    )
     from .gluon_dq import _dq_producer
 
 #: Queries per program: one 128-query block (the Q and dO quantization block) per warpgroup.
 QUERIES_PER_PROGRAM = 2 * BLOCK_M
 #: Head dims it serves (register budget: see the module's docstring).
 HEAD_DIMS = (64,)
-#: Query heads per chunk of the grid's order for causal calls (:func:`.gluon_backward._head_chunk_order`; 16 heads'
+#: Query heads per chunk of the grid's order for causal calls (:func:`.gluon_common._head_chunk_order`; 16 heads'
 #: K'^, K'^T and V at D=64 and N=4096 are 16 MiB, inside L2). Measured on an H100 against one head at a time:
 #: 1.07-1.25x causal; non-causal calls keep one head at a time (0.98-1.00x with chunks).
 HEAD_CHUNK = 16
@@ -78,21 +81,11 @@ if HAVE_GLUON:
         do_smem = do_all.index(HALF)
         # One warpgroup: its 4 warps split the 128 queries' rows (two m64 repetitions); a row's 64 keys lie in one
         # thread quad.
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
-        )
-        dp_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 32]
-        )
+        s_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_N, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_N, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(4, 1, HEAD_DIM, 32)
         # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
-        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -108,14 +101,10 @@ if HAVE_GLUON:
         if not live:
             mine = 0
         m_safe = gl.minimum(m_block, m_blocks - 1)
-        offs_m = m_safe * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
-        q_scale = gl.load(Q_SCALE + bh * m_blocks + m_safe)
-        lse = gl.load(LSE + bh * SEQ_Q + offs_m)
-        delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
-        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, dp_layout)
-        acc_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, acc_layout)
-        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        offs_m, _, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq = _dq_block(
+            m_safe, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout, dp_layout, acc_layout, BLOCK_M, BLOCK_N,
+            HEAD_DIM,
+        )  # fmt: skip
         mbarrier.wait(q_bar, 0)
 
         for t in range(mine):
@@ -127,18 +116,12 @@ if HAVE_GLUON:
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-            p = gl.exp2(_int32_scaled(s_int, q_scale * k_scale * qk_scale) - lse[:, None])
-            if CAUSAL:
-                # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
-                if start_n >= full_hi:
-                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
-                    p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
-            dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            ds = p * (dp - delta[:, None])
-            # One dS scale for the 128 x 64 tile (within the warpgroup).
-            ds_scale = _int8_scale(_nan_max(_nan_max(gl.abs(ds), 1), 0))
-            codes = _int8_codes(ds, ds_scale)
+            # P, dS and its codes; one dS scale for the 128 x 64 tile (within the warpgroup). The keys' offsets are
+            # made in the masked branch (None), not held through the loop: here they would spill.
+            ds_scale, codes = _dq_ds_codes(
+                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, None, start_n, full_hi, s_layout,
+                BLOCK_N, CAUSAL,
+            )  # fmt: skip
             kt_tile = kt_smem.index(t % 2)
             mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
@@ -162,10 +145,7 @@ if HAVE_GLUON:
             mbarrier.arrive(kt_empty.index(t % 2), count=1)
 
         if live:
-            rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
-            cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
-            out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
-            gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
+            _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
 
     @gluon.jit
     def _gluon_dq_wg_kernel(
@@ -195,31 +175,11 @@ if HAVE_GLUON:
         kv_row0 = kv_bh * SEQ_K
 
         # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^ and V tiles, two transposed K'^ tiles.
-        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
-        do_smem = gl.allocate_shared_memory(desc_do.dtype, [2] + desc_do.block_type.shape, desc_do.layout)
-        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(gl.int8, [2, HEAD_DIM, BLOCK_N], kt_layout)
-        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        kt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        kt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            # Released by both consumer warpgroups and by the producer once it has transposed the stage's K'^.
-            mbarrier.init(empty.index(i), count=3)
-        for i in gl.static_range(2):
-            mbarrier.init(kt_ready.index(i), count=1)
-            # Released by both consumer warpgroups.
-            mbarrier.init(kt_empty.index(i), count=2)
-        mbarrier.init(q_bar, count=1)
-        fence_async_shared()
-
+        # A stage is released by both consumer warpgroups and by the producer once it has transposed the stage's
+        # K'^; a transposed tile by both consumer warpgroups.
+        smem, bars = _dq_smem(desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2, 2, True, 3, 2)
+        bufs = (smem[0], smem[1], smem[2], smem[3], smem[4])  # no dS codes buffer: they stay in registers
         descs = (desc_q, desc_do, desc_k, desc_v)
-        bufs = (q_smem, do_smem, k_smem, kt_smem, v_smem)
-        bars = (ready, empty, q_bar, kt_ready, kt_empty)
         gl.warp_specialize(
             [
                 (
@@ -290,17 +250,11 @@ def gluon_dq_wg(
     if stages < 2:
         raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
                          f"received stages={stages}")  # fmt: skip
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
-    bh, bkv = batch * heads, batch * kv_heads
-    desc_q = _desc(q_op, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_do = _desc(do, bh * seq_q, head_dim, [BLOCK_M, head_dim])
-    desc_k = _desc(k_op, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
-    desc_v = _desc(v, bkv * seq_k, head_dim, [BLOCK_N, head_dim])
+    descs, dq = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
+    bh = batch * heads
     n_pairs = (seq_q // BLOCK_M + 1) // 2
     _gluon_dq_wg_kernel[(n_pairs * bh,)](
-        desc_q, desc_do, desc_k, desc_v, q_scale, k_scale, lse, delta, dq,
-        bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        *descs, q_scale, k_scale, lse, delta, dq, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,

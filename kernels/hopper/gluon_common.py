@@ -1,0 +1,499 @@
+"""What the Gluon backward kernels for Hopper share: :mod:`.gluon_backward` and :mod:`.gluon_dkdv_wg` (dK and dV),
+:mod:`.gluon_dq` and :mod:`.gluon_dq_wg` (dQ). The quantization (SageBwd's INT8 codes and scales) and the scaling of
+an int32 product; the grid order by head chunks and the wgmma layouts; per pass, what both partitions of the work
+(two warpgroups splitting each tile, or one warpgroup per tile) compute alike: the program's place and shared
+memory, the TMA loads, a tile's scores, codes and products, the epilogue; on the host, the TMA descriptors.
+
+Each helper is the code the kernels had inline, moved here unchanged (the same operations in the same order): the
+kernels compile to the same instructions. Where the partitions differ (the order in which a tile's products are
+issued and waited for, the barriers, who loads what), the kernels keep their own code.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton.language as tl
+
+try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernels.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = hasattr(gl, "warp_specialize") and hasattr(tma, "async_copy_global_to_shared")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+ROWS_BLOCK = 128  #: Queries per lse and delta tile (:func:`_rows_desc`): every kernel's query tile.
+
+
+if HAVE_GLUON:
+    _ROUNDER = gl.constexpr(12582912.0)
+    _ROUNDER_BITS = gl.constexpr(0x4B400000)
+
+    @gluon.constexpr_function
+    def _wgmma_layout(warps_m, warps_n, instr_n, instr_k):
+        """A wgmma accumulator's layout over ``warps_m x warps_n`` warps, instruction m16 x ``instr_n x instr_k``."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[warps_m, warps_n], instr_shape=[16, instr_n, instr_k]
+        )
+
+    @gluon.jit
+    def _max_nan(a, b):
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @gluon.jit
+    def _nan_max(x, axis: gl.constexpr):
+        """``max`` along ``axis`` that returns NaN when any element is NaN (``quant.nan_max``)."""
+        return gl.reduce(x, axis, _max_nan)
+
+    @gluon.jit
+    def _int8_scale(amax):
+        scale = amax / 127.0
+        return gl.where(scale == 0.0, 1.0, scale)
+
+    @gluon.jit
+    def _int8_codes(x, scale):
+        """``quant.int8_codes`` (not EXACT): the fma's rounded float's low byte is the code."""
+        return gl.fma(x, 1.0 / scale, _ROUNDER).to(gl.int32, bitcast=True).to(gl.int8)
+
+    @gluon.jit
+    def _tile_scale(x):
+        """One INT8 scale for the whole 2-D tile ``x`` (dS's granularity): its largest magnitude over 127."""
+        return _int8_scale(_nan_max(_nan_max(gl.abs(x), 1), 0))
+
+    @gluon.jit
+    def _head_chunk_order(lin, n_prog, n_heads, HEAD_CHUNK: gl.constexpr):
+        """Program ``lin`` of a 1-D grid of ``n_prog * n_heads`` as ``(prog, head)``: the heads in chunks of
+        ``HEAD_CHUNK``, and within a chunk program-major (``prog`` 0 of every head of the chunk, then 1, ...).
+
+        A causal kernel whose ``prog`` 0 is its longest program thus dispatches the long ones first in each chunk
+        and ends the grid on short ones (with ``prog`` fastest, the last head's longest program would start just
+        before the end and run alone); a chunk's programs read the same few heads, which stay in L2."""
+        per_chunk = HEAD_CHUNK * n_prog
+        chunk = lin // per_chunk
+        head0 = chunk * HEAD_CHUNK
+        within = lin - chunk * per_chunk
+        heads = gl.minimum(n_heads - head0, HEAD_CHUNK)
+        return within // heads, head0 + within % heads
+
+    @gluon.jit
+    def _int32_scaled(x, scale):
+        """``quant.int32_scaled``: ``x.to(fp32) * scale`` for an int32 INT8 product, one fma per element."""
+        c = (scale.to(gl.int32, bitcast=True) & -4).to(gl.float32, bitcast=True)
+        return gl.fma((x + _ROUNDER_BITS).to(gl.float32, bitcast=True), c, -(c * _ROUNDER))
+
+    # dK and dV (gluon_backward, gluon_dkdv_wg): a program holds KEYS keys of one kv head (64, or 128 as two
+    # 64-key halves, HALVES) and walks every query tile of every query head of its group.
+
+    @gluon.jit
+    def _dkdv_program(
+        BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
+        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr,
+    ):  # fmt: skip
+        """This program's ``(pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row)``: its key block and kv
+        head; its first query tile and their count per query head; its flat iterations (query heads x tiles); its
+        group's first row in the ``[B*H*N, D]`` and ``[B*H*D, N]`` views; its first key's row in ``[B*Hkv*Nk, D]``."""
+        # Causal: program 0 of a kv head (its first keys) sees every query tile, the longest first.
+        pid_n, pid_bkv = _head_chunk_order(gl.program_id(0), SEQ_K // KEYS, BKV, HEAD_CHUNK)
+        kv_heads = HEADS // GROUP
+        b = pid_bkv // kv_heads
+        m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
+        lo_tile = 0
+        if CAUSAL:
+            # Query tiles that end before this program's first key see none of its keys.
+            lo_tile = pid_n * KEYS // BLOCK_M
+        n_m = m_blocks - lo_tile
+        total = GROUP * n_m
+        bh0 = b * HEADS + (pid_bkv % kv_heads) * GROUP
+        return pid_n, pid_bkv, lo_tile, n_m, total, bh0 * SEQ_Q, bh0 * HEAD_DIM, pid_bkv * SEQ_K + pid_n * KEYS
+
+    @gluon.jit
+    def _dkdv_smem(
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+    ):  # fmt: skip
+        """Shared memory: K'^ and V of the program (``HALVES`` 64-key tiles; one is not indexed), a ``STAGES``-deep
+        ring of Q'^, Q'^T, dO, dO^T, lse and delta tiles, the codes of P^T and dS^T (per half), the ring's
+        ``ready``/``empty`` mbarriers (``empty`` released by each of the ``HALVES`` consumers) and K/V's. Returns
+        ``(bufs, bars)`` as :func:`_dkdv_loader` and the consumers unpack them."""
+        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
+        if HALVES == 1:
+            k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+            v_smem = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+        else:
+            k_smem = gl.allocate_shared_memory(desc_k.dtype, [HALVES] + desc_k.block_type.shape, desc_k.layout)
+            v_smem = gl.allocate_shared_memory(desc_v.dtype, [HALVES] + desc_v.block_type.shape, desc_v.layout)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
+        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
+        dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
+        lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
+        delta_smem = gl.allocate_shared_memory(
+            desc_delta.dtype, [STAGES] + desc_delta.block_type.shape, desc_delta.layout
+        )
+        if HALVES == 1:
+            p_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+            ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+        else:
+            p_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
+            ds_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=HALVES)
+        mbarrier.init(kv_bar, count=1)
+        fence_async_shared()
+        bufs = (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem)
+        return bufs, (ready, empty, kv_bar)
+
+    @gluon.jit
+    def _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, HALVES: gl.constexpr):
+        """TMA loads of the program's K'^ and V (``HALVES`` consecutive 64-key tiles from row ``kv_row``), once."""
+        mbarrier.expect(kv_bar, HALVES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+        if HALVES == 1:
+            tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
+            tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
+        else:
+            half: gl.constexpr = desc_k.block_type.shape[0]
+            for h in gl.static_range(HALVES):
+                tma.async_copy_global_to_shared(desc_k, [kv_row + h * half, 0], kv_bar, k_smem.index(h))
+                tma.async_copy_global_to_shared(desc_v, [kv_row + h * half, 0], kv_bar, v_smem.index(h))
+
+    @gluon.jit
+    def _issue_loads(
+        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+        q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
+        SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PREDICATED: gl.constexpr = True,
+    ):  # fmt: skip
+        """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
+        stage ``t % STAGES``; with ``PREDICATED``, nothing when ``t >= total`` (without, ``t < total`` is the
+        caller's). ``row_q0``: the group's first head's first row in the ``[B*H*N, D]`` views; ``col_t0``: its first
+        row in the ``[B*H*D, N]`` views."""
+        s = t % STAGES
+        if PREDICATED:
+            live = t < total
+        else:
+            live = True
+        g = t // n_m
+        start_m = (lo_tile + t % n_m) * BLOCK_M
+        row = row_q0 + g * SEQ_Q + start_m
+        row_t = col_t0 + g * HEAD_DIM
+        bar = ready.index(s)
+        nbytes: gl.constexpr = (
+            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
+            + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
+        )  # fmt: skip
+        mbarrier.expect(bar, nbytes, pred=live)
+        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
+        # The tile's lse and delta (512 bytes each) come with it.
+        tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s), pred=live)
+
+    @gluon.jit
+    def _dkdv_loader(
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+    ):  # fmt: skip
+        """The load partition (one warp): K'^ and V once (:func:`_load_kv`), then every iteration's Q'^, Q'^T, dO
+        and dO^T tiles (with lse and delta) into the ring, each stage refilled once the consumers have released it
+        (``empty``). With one half its loads are predicated on ``t < total`` (:func:`_issue_loads`)."""
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
+        ready, empty, kv_bar = bars
+        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, HALVES)
+        for t in range(total):
+            # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
+            # ring does not wait.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_loads(
+                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+                q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
+                HALVES == 1,
+            )  # fmt: skip
+
+    @gluon.jit
+    def _dkdv_zeros(
+        s_layout: gl.constexpr, dp_layout: gl.constexpr, acc_layout: gl.constexpr, key_l: gl.constexpr,
+        BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+    ):  # fmt: skip
+        """Zeros: S^T's, dP^T's and the INT8 products' accumulators, dK, dV, the per-key dS statistics."""
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.int32, s_layout)
+        dp_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, dp_layout)
+        acc_zero = gl.zeros([BLOCK_N, HEAD_DIM], gl.int32, acc_layout)
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        err2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        norm2 = gl.zeros([BLOCK_N], gl.float32, key_l)
+        return s_zero, dp_zero, acc_zero, dk, dv, err2, norm2
+
+    @gluon.jit
+    def _dkdv_tile(t, n_m, lo_tile, bh0, m_blocks, offs_q_tile, Q_SCALE, DO_SCALE, BLOCK_M: gl.constexpr):
+        """Flat iteration ``t``'s query tile: its first query, its queries' offsets, its Q and dO scales."""
+        g = t // n_m
+        m_block = lo_tile + t % n_m
+        start_m = m_block * BLOCK_M
+        bh = bh0 + g
+        offs_q = start_m + offs_q_tile
+        q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
+        do_scale = gl.load(DO_SCALE + bh * m_blocks + m_block)
+        return start_m, offs_q, q_scale, do_scale
+
+    @gluon.jit
+    def _p_codes(s_int, scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL: gl.constexpr):
+        """P^T ``[keys, queries]`` of a tile from S^T's int32 product (zero where a key comes after its query when
+        ``CAUSAL`` and ``masked``), its codes into ``p_smem``, one scale per key; returns ``(p, p_scale)``."""
+        p = gl.exp2(_int32_scaled(s_int, scale) - lse[None, :])
+        if CAUSAL:
+            if masked:
+                p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
+        # P's codes, one scale per key over the tile's 128 queries.
+        p_scale = _int8_scale(_nan_max(p, 1))
+        p_smem.store(_int8_codes(p, p_scale[:, None]))
+        return p, p_scale
+
+    @gluon.jit
+    def _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr):
+        """dS^T ``= P^T (dP^T - delta)``, its codes into ``ds_smem`` with one scale for the tile, and with
+        ``WITH_STATS`` its quantization error and norm added per key into ``err2`` and ``norm2``; returns
+        ``(ds_scale, err2, norm2)``."""
+        ds = p * (dp - delta[None, :])
+        ds_scale = _tile_scale(ds)
+        ds_smem.store(_int8_codes(ds, ds_scale))
+        if WITH_STATS:
+            err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
+            err2 += gl.sum(err * err, axis=1)
+            norm2 += gl.sum(ds * ds, axis=1)
+        return ds_scale, err2, norm2
+
+    @gluon.jit
+    def _dkdv_products(p_smem, ds_smem, dot_tile, qt_tile, acc_zero):
+        """Once every consumer warp has stored its codes: the tile's dV and dK INT8 products in flight, A = the codes
+        ``[64 keys, 128 queries]``, B = dO^ and Q'^ (K-major, ``[D, 128]``); returns their tokens."""
+        fence_async_shared()
+        gl.thread_barrier()
+        dv_tok = warpgroup_mma(p_smem, dot_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem, qt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
+        return dv_tok, dk_tok
+
+    @gluon.jit
+    def _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l: gl.constexpr):
+        """Waits for the tile's dV and dK products and adds them, scaled, into ``dv`` and ``dk``; returns both."""
+        dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
+        p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
+        dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
+        dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+        dk += _int32_scaled(dk_int, ds_scale * q_scale)
+        return dv, dk
+
+    @gluon.jit
+    def _dkdv_store(
+        dk, dv, err2, norm2, key0, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, WITH_STATS: gl.constexpr,
+    ):  # fmt: skip
+        """dK (times ``tau``) and dV of keys ``key0`` on to global memory; the dS statistics into ``STATS``."""
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        rows = key0 + gl.arange(0, BLOCK_N, layout=acc_row_l)
+        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
+        out = (pid_bkv * SEQ_K + rows)[:, None] * HEAD_DIM + cols[None, :]
+        io_dtype: gl.constexpr = DK.dtype.element_ty
+        gl.store(DK + out, (dk * tau).to(io_dtype))
+        gl.store(DV + out, dv.to(io_dtype))
+        if WITH_STATS:
+            gl.atomic_add(STATS, gl.sum(err2, axis=0))
+            gl.atomic_add(STATS + 1, gl.sum(norm2, axis=0))
+
+    # dQ (gluon_dq, gluon_dq_wg): a program holds Q_BLOCKS 128-query blocks of one query head and walks the key
+    # tiles of its kv head.
+
+    @gluon.jit
+    def _dq_smem(
+        desc_q, desc_do, desc_k, desc_v, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr, KT_BUFS: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
+        EMPTY_COUNT: gl.constexpr, KT_EMPTY_COUNT: gl.constexpr,
+    ):  # fmt: skip
+        """Shared memory: Q'^ and dO of the program (``Q_BLOCKS`` blocks), a ``STAGES``-deep ring of K'^ and V
+        tiles, ``KT_BUFS`` transposed K'^ tiles, the dS codes (unless ``CODES_IN_REGISTERS``), the ring's
+        ``ready``/``empty`` mbarriers (``empty`` counting ``EMPTY_COUNT`` arrivals), Q's and the transposed tiles'
+        ``kt_ready``/``kt_empty`` (two, ``kt_empty`` counting ``KT_EMPTY_COUNT``). Returns ``(bufs, bars)``."""
+        codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
+        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [Q_BLOCKS] + desc_q.block_type.shape, desc_q.layout)
+        do_smem = gl.allocate_shared_memory(desc_do.dtype, [Q_BLOCKS] + desc_do.block_type.shape, desc_do.layout)
+        k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
+        kt_smem = gl.allocate_shared_memory(gl.int8, [KT_BUFS, HEAD_DIM, BLOCK_N], kt_layout)
+        v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
+        if CODES_IN_REGISTERS:
+            ds_smem = q_smem  # unused
+        else:
+            ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_N], codes_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        kt_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kt_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=EMPTY_COUNT)
+        for i in gl.static_range(2):
+            mbarrier.init(kt_ready.index(i), count=1)
+            mbarrier.init(kt_empty.index(i), count=KT_EMPTY_COUNT)
+        mbarrier.init(q_bar, count=1)
+        fence_async_shared()
+        return (q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem), (ready, empty, q_bar, kt_ready, kt_empty)
+
+    @gluon.jit
+    def _dq_block(
+        m_block, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout: gl.constexpr, dp_layout: gl.constexpr,
+        acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    ):  # fmt: skip
+        """Query block ``m_block`` of head ``bh``: its offsets (and a key tile's), Q's scale, lse, delta, and the
+        zeros of S's, dP's and the INT8 product's accumulators and of dQ."""
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+        offs_m = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
+        offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
+        q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
+        lse = gl.load(LSE + bh * SEQ_Q + offs_m)
+        delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)
+        dp_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, dp_layout)
+        acc_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.int32, acc_layout)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        return offs_m, offs_n_tile, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq
+
+    @gluon.jit
+    def _dq_ds_codes(
+        s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """A tile's S and dP products waited for (S first, dP after P is computed), P ``[queries, keys]`` (zero
+        above the diagonal on the tiles from ``full_hi`` on when ``CAUSAL``), ``dS = P (dP - delta)`` and its codes
+        with one scale for the tile; returns ``(ds_scale, codes)``. ``offs_n_tile``: the keys' offsets within a
+        tile, made once by the caller, or ``None`` to make them in the masked branch (where the registers are
+        scarce: :mod:`.gluon_dq_wg`'s warpgroup would spill holding them through the loop)."""
+        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
+        if CAUSAL:
+            # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
+            if start_n >= full_hi:
+                if offs_n_tile is None:
+                    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
+                else:
+                    offs_n = start_n + offs_n_tile
+                p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
+        dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+        ds = p * (dp - delta[:, None])
+        ds_scale = _tile_scale(ds)
+        return ds_scale, _int8_codes(ds, ds_scale)
+
+    @gluon.jit
+    def _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr):  # fmt: skip
+        """dQ (times ``tau``) of query block ``m_block`` of head ``bh`` to global memory."""
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        acc_col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+        rows = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=acc_row_l)
+        cols = gl.arange(0, HEAD_DIM, layout=acc_col_l)
+        out = (bh * SEQ_Q + rows)[:, None] * HEAD_DIM + cols[None, :]
+        gl.store(DQ + out, (dq * tau).to(DQ.dtype.element_ty))
+
+
+@functools.cache
+def _tile_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    # Built once per tile shape and dtype: the layout object is the same every call and costs the host to make.
+    gl_dtype = {torch.int8: gl.int8, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+def _desc(x: torch.Tensor, rows: int, cols: int, block: list[int]) -> TensorDescriptor:
+    """A 2-D TMA descriptor over ``x`` viewed ``[rows, cols]`` (contiguous), tiles of ``block``."""
+    return TensorDescriptor.from_tensor(x.reshape(rows, cols), block, _tile_layout(tuple(block), x.dtype))
+
+
+@functools.cache
+def _rows_layout() -> object:
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+
+
+def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 1-D TMA descriptor over the per-query fp32 ``x`` (lse or delta, ``[B, H, N]`` contiguous), tiles of
+    :data:`ROWS_BLOCK` queries (512 bytes, no swizzle)."""
+    return TensorDescriptor.from_tensor(x.reshape(rows), [ROWS_BLOCK], _rows_layout())
+
+
+def dkdv_operands(
+    grad_out: torch.Tensor,
+    delta: torch.Tensor,
+    do_codes_t: torch.Tensor,
+    q_op: torch.Tensor,
+    q_op_t: torch.Tensor,
+    k_op: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    block_m: int,
+    block_n: int,
+) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, torch.Tensor]:
+    """The dK/dV launchers' TMA descriptors (Q'^, Q'^T, K'^, V, dO, dO^T, lse, delta: the kernels' first eight
+    arguments, tiles of ``block_m`` queries and ``block_n`` keys) and the empty ``(dK, dV)`` they write.
+
+    Example::
+
+        descs, dk, dv = dkdv_operands(grad_out, delta, codes_t, q_op, q_op_t, k_op, v, lse, 128, 64)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    dv = torch.empty_like(dk)
+    bh, bkv = batch * heads, batch * kv_heads
+    descs = (
+        _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(q_op_t, bh * head_dim, seq_q, [head_dim, block_m]),
+        _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
+        _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
+        _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, block_m]),
+        _rows_desc(lse, bh * seq_q),
+        _rows_desc(delta, bh * seq_q),
+    )
+    return descs, dk, dv
+
+
+def dq_operands(
+    grad_out: torch.Tensor, q_op: torch.Tensor, k_op: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int
+) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor]:
+    """The dQ launchers' TMA descriptors (Q'^, dO, K'^, V: the kernels' first four arguments, tiles of ``block_m``
+    queries and ``block_n`` keys) and the empty dQ they write.
+
+    Example::
+
+        descs, dq = dq_operands(grad_out, q_op, k_op, v, 128, 64)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
+    bh, bkv = batch * heads, batch * kv_heads
+    descs = (
+        _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
+        _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
+    )
+    return descs, dq
