@@ -179,6 +179,7 @@ class Run:
     hook_ms: dict = dataclasses.field(default_factory=dict)
     slowest: list = dataclasses.field(default_factory=list)
     durations: list = dataclasses.field(default_factory=list)  # every measured step's ms, in order
+    end_ms: float = 0.0  # after the last step, until on_train_end (StepTimer.end_ms)
 
 
 def setting_steps(args: argparse.Namespace, label: str) -> int:
@@ -230,8 +231,8 @@ def run_once(
     hooks = {} if clock is None else clock.summary(skip=args.warmup)
     hook_ms = {key: value for key, value in hooks.items() if key != "step_ms"}
     durations = timer.durations_ms(skip=args.warmup)
-    slowest = _slowest(durations, hooks, args)
-    return Run(mean, median, steps, decisions, waits, costs.gc_ms, costs.alloc_retries, hook_ms, slowest, durations)
+    slowest, end, gc_ms = _slowest(durations, hooks, args), timer.end_ms(skip=args.warmup), costs.gc_ms
+    return Run(mean, median, steps, decisions, waits, gc_ms, costs.alloc_retries, hook_ms, slowest, durations, end)
 
 
 def _slowest(durations: list[float], hooks: dict, args: argparse.Namespace) -> list[dict]:
@@ -427,6 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "round_hook_host_ms": [run.hook_ms for run in runs],
                 "round_slowest_steps": [run.slowest for run in runs],
                 "round_step_durations_ms": [run.durations for run in runs],
+                "round_end_ms": [run.end_ms for run in runs],
                 **shape,
             }
         )

@@ -168,11 +168,17 @@ class StepTimer(Callback):
             torch.cuda.synchronize(pl_module.device)
 
     def step_ms(self, skip: int) -> float:
-        """Mean milliseconds per step after the first ``skip`` steps."""
+        """Mean milliseconds per step after the first ``skip`` steps (on CUDA without the per-step sync: from the
+        end of step ``skip - 1`` to the last step's end by the events, host stalls included, train-end hooks not)."""
         if self._events:
-            return self._window_ms / (len(self._events) - skip)
+            return self._events[skip - 1].elapsed_time(self._events[-1]) / (len(self._events) - skip)
         ends = self.ends[skip:]
         return 1000 * (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def end_ms(self, skip: int) -> float:
+        """Wall milliseconds from the last step's end to ``on_train_end`` (the callbacks before this one in the
+        list, their ``on_train_end`` included): 0 unless on CUDA without the per-step sync."""
+        return self._window_ms - self.step_ms(skip) * (len(self._events) - skip) if self._events else 0.0
 
     def durations_ms(self, skip: int) -> list[float]:
         """Each measured step's milliseconds after the first ``skip`` steps, in order (from the events' times on
@@ -186,8 +192,4 @@ class StepTimer(Callback):
     def median_step_ms(self, skip: int) -> float:
         """Median milliseconds of one step after the first ``skip`` steps: a cost paid on every step moves it, one
         paid on rare steps (dS statistics, snapshots, probes) does not."""
-        if self._events:
-            measured = self._events[skip - 1 :]
-            return statistics.median(a.elapsed_time(b) for a, b in zip(measured, measured[1:], strict=False))
-        ends = self.ends[skip:]
-        return 1000 * statistics.median(later - earlier for earlier, later in zip(ends, ends[1:], strict=False))
+        return statistics.median(self.durations_ms(skip))
