@@ -74,7 +74,9 @@ def test_hopper_forward_matches_reference(hopper_calls, batch, hq, hkv, n, nk, d
     assert hopper_calls, "the call did not take the Hopper path"
     ref_out, ref_lse = sage_attention_reference(q, k, v, **kw)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert rel_l2(out, ref_out) < 4e-3
+    # FP8 products: gpu_verify's agreement bound for them (an H200 gave 4.8e-3 for all-fp8-smooth-q, as the
+    # portable forward gives on such inputs: e4m3 codes of P flip where the two paths round differently).
+    assert rel_l2(out, ref_out) < (1e-2 if "fp8" in (precision.qk, precision.pv) else 4e-3)
     assert rel_l2(lse, ref_lse) < 2e-4
     # The gradients flow through the saved operands as on the portable path.
     grads = torch.autograd.grad(out, (q, k, v), do)
@@ -219,6 +221,11 @@ def test_hopper_fp8_qk_equals_the_portable_forward(pv, hq, hkv, n, nk, d, block_
     if pv == "fp8" and INTERPRETED:
         assert torch.equal(out, ref_out)
         assert torch.equal(lse, ref_lse)
+    elif pv == "fp8":
+        # Compiled, the FP8 P V wgmma adds its products in another order than the portable kernel's dot: an H200 gave
+        # 1-5% of O's elements a bf16 last bit apart (relative L2 2.5e-4 to 9.0e-4), the logsumexp within 1e-6.
+        assert rel_l2(out, ref_out) < 2e-3
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-5)
     else:
         assert (out != ref_out).float().mean().item() < 1e-3
         assert rel_l2(out, ref_out) < 1e-4
