@@ -374,6 +374,83 @@ def test_spikes(loss: float, grad_norm: float, action: str, armed: tuple[bool, b
         assert outcome.skip_cause == "loss_spike" and policy.rung(NAMES[0]) == "base"
 
 
+def soft_run(
+    policy: PrecisionPolicy, steps: range, measured: frozenset[int] = frozenset(), grad_norm: float = 1.2
+) -> list[int]:
+    """Decide ``steps`` with a gradient norm that keeps rising from ``grad_norm`` (a soft reading on each, z over 10
+    against the calm window), dS measured on the steps in ``measured``; the steps after them that want dS."""
+    wanted = []
+    for i, step in enumerate(steps):
+        layers = {"l0": LayerSignals(ds_rel_err=0.05)} if step in measured else {}
+        outcome = policy.decide(signals(step, loss=2.0, grad_norm=grad_norm + 0.2 * i, **layers))
+        assert outcome.grad_norm.level == "soft" and outcome.action == "step"
+        if policy.signals_wanted(step + 1).ds_stats:
+            wanted.append(step + 1)
+    return wanted
+
+
+def test_a_run_of_soft_readings_arms_the_ds_statistics_once() -> None:
+    """A sustained rise reads soft on every step: the first arms dS for the next step, the rest do not (each
+    dS-statistics step costs about +27% of a step on the GPU; an H200 run armed 20 of 50 steps this way)."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    # Step 17 measures what step 16 armed; 18 to 23 read soft again and arm nothing.
+    assert soft_run(policy, range(16, 24), measured=frozenset({17})) == [17]
+    # An arm not yet answered stays armed (a verdict may land a step late), the run goes on: still only one.
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    assert soft_run(policy, range(16, 20)) == [17, 18]  # 17 unmeasured: the arm waits one step, then expires
+    assert not policy.signals_wanted(20).ds_stats
+
+
+def test_a_soft_episode_after_a_calm_step_arms_again() -> None:
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    assert soft_run(policy, range(16, 20), measured=frozenset({17})) == [17]
+    assert policy.decide(signals(20, loss=2.0, grad_norm=1.0)).grad_norm.level == "none"  # calm: the episode ends
+    assert not policy.signals_wanted(21).ds_stats
+    assert policy.decide(signals(21, loss=2.0, grad_norm=5.0)).grad_norm.level == "soft"  # a new spike
+    assert policy.signals_wanted(22).ds_stats
+
+
+def test_hard_spikes_and_skips_arm_the_ds_statistics_inside_a_soft_run() -> None:
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    assert soft_run(policy, range(16, 19), measured=frozenset({17})) == [17]
+    assert policy.decide(signals(19, loss=200.0, grad_norm=1.8)).action == "skip"  # hard loss spike
+    assert policy.signals_wanted(20).ds_stats
+    # Soft after the hard one, which was no soft reading: a new episode, which arms; its next step does not.
+    assert soft_run(policy, range(20, 22), measured=frozenset({20, 21}), grad_norm=3.0) == [21]
+    assert policy.decide(signals(22, loss=2.0, grad_norm=NAN)).action == "skip"  # non-finite gradients
+    assert policy.signals_wanted(23).ds_stats
+
+
+def test_the_cadence_measures_inside_a_soft_run() -> None:
+    policy = make(ds_stats_every_n_steps=10, probe_every_n_steps=1000)
+    calm_losses(policy)
+    assert soft_run(policy, range(16, 26), measured=frozenset({17, 20})) == [17, 20]
+
+
+def test_a_soft_episode_survives_a_checkpoint() -> None:
+    """Saved mid-episode, the resumed policy keeps not arming; a state saved before the key existed loads as
+    after a calm step (the next soft reading arms)."""
+    policy = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    calm_losses(policy)
+    soft_run(policy, range(16, 20), measured=frozenset({17}))
+    state = policy.state_dict()
+    assert state["last_step_soft"] is True
+    resumed = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    assert resumed.decide(signals(20, loss=2.0, grad_norm=2.0)).grad_norm.level == "soft"
+    assert not resumed.signals_wanted(21).ds_stats
+    older = make(ds_stats_every_n_steps=1000, probe_every_n_steps=1000)
+    older.load_state_dict({k: v for k, v in state.items() if k != "last_step_soft"})
+    assert older.state_dict()["last_step_soft"] is False
+    older.decide(signals(20, loss=2.0, grad_norm=2.0))
+    assert older.signals_wanted(21).ds_stats
+
+
 def test_non_finite_gradients_skip_then_roll_back() -> None:
     policy = make(max_consecutive_skips=3)
     assert policy.decide(signals(0, grad_norm=NAN)).action == "skip"

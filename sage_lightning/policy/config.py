@@ -68,9 +68,10 @@ class PolicyConfig:
         spike_window: values the loss and gradient-norm spike detectors look back over.
         spike_min_history: values they need before flagging anything.
         loss_spike_z: robust z-score of the per-step loss above which it is a (soft) spike: the next step
-            measures the dS statistics.
+            measures the dS statistics, if the step before it read no soft spike (a run of them arms once).
         loss_hard_spike_z: robust z-score above which the loss is a hard spike: roll back and escalate.
-        grad_norm_spike_z: robust z-score of the gradient norm above which it is a (soft) spike.
+        grad_norm_spike_z: robust z-score of the gradient norm above which it is a (soft) spike (arms the dS
+            statistics as a soft loss spike does).
         spike_rel_floor: the detectors' spread is at least this fraction of the median.
         max_consecutive_skips: non-finite gradients this many steps in a row count as a divergence (roll back
             and escalate) instead of one more skipped step.

@@ -166,6 +166,8 @@ class PrecisionPolicy:
         self._consecutive_skips = 0
         self._last_hard_spike: int | None = None
         self._armed: dict[str, int] = {}
+        # Whether the last step decided had a soft loss or gradient-norm reading: a soft run arms dS only once.
+        self._last_step_soft = False
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
         self._rollbacks_without_progress = 0
         self._good_steps = 0
@@ -240,10 +242,18 @@ class PrecisionPolicy:
     def signals_wanted(self, step: int) -> SignalRequest:
         """Which optional signals to measure during optimizer step ``step``.
 
-        The cadences of the config, plus the dS statistics on the step after a spike or a skipped step, and
-        both signals on the step after a rollback, an escalation or a step down. An armed signal stays wanted
-        until a step measures it, so a verdict that lands a step late (``check_before_step=False``) still gets
-        its measurement. A probe step also measures dS, to attribute what the probe finds.
+        The cadences of the config, plus the dS statistics on the step after a hard spike or a skipped step and
+        on the step after the first of a run of soft spikes, and both signals on the step after a rollback, an
+        escalation or a step down. An armed signal stays wanted until a step measures it, so a verdict that lands
+        a step late (``check_before_step=False``) still gets its measurement. A probe step also measures dS, to
+        attribute what the probe finds.
+
+        Soft spikes arm once per episode: a step whose loss or gradient-norm reading is soft arms the dS
+        statistics for the next step only when the step decided before it had no soft reading. A fresh spike gets
+        its attribution measurement on the next step; a sustained rise (early training's growing gradient norm
+        reads soft on many steps in a row) gets that one measurement and then the cadence's, not one on every step
+        (each costs about a quarter of a step's device time). A calm step ends the episode; the next soft reading
+        arms again.
 
         Example::
 
@@ -345,13 +355,15 @@ class PrecisionPolicy:
             else:
                 if signals.grad_norm is not None:
                     grad_reading = self._grad_norm_detector.update(signals.grad_norm)
-                readings = (loss_reading, grad_reading)
-                if any(reading is not None and reading.level == "soft" for reading in readings):
+                if _soft(loss_reading, grad_reading) and not self._last_step_soft:
                     # A spike is not pinned on any layer yet: measure dS next step and let the layer rules act
-                    # on evidence. Not the probe: it costs about ten steps (float64 attention per layer), and
-                    # early training's growing gradient norm can flag many steps in a row.
+                    # on evidence. Only on the first soft step of a run: early training's growing gradient norm
+                    # can flag many steps in a row, and a dS-statistics step costs about +27% of a step's device
+                    # time (H200, 32K tokens per step); the cadence measures again within a long run. Not the
+                    # probe: it costs about ten steps (float64 attention per layer).
                     self._arm(step + 1, "ds_stats")
 
+        self._last_step_soft = _soft(loss_reading, grad_reading)
         if divergence is not None:
             self._consecutive_skips = 0
             self._good_steps = 0
@@ -723,6 +735,7 @@ class PrecisionPolicy:
             "consecutive_skips": self._consecutive_skips,
             "last_hard_spike": self._last_hard_spike,
             "armed": dict(self._armed),
+            "last_step_soft": self._last_step_soft,
             "rollbacks_without_progress": self._rollbacks_without_progress,
             "good_steps": self._good_steps,
             "tried": list(self._tried),
@@ -757,6 +770,8 @@ class PrecisionPolicy:
         self._consecutive_skips = int(state["consecutive_skips"])
         self._last_hard_spike = state["last_hard_spike"]
         self._armed = dict(state["armed"])
+        # Came later: a checkpoint from before it resumes as after a calm step (a soft reading next arms dS).
+        self._last_step_soft = bool(state.get("last_step_soft", False))
         self._rollbacks_without_progress = int(state["rollbacks_without_progress"])
         self._good_steps = int(state["good_steps"])
         self._tried = list(state["tried"])
@@ -791,6 +806,11 @@ def _require_keys(state: object, keys: Sequence[str], where: str) -> None:
             f"{where}: the state lacks {missing} (it has {sorted(state)}); it was not saved by this version's "
             "state_dict(): resume with the sage-lightning version that saved the checkpoint."
         )
+
+
+def _soft(*readings: SpikeReading | None) -> bool:
+    """Whether any of the step's spike readings is soft."""
+    return any(reading is not None and reading.level == "soft" for reading in readings)
 
 
 def _probe_cos(probe: Mapping[str, Mapping[str, float]], tensor: str) -> float | None:
