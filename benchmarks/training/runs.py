@@ -20,7 +20,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.training.specs import SDPA_BACKENDS, TRAINER_OWN, RunSpec
+from benchmarks.training.cudnn_fp8 import CudnnFp8Attention, check_serves
+from benchmarks.training.specs import CUDNN_FP8, SDPA_BACKENDS, TRAINER_OWN, RunSpec
 from examples.corpus import TextDataModule
 from examples.llama import LlamaConfig
 from examples.pretrain import LlamaPretraining, PretrainLogger, TokensPerSecond
@@ -125,9 +126,17 @@ def sdpa_backend(name: str | None) -> Iterator[None]:
         yield
 
 
+def sdpa_callbacks(name: str | None) -> list[Callback]:
+    """What an ``sdpa=`` setting adds to the Trainer: ``cudnn_fp8``'s routing of SDPA calls to cuDNN FP8."""
+    return [CudnnFp8Attention()] if name == CUDNN_FP8 else []
+
+
 def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device: str, dtype: torch.dtype) -> None:
     """Refuse a forced SDPA backend that cannot run this model's attention call (one forward and backward of SDPA
-    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training."""
+    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training; ``cudnn_fp8``:
+    :func:`.cudnn_fp8.check_serves`."""
+    if name == CUDNN_FP8:
+        return check_serves(cfg.d_model // cfg.n_heads, device, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
     if SDPA_BACKENDS[name or "default"] is None:
         return
     head_dim = cfg.d_model // cfg.n_heads
@@ -193,7 +202,9 @@ def warm_up(
     clock = TokensPerSecond(log_every_n_steps=1)
     trainer = L.Trainer(
         **trainer_args,
-        callbacks=[clock] + ([controller] if controller is not None else []),
+        callbacks=[clock]
+        + ([controller] if controller is not None else [])
+        + sdpa_callbacks(spec.sdpa_backend or sdpa),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -235,6 +246,7 @@ def run_one(
     throughput, curve = TokensPerSecond(), LossCurve()
     controller = run_controller(config, spec)
     callbacks: list[Callback] = [throughput, curve] + ([controller] if controller is not None else [])
+    callbacks += sdpa_callbacks(backend)
     trainer = L.Trainer(
         **trainer_args,
         callbacks=callbacks,
