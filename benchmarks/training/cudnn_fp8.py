@@ -20,7 +20,6 @@ from sage_lightning.layer import STATE_ATTRIBUTE
 FP8_MAX = 448.0  # e4m3's largest finite value
 #: The tensors with a scale: inputs, the output, the softmax probabilities (s), the score gradient (dp), gradients.
 ROLES = ("q", "k", "v", "o", "s", "do", "dp", "dq", "dk", "dv")
-INSTALL = "pip install nvidia-cudnn-frontend"
 
 
 class DelayedScaling:
@@ -37,7 +36,7 @@ class DelayedScaling:
         self.history: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}
 
-    def primed(self, role: str) -> bool:
+    def primed(self, role: str) -> bool:  # whether ``role`` has an amax on record
         return role in self.history
 
     def update(self, role: str, amax: torch.Tensor) -> None:
@@ -61,8 +60,8 @@ def frontend() -> Any:
     try:
         import cudnn
     except ImportError as error:
-        why = f"sdpa=cudnn_fp8 needs cuDNN's Python frontend, package nvidia-cudnn-frontend ({error}): `{INSTALL}`"
-        raise ImportError(why) from error
+        why = "package nvidia-cudnn-frontend: `pip install nvidia-cudnn-frontend`"
+        raise ImportError(f"sdpa=cudnn_fp8 needs cuDNN's Python frontend ({error}), {why}") from error
     return cudnn
 
 
@@ -88,7 +87,6 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 
 
 _GRAPHS: dict[tuple, tuple[Any, Any]] = {}
-_HANDLES: dict[int, Any] = {}
 # The graphs' inputs, in the order _execute takes their tensors; then their outputs (as "codes", "stats" or "amax").
 _FORWARD = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 _BACKWARD = ("q", "k", "v", "o", "dO", "stats", *(f"descale_{n}" for n in ("q", "k", "v", "o", "dO", "s", "dP")),
@@ -102,7 +100,7 @@ def _graphs(codes: torch.Tensor, causal: bool, attn_scale: float) -> tuple[Any, 
     if key not in _GRAPHS:
         cudnn = frontend()
         e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-        handle = _HANDLES.setdefault(codes.device.index, cudnn.create_handle())
+        handle = cudnn.create_handle()  # one a shape: a few in a run
         like = {"codes": codes, "stats": torch.empty(*codes.shape[:3], 1, device=codes.device)}
         like["amax"] = torch.ones(1, 1, 1, 1, device=codes.device)
         built = []
@@ -200,15 +198,11 @@ def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     seq, head_dim]`` CUDA tensors, key and value shaped as the query; e4m3 codes in and out, dequantized to the
     query's dtype (bf16 in training). ``scaling`` holds the layer's amax history; a call without grad (validation)
     quantizes with it but records nothing."""
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_cuda:
-            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"cudnn_fp8_attention: {name} must be a CUDA tensor; received {where}.")
-        if t.shape != q.shape or t.dim() != 4:
-            raise ValueError(
-                f"cudnn_fp8_attention: {name} must be [batch, heads, seq, head_dim] shaped as the query, "
-                f"{tuple(q.shape)} (no grouped heads); received {tuple(t.shape)}."
-            )
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 and t.shape == q.shape for t in tensors):
+        got = ", ".join(f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else repr(t) for t in tensors)
+        raise ValueError(f"cudnn_fp8_attention: query, key and value must be CUDA tensors [batch, heads, seq, "
+                         f"head_dim] of one shape (no grouped heads); received {got}.")  # fmt: skip
     check_serves(q.shape[-1], q.device)
     attn_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _Fp8Attention.apply(q, k, v, scaling, bool(is_causal), attn_scale, torch.is_grad_enabled())
@@ -233,17 +227,10 @@ class _RouteSdpa(TorchFunctionMode):
 
 class CudnnFp8Attention(Callback):
     """During fit, every swapped attention layer's SDPA calls (its mode ``"full"`` calls SDPA) run
-    :func:`cudnn_fp8_attention`, each layer with its own :class:`DelayedScaling` (:attr:`scaling`, by module name).
+    :func:`cudnn_fp8_attention`, each layer with its own :class:`DelayedScaling` (:attr:`scaling`, by module name):
+    ``L.Trainer(callbacks=[CudnnFp8Attention()]).fit(LlamaPretraining(config, attention="full"), ...)``."""
 
-    Example::
-
-        trainer = L.Trainer(callbacks=[CudnnFp8Attention()])
-        trainer.fit(LlamaPretraining(config, attention="full"), datamodule=data)
-    """
-
-    def __init__(self, history_len: int = 16, margin: int = 0) -> None:
-        DelayedScaling(history_len, margin)  # refuses bad values here
-        self.history_len, self.margin = history_len, margin
+    def __init__(self) -> None:
         self.scaling: dict[str, DelayedScaling] = {}
         self._hooks: list[Any] = []
 
@@ -251,7 +238,7 @@ class CudnnFp8Attention(Callback):
         # Here, not before fit: the mixin swaps the layers in configure_model.
         for name, module in pl_module.named_modules():
             if STATE_ATTRIBUTE in module.__dict__:
-                mode = _RouteSdpa(self.scaling.setdefault(name, DelayedScaling(self.history_len, self.margin)))
+                mode = _RouteSdpa(self.scaling.setdefault(name, DelayedScaling()))
 
                 def enter(module: Any, args: Any, mode: _RouteSdpa = mode) -> None:
                     mode.__enter__()
