@@ -179,7 +179,8 @@ GPU = torch.cuda.is_available() and importlib.util.find_spec("cudnn") is not Non
 def test_gpu_forward_and_backward_match_float32_sdpa(causal: bool) -> None:
     torch.manual_seed(0)
     scaling = DelayedScaling()
-    q, k, v = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    # [batch, heads, seq, head_dim] views of [batch, seq, heads, head_dim], as a model's projections give them.
+    q, k, v = (torch.randn(2, 512, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
     grad = torch.randn_like(q)
     ref = [t.float().requires_grad_(True) for t in (q, k, v)]
     F.scaled_dot_product_attention(*ref, is_causal=causal).backward(grad.float())
@@ -194,3 +195,23 @@ def test_gpu_forward_and_backward_match_float32_sdpa(causal: bool) -> None:
             print(f"step {step} causal={causal} {name} rel_l2 {error:.4f}")
             assert error < 0.3, (step, name, error)
     assert all(scaling.primed(role) for role in cudnn_fp8.ROLES)
+
+
+@pytest.mark.skipif(not GPU, reason="needs CUDA and cuDNN's frontend (pip install nvidia-cudnn-frontend)")
+def test_gpu_a_model_trains_through_the_callback() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig.from_name("tiny", n_layers=2, d_model=256, n_heads=2, n_kv_heads=2, max_seq_len=256)
+    model = LlamaPretraining(config, attention="full").cuda()
+    model.configure_model()
+    callback = cudnn_fp8.CudnnFp8Attention()
+    callback.on_fit_start(None, model)
+    ids = torch.randint(0, config.vocab_size, (2, 256), device="cuda")
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(ids[:, :-1]).float().flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        assert torch.isfinite(loss), loss
+    assert len(callback.scaling) == 2
+    assert all(s.primed(role) for s in callback.scaling.values() for role in cudnn_fp8.ROLES)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

@@ -79,7 +79,8 @@ def check_serves(head_dim: int, device: torch.device | str, heads: int = 1, kv_h
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # Clamped: torch's e4m3 cast is not saturating (out of range gives NaN); delayed scales can be too large.
-    return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    # Contiguous: the graphs are built for one layout (a model's q, k, v are often transposed views).
+    return (x.float() * scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -131,9 +132,8 @@ def _execute(graph: tuple, tensors: list[torch.Tensor], outputs: list[torch.Tens
     g.execute(pack, workspace, handle=handle)
 
 
-def scaled_call(
-    scaling: DelayedScaling, amaxes: dict[str, torch.Tensor], produced: tuple[str, ...], run: Callable, record: bool
-) -> tuple[Any, dict[str, torch.Tensor]]:
+def scaled_call(scaling: DelayedScaling, amaxes: dict[str, torch.Tensor], produced: tuple[str, ...], run: Callable,
+        record: bool) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
     """``run(scales) -> (results, amaxes of produced)`` with delayed scales. A produced role without history (the
     first step) takes the graph's own amax: ``run`` once to read it, then again with the scale it gives."""
     device = next(iter(amaxes.values())).device
