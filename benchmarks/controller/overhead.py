@@ -444,18 +444,13 @@ def main(argv: list[str] | None = None) -> dict:
         table += "\n\nProfiled (`--profile-steps`):\n\n" + format_profile(result["profile"])
     print(table)
     write(result, out)
+    synchronised = "where the measured steps start and end only" if args.no_step_sync else "at every step's end"
     heading = (
         f"# AdaptivePrecision overhead per optimizer step\n\n{name}, {result['date']}, commit {result['commit']}\n\n"
         f"`{result['command']}`\n\n{args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
         f"batch {args.batch}, {args.precision}, backend {args.backend}; mean over the measured steps after "
         f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, each setting paired with the baseline runs "
-        "just before and after it; "
-        + (
-            "the device synchronised where the measured steps start and end only"
-            if args.no_step_sync
-            else "the device synchronised at every step's end"
-        )
-        + ".\n\n"
+        f"just before and after it; the device synchronised {synchronised}.\n\n"
     )
     out.with_suffix(".md").write_text(heading + table + "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")

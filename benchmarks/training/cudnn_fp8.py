@@ -90,8 +90,16 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 _GRAPHS: dict[tuple, tuple[Any, Any]] = {}
 # The graphs' inputs, in the order _execute takes their tensors; then their outputs (as "codes", "stats" or "amax").
 _FORWARD = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-_BACKWARD = ("q", "k", "v", "o", "dO", "stats", *(f"descale_{n}" for n in ("q", "k", "v", "o", "dO", "s", "dP")),
-             *(f"scale_{n}" for n in ("s", "dQ", "dK", "dV", "dP")))  # fmt: skip
+_BACKWARD = (
+    "q",
+    "k",
+    "v",
+    "o",
+    "dO",
+    "stats",
+    *(f"descale_{n}" for n in ("q", "k", "v", "o", "dO", "s", "dP")),
+    *(f"scale_{n}" for n in ("s", "dQ", "dK", "dV", "dP")),
+)
 _OUTPUTS = {"sdpa_fp8": ("codes", "stats", "amax", "amax"), "sdpa_fp8_backward": ("codes",) * 3 + ("amax",) * 4}
 
 
@@ -132,8 +140,9 @@ def _execute(graph: tuple, tensors: list[torch.Tensor], outputs: list[torch.Tens
     g.execute(pack, workspace, handle=handle)
 
 
-def scaled_call(scaling: DelayedScaling, amaxes: dict[str, torch.Tensor], produced: tuple[str, ...], run: Callable,
-        record: bool) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip
+def scaled_call(
+    scaling: DelayedScaling, amaxes: dict[str, torch.Tensor], produced: tuple[str, ...], run: Callable, record: bool
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """``run(scales) -> (results, amaxes of produced)`` with delayed scales. A produced role without history (the
     first step) takes the graph's own amax: ``run`` once to read it, then again with the scale it gives."""
     device = next(iter(amaxes.values())).device
@@ -192,8 +201,15 @@ class _Fp8Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scaling: DelayedScaling,
-                        is_causal: bool = False, scale: float | None = None) -> torch.Tensor:  # fmt: skip
+def cudnn_fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scaling: DelayedScaling,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` on cuDNN's FP8 graphs: ``[batch, heads,
     seq, head_dim]`` CUDA tensors, key and value shaped as the query; e4m3 codes in and out, dequantized to the
     query's dtype (bf16 in training). ``scaling`` holds the layer's amax history; a call without grad (validation)
@@ -201,8 +217,10 @@ def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 and t.shape == q.shape for t in tensors):
         got = ", ".join(f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else repr(t) for t in tensors)
-        raise ValueError(f"cudnn_fp8_attention: query, key and value must be CUDA tensors [batch, heads, seq, "
-                         f"head_dim] of one shape (no grouped heads); received {got}.")  # fmt: skip
+        raise ValueError(
+            f"cudnn_fp8_attention: query, key and value must be CUDA tensors [batch, heads, seq, "
+            f"head_dim] of one shape (no grouped heads); received {got}."
+        )
     check_serves(q.shape[-1], q.device)
     attn_scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _Fp8Attention.apply(q, k, v, scaling, bool(is_causal), attn_scale, torch.is_grad_enabled())

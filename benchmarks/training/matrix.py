@@ -76,8 +76,11 @@ def baseline_groups(seed: int, large_batch: int, seq_len: int) -> list[Group]:
     for second in (False, True):
         suffix, run_seed = (f"-seed{seed + 1}", seed + 1) if second else ("", None)
         off = {"controller": False, "seed": run_seed}
-        runs += [RunSpec(f"full{suffix}", "full", **off), RunSpec(f"sage-fixed{suffix}", "sage", **off),
-                 RunSpec(f"cudnn-fp8{suffix}", "full", sdpa_backend="cudnn_fp8", **off)]  # fmt: skip
+        runs += [
+            RunSpec(f"full{suffix}", "full", **off),
+            RunSpec(f"sage-fixed{suffix}", "sage", **off),
+            RunSpec(f"cudnn-fp8{suffix}", "full", sdpa_backend="cudnn_fp8", **off),
+        ]
     title = f"{large_batch * seq_len:,} tokens per step ({large_batch} x {seq_len}), QK-norm, 5 heads of 128"
     changes = [f"data.batch_size={large_batch}", "model.config.qk_norm=true", "model.config.n_heads=5"]
     return [Group("large-qknorm-d128", title, [*changes, "model.config.n_kv_heads=5"], tuple(runs))]

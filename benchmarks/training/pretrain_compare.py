@@ -8,9 +8,10 @@ TensorBoard logs, in ``--out-dir`` (``$OUT`` when set, else ``benchmarks/results
 
 ``--runs`` takes runs that differ in more than the attention, one ``ATTENTION[:KEY=VALUE,...]`` each, keys
 ``controller=on|off``, ``seed=N``, ``smooth_k=on|off``, ``smooth_q=on|off``, ``sdpa=BACKEND`` (the SDPA backend
-``full`` layers call) and ``name=NAME``; ``ATTENTION`` is a key of ``examples.pretrain``'s ``ATTENTION_MODES``.
-``--matrix evidence`` runs issue #7's matrix (``benchmarks.training.matrix``). ``--set section.key=value`` changes
-one config entry for every run; no LightningCLI (no jsonargparse needed).
+``full`` layers call; ``cudnn_fp8``: cuDNN's FP8 attention, ``cudnn_fp8.py``) and ``name=NAME``; ``ATTENTION`` is a
+key of ``examples.pretrain``'s ``ATTENTION_MODES``. ``--matrix evidence`` runs issue #7's matrix (``matrix.py``;
+``--groups large-qknorm-d128``: issue 42's cuDNN FP8 baseline). ``--set section.key=value`` changes one config entry
+for every run; no LightningCLI (no jsonargparse needed).
 
 Example::
 

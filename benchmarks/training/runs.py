@@ -133,8 +133,7 @@ def sdpa_callbacks(name: str | None) -> list[Callback]:
 
 def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device: str, dtype: torch.dtype) -> None:
     """Refuse a forced SDPA backend that cannot run this model's attention call (one forward and backward of SDPA
-    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training; ``cudnn_fp8``:
-    :func:`.cudnn_fp8.check_serves`."""
+    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training (``check_serves``)."""
     if name == CUDNN_FP8:
         return check_serves(cfg.d_model // cfg.n_heads, device, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
     if SDPA_BACKENDS[name or "default"] is None:
@@ -200,11 +199,10 @@ def warm_up(
     if controller is not None:
         controller.verbose = False
     clock = TokensPerSecond(log_every_n_steps=1)
+    callbacks = [clock] + ([controller] if controller is not None else []) + sdpa_callbacks(spec.sdpa_backend or sdpa)
     trainer = L.Trainer(
         **trainer_args,
-        callbacks=[clock]
-        + ([controller] if controller is not None else [])
-        + sdpa_callbacks(spec.sdpa_backend or sdpa),
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
