@@ -35,6 +35,18 @@ def test_the_scale_is_fp8_max_over_the_largest_amax_of_the_window() -> None:
     assert _scales(margin, "dq") == [448.0 / 4 / 4]
 
 
+def test_the_probabilities_keep_the_fixed_scale_whatever_their_amax() -> None:
+    # P is at most 1: 448 P spans e4m3. A delayed scale from P's amax (2245 for 0.2) gave O a rel L2 of 0.54 on an H200.
+    scaling = DelayedScaling(history_len=2)
+    for amax in (0.2, 1.0, 0.01, 0.0, float("inf"), float("nan"), 5.0):
+        scaling.update("s", torch.tensor(amax))
+        assert _scales(scaling, "s") == [448.0], amax
+    assert scaling.primed("s") and scaling.history["s"].tolist() == [5.0, 0.0]  # the amaxes are still recorded
+    margin = DelayedScaling(margin=1)
+    margin.update("s", torch.tensor(0.2))
+    assert _scales(margin, "s") == [224.0]
+
+
 def test_zero_and_non_finite_amaxes_keep_the_previous_scale() -> None:
     scaling = DelayedScaling(history_len=2)
     scaling.update("o", torch.tensor(0.0))
@@ -193,7 +205,7 @@ def test_gpu_forward_and_backward_match_float32_sdpa(causal: bool) -> None:
             assert got.dtype == torch.bfloat16 and torch.isfinite(got).all(), (step, name)
             error = ((got.float() - want).norm() / want.norm()).item()
             print(f"step {step} causal={causal} {name} rel_l2 {error:.4f}")
-            assert error < 0.3, (step, name, error)
+            assert error < 0.15, (step, name, error)  # H200: 0.053 to 0.071
     assert all(scaling.primed(role) for role in cudnn_fp8.ROLES)
 
 

@@ -1,7 +1,12 @@
 """cuDNN's FP8 (e4m3) attention as a training baseline (issue 42; what TransformerEngine's ``fp8_dpa`` runs): an
 autograd wrapper over the cuDNN frontend's ``sdpa_fp8`` forward and backward graphs with per-tensor delayed scaling,
 and the callback behind ``pretrain_compare``'s ``sdpa=cudnn_fp8``. Benchmarks only; the frontend is a benchmark
-dependency (``pip install nvidia-cudnn-frontend``), imported at the first call."""
+dependency (``pip install nvidia-cudnn-frontend``), imported at the first call.
+
+GPU smoke test (H200, torch 2.11, cuDNN frontend 1.32.0, 2x4x512x128 bf16 against float32 SDPA), relative L2 error:
+non-causal O 0.0586, dQ 0.0711, dK 0.0708, dV 0.0593; causal O 0.0530, dQ 0.0687, dK 0.0682, dV 0.0552; the 3-step
+training test through the callback passed. That is with the probabilities' scale fixed at 448: a delayed one from their
+amax gave O an error of 0.54."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from sage_lightning.interception import bind_sdpa_arguments
@@ -24,9 +30,10 @@ ROLES = ("q", "k", "v", "o", "s", "do", "dp", "dq", "dk", "dv")
 
 class DelayedScaling:
     """Per-tensor FP8 scales as TransformerEngine's delayed scaling: ``fp8_max / max(history) / 2**margin`` over the
-    last ``history_len`` amaxes of each role. A call quantizes with the scales of earlier steps, then records its own
-    amax; a role's first call takes its current amax. A non-finite amax is recorded as 0 (the step is lost, not the
-    window), and a window of zeros keeps the previous scale. Pure torch, no host sync."""
+    last ``history_len`` amaxes of each role (the probabilities' ``s``: ``fp8_max / 2**margin``, P being at most 1).
+    A call quantizes with the scales of earlier steps, then records its own amax; a role's first call takes its
+    current amax. A non-finite amax is recorded as 0 (the step is lost, not the window), and a window of zeros keeps
+    the previous scale. Pure torch, no host sync."""
 
     def __init__(self, history_len: int = 16, margin: int = 0) -> None:
         for name, value, low in (("history_len", history_len, 1), ("margin", margin, 0)):
@@ -47,7 +54,9 @@ class DelayedScaling:
         amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
         past = self.history.get(role, torch.zeros(self.history_len, device=amax.device))
         self.history[role] = torch.cat([amax, past[:-1]])
-        top = self.history[role].max()
+        # P (role "s") is at most 1, so 448 P spans e4m3: a delayed scale from P's amax (2245 for 0.2) gave cuDNN's O
+        # a relative L2 error of 0.54 on an H200 (device run 19), 448 gave 0.059.
+        top = torch.ones_like(amax[0]) if role == "s" else self.history[role].max()
         self.scales[role] = torch.where(top > 0, FP8_MAX / top / 2**self.margin, self.scale(role, amax.device))
 
     def scale(self, role: str, device: torch.device | str) -> torch.Tensor:
@@ -90,16 +99,8 @@ def _dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 _GRAPHS: dict[tuple, tuple[Any, Any]] = {}
 # The graphs' inputs, in the order _execute takes their tensors; then their outputs (as "codes", "stats" or "amax").
 _FORWARD = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
-_BACKWARD = (
-    "q",
-    "k",
-    "v",
-    "o",
-    "dO",
-    "stats",
-    *(f"descale_{n}" for n in ("q", "k", "v", "o", "dO", "s", "dP")),
-    *(f"scale_{n}" for n in ("s", "dQ", "dK", "dV", "dP")),
-)
+_BACKWARD = ("q", "k", "v", "o", "dO", "stats", *(f"descale_{n}" for n in ("q", "k", "v", "o", "dO", "s", "dP")))
+_BACKWARD += tuple(f"scale_{n}" for n in ("s", "dQ", "dK", "dV", "dP"))
 _OUTPUTS = {"sdpa_fp8": ("codes", "stats", "amax", "amax"), "sdpa_fp8_backward": ("codes",) * 3 + ("amax",) * 4}
 
 
@@ -202,14 +203,8 @@ class _Fp8Attention(torch.autograd.Function):
 
 
 def cudnn_fp8_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    scaling: DelayedScaling,
-    is_causal: bool = False,
-    scale: float | None = None,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, scaling: DelayedScaling, is_causal: bool = False, scale: float | None = None
+) -> Tensor:
     """``scaled_dot_product_attention(q, k, v, is_causal=..., scale=...)`` on cuDNN's FP8 graphs: ``[batch, heads,
     seq, head_dim]`` CUDA tensors, key and value shaped as the query; e4m3 codes in and out, dequantized to the
     query's dtype (bf16 in training). ``scaling`` holds the layer's amax history; a call without grad (validation)
