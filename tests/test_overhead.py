@@ -11,7 +11,6 @@ import weakref
 import pytest
 
 from benchmarks.controller import overhead
-from benchmarks.controller import thresholds as controller_thresholds
 
 HEADER = {"kind", "device", "date", "commit", "command", "versions", "rows"}
 TINY = ["--device", "cpu", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32", "--batch", "2"]
@@ -81,18 +80,6 @@ def test_the_hook_clock_charges_each_hook_to_its_optimizer_step() -> None:
         "on_before_optimizer_step",
         "on_train_batch_end",
     }
-
-
-def test_controller_thresholds_runs_small(tmp_path) -> None:
-    signals, calm = controller_thresholds.main(["--seq", "64", "--steps", "20", "--out-dir", str(tmp_path)])
-    assert signals["kind"] == "accuracy" and calm["kind"] == "training"
-    rows = {(r["inputs"], r["label"], r["tensor"]): r for r in signals["rows"]}
-    assert rows[("normal sigma=1", "full", "ds_rel_err")]["rel_l2"] is None  # full mode leaves the buffer alone
-    assert 0 < rows[("normal sigma=1", "base", "ds_rel_err")]["rel_l2"] < 0.2
-    assert rows[("normal sigma=1", "full", "dQ")]["cos"] > 0.9999
-    assert len(calm["rows"]) == 20 and all(r["train_loss"] > 0 for r in calm["rows"])
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert len(names) == 4 and all(n.startswith(("accuracy-cpu-", "training-cpu-")) for n in names)
 
 
 def test_overhead_records_each_round_s_median_step_and_decisions(tmp_path, monkeypatch) -> None:
