@@ -1,5 +1,5 @@
-"""benchmarks.controller.overhead and .thresholds run at tiny sizes on CPU and write result
-files in the format of /work/shared/RESULTS.md."""
+"""benchmarks.controller.overhead runs at tiny sizes on CPU and writes result files in the format of
+/work/shared/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_overhead_runs_with_tiny_flags(tmp_path) -> None:
             assert len(each) == row["steps"] and all(ms > 0 for ms in each)
     assert saved["rows"][0]["overhead"] == 0.0
     table = out.with_suffix(".md").read_text()
-    assert "| callback, defaults | 3 |" in table and "Defaults rebuilt from the breakdown" in table
+    assert "| callback, defaults | 3 |" in table and "\n\nThe defaults' hooks on the host" in table
     # The controller's own host time per step, from the hook clock: none without it, some with it.
     rows = {row["what"]: row for row in saved["rows"]}
     assert rows["no callback"]["round_hook_host_ms"] == [{}]
@@ -191,6 +191,6 @@ def test_skipped_settings_are_left_out_and_the_noise_settings_run(tmp_path) -> N
     saved = overhead.main([*argv, "--repeats", "1", "--out", str(out)])
     assert [row["what"] for row in saved["rows"]] == kept
     assert all(row["round_decisions"] == [[]] for row in saved["rows"])  # measured, never acted on
-    assert "Defaults rebuilt" not in out.with_suffix(".md").read_text()  # its settings were skipped
+    assert "The defaults' hooks" not in out.with_suffix(".md").read_text()  # its setting was skipped
     with pytest.raises(SystemExit):
         overhead.parse_args([*TINY, "--skip", "no callback"])  # the baseline cannot be left out
