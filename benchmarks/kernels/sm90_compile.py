@@ -370,7 +370,7 @@ def report(
     out: Path | None,
     verbose: bool = False,
     *,
-    case_width: int = 38,
+    case_width: int = 42,
     kernel_width: int = 26,
     skip: tuple[str, ...] = (),
 ) -> None:
