@@ -6,6 +6,11 @@
 #   small-qknorm     8 x 2048 = 16K tokens per step, QK-norm: full, SageBwd fixed, SageBwd + controller, full seed 1235
 #   large-no-qknorm  131K tokens per step, no QK-norm: full, SageBwd fixed, SageBwd + controller
 #   e2e-seq4096    8 x 4096 tokens per step, 100 steps each: SageBwd fixed, full on SDPA cuDNN, full on SDPA flash
+# Run only when --groups names it (EXTRA_ARGS="--groups large-qknorm-d128"; issue 42's baseline):
+#   large-qknorm-d128  131K tokens per step, QK-norm, 5 query and 5 key/value heads of 128 (cuDNN's FP8 attention
+#                    declines head dim 64 on Hopper): full, SageBwd fixed, cuDNN FP8 attention with delayed scaling
+#                    (sdpa=cudnn_fp8, benchmarks/training/cudnn_fp8.py), each with seeds 1234 and 1235; needs the
+#                    nvidia-cudnn-frontend package (a benchmark dependency: on PYTHONPATH, or pip install it)
 # The matrix keeps the final model of large-qknorm's first full-precision run (--save-checkpoint large-qknorm/full:
 # $WORK/checkpoints/evidence-large-qknorm-full.ckpt, and the config it trained with beside it as .yaml), the input of
 # the per-tensor error on real activations (the retired attribution.py: benchmarks/results/retired.md).

@@ -165,7 +165,10 @@ def test_an_fp8_run_trains_and_records_its_precision(tmp_path: Path, monkeypatch
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--sdpa-backend", "fast"], "--sdpa-backend must be one of default, cudnn, flash, efficient, math; received"),
+        (
+            ["--sdpa-backend", "fast"],
+            "--sdpa-backend must be one of default, cudnn, flash, efficient, math, cudnn_fp8; received",
+        ),
         (["--attention", "sage", "--runs", "full"], "give --attention or --runs, not both"),
         (["--matrix", "all", "--tokens-per-run", "1"], "--matrix must be one of evidence; received 'all'"),
         (["--matrix", "evidence"], "--matrix needs --budget-minutes"),

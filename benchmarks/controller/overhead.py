@@ -284,7 +284,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def format_table(result: dict) -> str:
-    """The markdown table of one result file, and the defaults' overhead rebuilt from the breakdown rows."""
+    """The markdown table of one result file, then the defaults' host time, the slowest steps and the collector."""
     lines = [
         "| setting | steps | step_ms | baseline_step_ms | overhead (paired) | rounds (ms; / paired baseline) "
         "| median step, rounds (ms) | decisions, rounds | verdicts that waited, rounds "
@@ -307,27 +307,8 @@ def format_table(result: dict) -> str:
             f"{row['overhead']:+.2%} | {each} | {medians} | {decided} | {waited} | {host} |"
         )
     base = by_label[BASELINE]["step_ms"]
-    config, callback = PolicyConfig(), AdaptivePrecision()
-    periods = {
-        "dS statistics every step": config.ds_stats_every_n_steps,
-        "probe every step": config.probe_every_n_steps,
-        "snapshot every step": callback.snapshot_every_n_steps,
-    }
-    if not {"callback, signals and snapshots off", *(f"callback, {what}" for what in periods)} <= set(by_label):
-        return "\n".join(lines)  # a setting was skipped: no rebuilt estimate
-    off = base * (1 + by_label["callback, signals and snapshots off"]["overhead"])
-    parts = [("every step", off - base)]
-    for what, period in periods.items():
-        armed = base * (1 + by_label[f"callback, {what}"]["overhead"])
-        parts.append((f"{what[: -len(' every step')]} / {period}", (armed - off) / period))
-    estimate = sum(cost for _, cost in parts)
-    lines += [
-        "",
-        "Defaults rebuilt from the breakdown (ms per step): "
-        + " + ".join(f"{what} {cost:.3f}" for what, cost in parts)
-        + f" = {estimate:.3f} ms, {estimate / base:+.2%} of the baseline.",
-    ]
-    defaults = [clock for clock in by_label["callback, defaults"].get("round_hook_host_ms", []) if clock]
+    lines.append("")
+    defaults = [clock for clock in by_label.get("callback, defaults", {}).get("round_hook_host_ms", []) if clock]
     if defaults:
         median = statistics.median(clock["median_ms"] for clock in defaults)
         mean = statistics.median(clock["mean_ms"] for clock in defaults)
@@ -444,18 +425,13 @@ def main(argv: list[str] | None = None) -> dict:
         table += "\n\nProfiled (`--profile-steps`):\n\n" + format_profile(result["profile"])
     print(table)
     write(result, out)
+    synchronised = "where the measured steps start and end only" if args.no_step_sync else "at every step's end"
     heading = (
         f"# AdaptivePrecision overhead per optimizer step\n\n{name}, {result['date']}, commit {result['commit']}\n\n"
         f"`{result['command']}`\n\n{args.layers} layers, d_model {args.d_model}, {args.heads} heads, seq {args.seq}, "
         f"batch {args.batch}, {args.precision}, backend {args.backend}; mean over the measured steps after "
         f"{args.warmup} warm-up steps; medians of {args.repeats} rounds, each setting paired with the baseline runs "
-        "just before and after it; "
-        + (
-            "the device synchronised where the measured steps start and end only"
-            if args.no_step_sync
-            else "the device synchronised at every step's end"
-        )
-        + ".\n\n"
+        f"just before and after it; the device synchronised {synchronised}.\n\n"
     )
     out.with_suffix(".md").write_text(heading + table + "\n")
     print(f"wrote {out} and {out.with_suffix('.md')}")

@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.controller.overhead_timing import (
     HOOKS,  # the controller's training hooks, each traced as ``AdaptivePrecision.<hook>``
+    synchronize,
 )
 from benchmarks.kernels.profiling import kernel_ms
 
@@ -58,7 +59,7 @@ class ProfilerWindow(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._profile is None and self._averages is None and trainer.global_step == self.start_step:
-            _synchronize(pl_module)
+            synchronize(pl_module)
             cuda = [ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else []
             activities = cuda if self.device_only and cuda else [ProfilerActivity.CPU, *cuda]
             self._profile = profile(activities=activities)
@@ -67,7 +68,7 @@ class ProfilerWindow(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self._profile is not None and trainer.global_step >= self.start_step + self.steps:
-            _synchronize(pl_module)
+            synchronize(pl_module)
             self._profile.__exit__(None, None, None)
             self._averages, self._profile = self._profile.key_averages(), None
             self.wall_s = time.perf_counter() - self._started
@@ -91,11 +92,6 @@ class ProfilerWindow(Callback):
 
 #: The settings profiled (labels of ``overhead``'s ``SETTINGS``), the baseline first.
 PROFILED = ("no callback", "callback, defaults", "callback, dS statistics every step")
-
-
-def _synchronize(pl_module: L.LightningModule) -> None:
-    if pl_module.device.type == "cuda":
-        torch.cuda.synchronize(pl_module.device)
 
 
 def format_profile(profiles: dict[str, dict[str, Any]], baseline: str = "no callback", top: int = 12) -> str:

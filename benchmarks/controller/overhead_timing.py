@@ -119,6 +119,12 @@ class HookClock:
         }
 
 
+def synchronize(pl_module: L.LightningModule) -> None:
+    """Wait for the module's device (a no-op off CUDA)."""
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
+
+
 class StepTimer(Callback):
     """Wall time of each optimizer step, the device synchronised at its end; with ``step_sync=False`` on CUDA,
     synchronised only where the measured window starts (the end of step ``skip - 1``) and ends, each step's end
@@ -135,7 +141,7 @@ class StepTimer(Callback):
         self._window_ms = 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._synchronize(pl_module)
+        synchronize(pl_module)
         self.ends.append(time.perf_counter())
         self._step = trainer.global_step
 
@@ -148,24 +154,19 @@ class StepTimer(Callback):
             event.record()
             self._events.append(event)
             if len(self._events) == self.skip:
-                self._synchronize(pl_module)
+                synchronize(pl_module)
                 self._window_start = time.perf_counter()
             return
-        self._synchronize(pl_module)
+        synchronize(pl_module)
         self.ends.append(time.perf_counter())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._events_only(pl_module):
-            self._synchronize(pl_module)
+            synchronize(pl_module)
             self._window_ms = 1000 * (time.perf_counter() - self._window_start)
 
     def _events_only(self, pl_module: L.LightningModule) -> bool:
         return not self.step_sync and pl_module.device.type == "cuda"
-
-    @staticmethod
-    def _synchronize(pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
 
     def step_ms(self, skip: int) -> float:
         """Mean milliseconds per step after the first ``skip`` steps (on CUDA without the per-step sync: from the

@@ -72,17 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     dv="int8", dp="bf16", ds="int8",
                 )  # fmt: skip
     failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)
-
-    import triton
-
-    offline.report_gluon_compile(
-        f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16",
-        args.out,
-        args.verbose,
-        case_width=48,
-        kernel_width=20,
-        skip=("_dq_kernel",),
-    )
+    offline.report(args.seq, args.out, args.verbose, case_width=48, kernel_width=20, skip=("_dq_kernel",))
     return 1 if failures else 0
 
 

@@ -106,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
                 _portable(x, causal)
     failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dq") and not r.error and not r.fits)
-
-    import triton
-
-    title = f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16"
-    offline.report_gluon_compile(title, args.out, args.verbose, case_width=40, kernel_width=18)
+    offline.report(args.seq, args.out, args.verbose, case_width=40, kernel_width=18)
     return 1 if failures else 0
 
 

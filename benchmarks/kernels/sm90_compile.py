@@ -1,7 +1,7 @@
 """Compile every Triton kernel of a forward and backward for a Hopper GPU, on a machine without one.
 
 A stand-in CUDA driver in Triton (target ``sm_90``, 227 KiB of shared memory per block, launches that do nothing)
-lets SageBwd's and Attn-QAT's entry points run on CPU tensors, so every kernel and autotuning candidate compiles as on
+lets SageBwd's entry points run on CPU tensors, so every kernel and autotuning candidate compiles as on
 the GPU (nothing is checked numerically). Per kernel: launch config, tile constexprs, shared memory and whether it
 fits, registers and spills, blocks per SM, the hot loop's SASS size (:data:`QUARTER_RATE`), ``wgmma``/``mma.sync``
 and local memory. Run it with the GPU image's Triton (3.6) in a CPU-only environment, as ``.ci/run`` makes one
@@ -312,40 +312,28 @@ def _install() -> None:
 def _cases(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """(name, settings) of every entry point call this run compiles."""
     cases = []
-    formats = dict(item.split("=", 1) for item in args.formats)
     for head_dim in args.head_dim:
         for causal in (False, True):
             for tile in args.tiles:
                 block_m, block_n = (int(x) for x in tile.split("x"))
                 for path in PATHS[args.path]:
                     name = f"sagebwd D={head_dim} causal={causal} {block_m}x{block_n} {path}"
-                    settings = dict(impl="sagebwd", head_dim=head_dim, causal=causal, tiles=(block_m, block_n),
-                                    formats=formats)  # fmt: skip
-                    cases.append((name, {**settings, "path": path}))
-            if args.attn_qat:
-                for matched in (True, False):
-                    name = f"attn_qat D={head_dim} causal={causal} {'matched' if matched else 'dropin'}"
-                    cases.append((name, dict(impl="attn_qat", head_dim=head_dim, causal=causal, matched=matched)))
+                    cases.append((name, dict(head_dim=head_dim, causal=causal, tiles=(block_m, block_n), path=path)))
     return cases
 
 
 def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     """Call one entry point forward and backward on CPU tensors (their values are never read on a device)."""
-    from sage_lightning.kernels import AttentionPrecision, plan
+    from sage_lightning.kernels import plan
     from sage_lightning.kernels.ops import sage_attention_triton
 
     # The Hopper path is taken only on a verified GPU; here it is forced (or switched off) for the call.
-    os.environ[HOPPER_ENV] = {"hopper": "force", "portable": "off"}[settings.get("path", "portable")]
+    os.environ[HOPPER_ENV] = {"hopper": "force", "portable": "off"}[settings["path"]]
     plan.refresh_settings()
     shape = (1, heads, seq, settings["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
-    if settings["impl"] == "sagebwd":
-        precision = AttentionPrecision(**settings.get("formats", {}))
-        tiles = dict(zip(("block_m", "block_n"), settings["tiles"], strict=True))
-    else:  # Attn-QAT: its own tiles (sage_attention_triton's defaults for the preset)
-        precision = AttentionPrecision.attn_qat(backward="matched" if settings["matched"] else "dropin")
-        tiles = {}
-    out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], precision=precision, with_lse=False, **tiles)
+    tiles = dict(zip(("block_m", "block_n"), settings["tiles"], strict=True))
+    out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], with_lse=False, **tiles)
     out.backward(torch.randn_like(out))
 
 
@@ -377,24 +365,22 @@ def backward_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: i
     )
 
 
-def report_gluon_compile(
-    title: str,
+def report(
+    seq: int,
     out: Path | None,
-    verbose: bool,
+    verbose: bool = False,
     *,
-    case_width: int = 40,
-    kernel_width: int = 20,
+    case_width: int = 42,
+    kernel_width: int = 26,
     skip: tuple[str, ...] = (),
 ) -> None:
-    """The Gluon compile scripts' table (``benchmarks.kernels.gluon_*_compile``): one line per compiled kernel of
-    :data:`_RECORDS` (its warps, stages, shared memory, registers, spills, local-memory operations, CTAs per SM,
-    hot-loop SASS, ptxas's C7514 (wgmma serialized) and wgmma shapes), and the records as JSON in ``out``.
+    """The compile scripts' table: one line per compiled kernel of :data:`_RECORDS` (its tiles, warps, stages, shared
+    memory, registers, spills, local-memory operations, CTAs per SM, hot-loop SASS, ptxas's C7514 (wgmma serialized)
+    and tensor-core instructions), and the records as JSON in ``out``.
     """
-    import triton
-
     cw, kw = case_width, kernel_width
-    print(title)
-    print(f"{'case':<{cw}} {'kernel':<{kw}} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} "
+    print(f"Triton {triton.__version__}, target sm_90 (offline), seq {seq}, bf16")
+    print(f"{'case':<{cw}} {'kernel':<{kw}} {'tiles':>7} {'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} "
           f"{'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14} {'serial':>6}  wgmma")  # fmt: skip
     for row in _RECORDS:
         if row.kernel in skip:
@@ -404,16 +390,20 @@ def report_gluon_compile(
             if verbose:
                 print(row.error)
             continue
+        tiles = "x".join(str(row.constants[k]) for k in ("BLOCK_M", "BLOCK_N") if k in row.constants)
         mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
+        if row.mma_sync:
+            mma += f", {row.mma_sync}x mma.sync"
         print(
-            f"{row.case:<{cw}} {row.kernel[:kw]:<{kw}} {row.num_warps:>2} {row.num_stages:>2} "
+            f"{row.case:<{cw}} {row.kernel[:kw]:<{kw}} {tiles:>7} {row.num_warps:>2} {row.num_stages:>2} "
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
             f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
             f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {_loop_cell(row):>14} "
             f"{'C7514' if row.wgmma_serialized else '-':>6}  {mma}"
         )
     if out:
-        out.write_text(json.dumps({"triton": triton.__version__, "rows": [asdict(r) for r in _RECORDS]}, indent=1))
+        found = {"triton": triton.__version__, "target": "sm_90", "seq": seq, "rows": [asdict(r) for r in _RECORDS]}
+        out.write_text(json.dumps(found, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,9 +416,6 @@ def main(argv: list[str] | None = None) -> int:
         "--path", choices=sorted(PATHS), default="both",
         help="SageBwd's kernels: the portable ones, the Hopper path's (kernels/hopper), or both (default)",
     )  # fmt: skip
-    parser.add_argument("--attn-qat", action="store_true", help="also compile the Attn-QAT kernels")
-    parser.add_argument("--formats", nargs="+", default=[], metavar="PRODUCT=FORMAT",
-                        help="SageBwd's product formats, e.g. pv=fp8 ds=fp8 (default: the defaults)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="write the rows as JSON here")
     parser.add_argument("--dump", type=Path, help="write each kernel's PTX and SASS into this folder")
     args = parser.parse_args(argv)
@@ -453,28 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     # fails only when an entry point does (no candidate of a kernel left, or a kernel without candidates).
     skipped = sum(1 for row in _RECORDS if row.kernel != "(entry point)" and (row.error or not row.fits))
 
-    print(f"Triton {triton.__version__}, target sm_90 (offline), seq {args.seq}, bf16")
-    columns = f"{'w':>2} {'s':>2} {'smem KiB':>8} {'regs':>4} {'spill':>5} {'LDL/STL':>7} {'CTA/SM':>6} {'loop':>14}"
-    print(f"{'case':<38} {'kernel':<28} {columns}  wgmma")
-    for row in _RECORDS:
-        if row.error:
-            print(f"{row.case:<38} {row.kernel:<28} {row.num_warps:>2} {row.num_stages:>2}  FAILED {row.error[:200]}")
-            continue
-        tiles = "x".join(str(row.constants[k]) for k in ("BLOCK_M", "BLOCK_N") if k in row.constants)
-        mma = ", ".join(f"{n}x {shape}" for shape, n in sorted(row.wgmma.items())) or "none"
-        if row.mma_sync:
-            mma += f", {row.mma_sync}x mma.sync"
-        print(
-            f"{row.case:<38} {(row.kernel + ' ' + tiles)[:28]:<28} {row.num_warps:>2} {row.num_stages:>2} "
-            f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} "
-            f"{row.spill_stores or 0:>5} {row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
-            f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} "
-            f"{_loop_cell(row):>14}  {mma}"
-        )
-    if args.out:
-        rows = [asdict(r) for r in _RECORDS]
-        found = {"triton": triton.__version__, "target": "sm_90", "seq": args.seq, "rows": rows}
-        args.out.write_text(json.dumps(found, indent=1))
+    report(args.seq, args.out)
     print(f"{len(_RECORDS)} kernels; {skipped} autotuning candidates skipped (do not fit or fail); "
           f"{failures} entry points failed")  # fmt: skip
     return 1 if failures else 0

@@ -28,6 +28,7 @@ ROLES: dict[str, str] = {
     "sage_no_smooth_k": "SageBwd fixed, K-smoothing off",
     "full_cudnn": "full precision, SDPA cuDNN",
     "full_flash": "full precision, SDPA flash",
+    "cudnn_fp8": "cuDNN FP8 attention, delayed scaling",
 }
 #: The smallest margin around the full-precision seeds' mean (a tenth of a 0.1 nats validation difference).
 MIN_MARGIN = 0.01
@@ -57,7 +58,7 @@ def roles(result: dict[str, Any]) -> dict[str, str]:
     for spec in result.get("runs", []):
         attention, backend = spec.get("attention"), spec.get("sdpa_backend") or "default"
         if attention == "full":
-            role = {"cudnn": "full_cudnn", "flash": "full_flash"}.get(backend)
+            role = {"cudnn": "full_cudnn", "flash": "full_flash", "cudnn_fp8": "cudnn_fp8"}.get(backend)
             role = role or ("full_seed_b" if spec.get("seed") is not None else "full")
         elif attention == "sage" and spec.get("smooth_q") is None and spec.get("seed") is None:
             if spec.get("smooth_k") is False:

@@ -68,6 +68,24 @@ def evidence_groups(seed: int, large_batch: int, small_batch: int, seq_len: int)
     ]
 
 
+def baseline_groups(seed: int, large_batch: int, seq_len: int) -> list[Group]:
+    """Groups run only when ``--groups`` names them. ``large-qknorm-d128`` (issue 42): large-qknorm's tokens per step
+    with 5 heads of 128 (cuDNN's FP8 attention declines head dim 64 on Hopper), full precision, SageBwd fixed and
+    cuDNN FP8 attention with delayed scaling (``sdpa=cudnn_fp8``), each with seeds ``seed`` and ``seed + 1``."""
+    runs = []
+    for second in (False, True):
+        suffix, run_seed = (f"-seed{seed + 1}", seed + 1) if second else ("", None)
+        off = {"controller": False, "seed": run_seed}
+        runs += [
+            RunSpec(f"full{suffix}", "full", **off),
+            RunSpec(f"sage-fixed{suffix}", "sage", **off),
+            RunSpec(f"cudnn-fp8{suffix}", "full", sdpa_backend="cudnn_fp8", **off),
+        ]
+    title = f"{large_batch * seq_len:,} tokens per step ({large_batch} x {seq_len}), QK-norm, 5 heads of 128"
+    changes = [f"data.batch_size={large_batch}", "model.config.qk_norm=true", "model.config.n_heads=5"]
+    return [Group("large-qknorm-d128", title, [*changes, "model.config.n_kv_heads=5"], tuple(runs))]
+
+
 def plan_steps(
     seconds: float, groups: Sequence[tuple[str, int, Sequence[float]]], multiple: int
 ) -> tuple[int, dict[str, int]]:
@@ -103,6 +121,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
     seed = int(base.get("seed_everything", 0) or 0)
     seq_len = int((base.get("data") or {}).get("seq_len", 256))
     groups = evidence_groups(seed, args.large_batch, args.small_batch, seq_len)
+    extra = baseline_groups(seed, args.large_batch, seq_len)
     save = None
     if args.save_checkpoint is not None:
         save = tuple(args.save_checkpoint.split("/"))
@@ -115,13 +134,13 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict[str,
             )
     if args.groups is not None:
         names = [name.strip() for name in args.groups.split(",") if name.strip()]
-        unknown = [name for name in names if name not in {g.name for g in groups}]
+        unknown = [name for name in names if name not in {g.name for g in groups + extra}]
         if unknown or not names:
             raise SystemExit(
-                f"pretrain_compare.py: error: --groups must name groups among {', '.join(g.name for g in groups)}; "
-                f"received {args.groups!r}."
+                "pretrain_compare.py: error: --groups must name groups among "
+                f"{', '.join(g.name for g in groups + extra)}; received {args.groups!r}."
             )
-        groups = [g for g in groups if g.name in names]
+        groups = [g for g in groups + extra if g.name in names]
         if save is not None and save[0] not in names:
             print(
                 f"--- {tag}: --save-checkpoint {args.save_checkpoint}: its group is left out (--groups): no checkpoint"

@@ -3,14 +3,15 @@
 Trains a config (``examples/configs/small.yaml`` by default) once per ``--attention`` value, everything else equal
 (seed, data order, callbacks, step budget), and writes ``training-<device>-<date>-<tag>`` ``.json`` (kind
 ``training``: rows per ``trainer.log_every_n_steps`` steps and run as ``runs.run_one`` makes them, a ``summary`` per
-run, the controller's ``decisions`` and ``decision_log``), ``.md`` and ``.png`` (``--plot-only`` draws it later), and
+run, the controller's ``decisions`` and ``decision_log``), ``.md`` and ``.png`` (where matplotlib is installed), and
 TensorBoard logs, in ``--out-dir`` (``$OUT`` when set, else ``benchmarks/results``).
 
 ``--runs`` takes runs that differ in more than the attention, one ``ATTENTION[:KEY=VALUE,...]`` each, keys
 ``controller=on|off``, ``seed=N``, ``smooth_k=on|off``, ``smooth_q=on|off``, ``sdpa=BACKEND`` (the SDPA backend
-``full`` layers call) and ``name=NAME``; ``ATTENTION`` is a key of ``examples.pretrain``'s ``ATTENTION_MODES``.
-``--matrix evidence`` runs issue #7's matrix (``benchmarks.training.matrix``). ``--set section.key=value`` changes
-one config entry for every run; no LightningCLI (no jsonargparse needed).
+``full`` layers call; ``cudnn_fp8``: cuDNN's FP8 attention, ``cudnn_fp8.py``) and ``name=NAME``; ``ATTENTION`` is a
+key of ``examples.pretrain``'s ``ATTENTION_MODES``. ``--matrix evidence`` runs issue #7's matrix (``matrix.py``;
+``--groups large-qknorm-d128``: issue 42's cuDNN FP8 baseline). ``--set section.key=value`` changes one config entry
+for every run; no LightningCLI (no jsonargparse needed).
 
 Example::
 
@@ -28,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -40,7 +40,7 @@ from benchmarks.result_file import REPO, RESULTS, device_slug
 from benchmarks.training.matrix import run_matrix
 from benchmarks.training.runs import run_device, run_one, warm_up
 from benchmarks.training.specs import MATRICES, RUN_KEYS, SDPA_BACKENDS, load_config, run_specs
-from benchmarks.training.summary import add_outcome, date_stamp, new_result, plot, write_result
+from benchmarks.training.summary import add_outcome, date_stamp, new_result, write_result
 from examples.corpus import TextDataModule
 
 
@@ -79,7 +79,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--tag", default=None, help="file-name tag (default: the config's name; 'evidence' for --matrix)"
     )
     parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
-    parser.add_argument("--plot-only", type=Path, default=None, help="draw the PNG of an existing result JSON")
     parser.add_argument("--corpus-note", default=None, help="what the corpus is, kept in the result's header")
     parser.add_argument(
         "--save-checkpoint",
@@ -151,17 +150,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the comparison (or ``--matrix``) and write its files; returns the result dict (the matrix: by group)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    if args.plot_only is not None:
-        result = json.loads(args.plot_only.read_text())
-        png, markdown = args.plot_only.with_suffix(".png"), args.plot_only.with_suffix(".md")
-        if not plot(result, png):
-            print("matplotlib is not installed: no plot")
-            return result
-        link = f"\n![loss and throughput]({png.name})\n"
-        if markdown.is_file() and link not in markdown.read_text():
-            markdown.write_text(markdown.read_text() + link)  # the summary written where matplotlib was missing
-        print(f"wrote {png}")
-        return result
     if args.matrix is not None:
         return run_matrix(args, argv)
     try:

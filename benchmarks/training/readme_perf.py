@@ -138,19 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     """Rewrite (or with ``--check`` compare) README.md's performance table; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 when README.md's table is out of date")
-    parser.add_argument("--readme", type=Path, default=README)
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if not args.results.is_dir():
         parser.error(f"--results must be a folder of result files; received {str(args.results)!r}")
-    current = args.readme.read_text()
+    current = README.read_text()
     wanted = replace_between_markers(current, generate(args.results))
     if args.check:
         if wanted != current:
-            print(f"{args.readme} is out of date: run python -m benchmarks.training.readme_perf", file=sys.stderr)
+            print(f"{README} is out of date: run python -m benchmarks.training.readme_perf", file=sys.stderr)
             return 1
         return 0
-    args.readme.write_text(wanted)
+    README.write_text(wanted)
     return 0
 
 

@@ -20,7 +20,8 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
-from benchmarks.training.specs import SDPA_BACKENDS, TRAINER_OWN, RunSpec
+from benchmarks.training.cudnn_fp8 import CudnnFp8Attention, check_serves
+from benchmarks.training.specs import CUDNN_FP8, SDPA_BACKENDS, TRAINER_OWN, RunSpec
 from examples.corpus import TextDataModule
 from examples.llama import LlamaConfig
 from examples.pretrain import LlamaPretraining, PretrainLogger, TokensPerSecond
@@ -125,9 +126,16 @@ def sdpa_backend(name: str | None) -> Iterator[None]:
         yield
 
 
+def sdpa_callbacks(name: str | None) -> list[Callback]:
+    """What an ``sdpa=`` setting adds to the Trainer: ``cudnn_fp8``'s routing of SDPA calls to cuDNN FP8."""
+    return [CudnnFp8Attention()] if name == CUDNN_FP8 else []
+
+
 def check_sdpa_backend(name: str | None, cfg: LlamaConfig, seq_len: int, device: str, dtype: torch.dtype) -> None:
     """Refuse a forced SDPA backend that cannot run this model's attention call (one forward and backward of SDPA
-    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training."""
+    with the model's shapes, causal, ``enable_gqa`` as the model calls it), before any training (``check_serves``)."""
+    if name == CUDNN_FP8:
+        return check_serves(cfg.d_model // cfg.n_heads, device, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads)
     if SDPA_BACKENDS[name or "default"] is None:
         return
     head_dim = cfg.d_model // cfg.n_heads
@@ -163,6 +171,13 @@ def run_dtype(config: dict[str, Any]) -> torch.dtype:
     return torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
 
 
+def trainer_for(config: dict[str, Any], callbacks: list[Callback], **entries: Any) -> L.Trainer:
+    """A Trainer of the config's ``trainer`` entries but :data:`TRAINER_OWN`, ``entries`` over them, with
+    ``callbacks``, no checkpointing and no progress bar."""
+    own = {k: v for k, v in (config.get("trainer") or {}).items() if k not in TRAINER_OWN}
+    return L.Trainer(**{**own, **entries}, callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False)
+
+
 def warm_up(
     config: dict[str, Any],
     spec: RunSpec | str,
@@ -176,14 +191,6 @@ def warm_up(
     the statistics variant too) and CUDA initialises before any run is timed, so no run's budget pays for them."""
     spec = RunSpec(name=spec, attention=spec) if isinstance(spec, str) else spec
     model = build_model(config, spec, data)
-    trainer_args = {k: v for k, v in (config.get("trainer") or {}).items() if k not in TRAINER_OWN}
-    trainer_args.update(
-        max_steps=steps + timed_steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_model_summary=False,
-    )
-    trainer_args.pop("max_time", None)
     entry = copy.deepcopy(config.get("adaptive_precision"))
     if entry is not None:
         entry.setdefault("init_args", {}).setdefault("config", {})["ds_stats_every_n_steps"] = 1
@@ -191,12 +198,10 @@ def warm_up(
     if controller is not None:
         controller.verbose = False
     clock = TokensPerSecond(log_every_n_steps=1)
-    trainer = L.Trainer(
-        **trainer_args,
-        callbacks=[clock] + ([controller] if controller is not None else []),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
+    callbacks = [clock] + ([controller] if controller is not None else []) + sdpa_callbacks(spec.sdpa_backend or sdpa)
+    steps_only = {"max_steps": steps + timed_steps, "max_time": None, "limit_val_batches": 0}
+    trainer = trainer_for(
+        config, callbacks, **steps_only, num_sanity_val_steps=0, enable_model_summary=False, logger=False
     )
     with sdpa_backend(spec.sdpa_backend or sdpa):
         trainer.fit(model, datamodule=data)
@@ -227,22 +232,15 @@ def run_one(
     model = build_model(config, spec, data)
     check_sdpa_backend(backend, model.config, data.seq_len, run_device(config), run_dtype(config))
 
-    trainer_args = {k: v for k, v in (config.get("trainer") or {}).items() if k not in TRAINER_OWN}
-    if max_steps is not None:
-        trainer_args["max_steps"] = max_steps
+    limits = {} if max_steps is None else {"max_steps": max_steps}
     if max_minutes is not None:
-        trainer_args["max_time"] = datetime.timedelta(minutes=max_minutes)
+        limits["max_time"] = datetime.timedelta(minutes=max_minutes)
     throughput, curve = TokensPerSecond(), LossCurve()
     controller = run_controller(config, spec)
     callbacks: list[Callback] = [throughput, curve] + ([controller] if controller is not None else [])
-    trainer = L.Trainer(
-        **trainer_args,
-        callbacks=callbacks,
-        logger=PretrainLogger(str(log_dir), name=f"{run}-{spec.name}", version=0),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=str(log_dir),
-    )
+    callbacks += sdpa_callbacks(backend)
+    logger = PretrainLogger(str(log_dir), name=f"{run}-{spec.name}", version=0)
+    trainer = trainer_for(config, callbacks, **limits, logger=logger, default_root_dir=str(log_dir))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

@@ -17,14 +17,17 @@ from examples.pretrain import ATTENTION_MODES
 
 #: Trainer entries of a config that this script sets itself.
 TRAINER_OWN = ("callbacks", "logger", "default_root_dir", "enable_checkpointing", "enable_progress_bar")
-#: ``--sdpa-backend`` / ``sdpa=`` values -> ``torch.nn.attention.SDPBackend`` member names (``default``: none forced).
+#: ``--sdpa-backend`` / ``sdpa=`` values -> ``torch.nn.attention.SDPBackend`` member names (``None``: none forced;
+#: ``cudnn_fp8``: the full layers' SDPA calls run cuDNN's FP8 attention, ``benchmarks.training.cudnn_fp8``).
 SDPA_BACKENDS: dict[str, str | None] = {
     "default": None,
     "cudnn": "CUDNN_ATTENTION",
     "flash": "FLASH_ATTENTION",
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
+    "cudnn_fp8": None,
 }
+CUDNN_FP8 = "cudnn_fp8"
 #: Keys of a ``--runs`` entry.
 RUN_KEYS = ("name", "controller", "seed", "smooth_k", "smooth_q", "sdpa")
 #: ``--matrix`` values.
@@ -111,6 +114,8 @@ def parse_run(text: str) -> RunSpec:
                 raise ValueError(
                     f"--runs {text!r}: sdpa must be one of {', '.join(SDPA_BACKENDS)}; received {value!r}."
                 )
+            if value == CUDNN_FP8 and attention != "full":
+                raise ValueError(f"--runs {text!r}: sdpa=cudnn_fp8 replaces full precision's SDPA: full runs only.")
             fields["sdpa_backend"] = value
         else:
             if value.lower() not in _SWITCH:
