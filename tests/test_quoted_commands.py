@@ -47,7 +47,10 @@ def quoted_text(path: Path) -> str:
 
 
 QUOTES = {path: quoted_text(path) for path in quoting_files()}
-MODULES = sorted({module for text in QUOTES.values() for module in MODULE.findall(text)})
+QUOTED_MODULES = {module for text in QUOTES.values() for module in MODULE.findall(text)}
+#: Quoted modules that ``results/retired.md`` names by their file: their result pages keep the command of their time.
+RETIRED = {m for m in QUOTED_MODULES if f"`{m.replace('.', '/')}.py`" in (RESULTS / "retired.md").read_text()}
+MODULES = sorted(QUOTED_MODULES - RETIRED)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,11 @@ def test_the_pages_quote_the_entry_points() -> None:
 def test_a_quoted_module_answers_help(module: str, helps: dict[str, subprocess.CompletedProcess]) -> None:
     done = helps[module]
     assert done.returncode == 0 and "usage:" in done.stdout, f"python -m {module} --help:\n{done.stderr[-2000:]}"
+
+
+def test_a_retired_module_is_gone_from_the_tree() -> None:
+    """Retirement exempts a quoted module from answering ``--help`` only once its file has left the tree."""
+    assert [m for m in sorted(RETIRED) if (REPO / f"{m.replace('.', '/')}.py").exists()] == []
 
 
 def test_a_script_quoted_by_its_path_exists_or_is_retired() -> None:
