@@ -17,6 +17,8 @@ from examples.pretrain import ATTENTION_MODES
 
 #: Trainer entries of a config that this script sets itself.
 TRAINER_OWN = ("callbacks", "logger", "default_root_dir", "enable_checkpointing", "enable_progress_bar")
+#: The ``sdpa=`` value that routes full precision's SDPA calls to cuDNN's FP8 attention.
+CUDNN_FP8 = "cudnn_fp8"
 #: ``--sdpa-backend`` / ``sdpa=`` values -> ``torch.nn.attention.SDPBackend`` member names (``None``: none forced;
 #: ``cudnn_fp8``: the full layers' SDPA calls run cuDNN's FP8 attention, ``benchmarks.training.cudnn_fp8``).
 SDPA_BACKENDS: dict[str, str | None] = {
@@ -25,9 +27,8 @@ SDPA_BACKENDS: dict[str, str | None] = {
     "flash": "FLASH_ATTENTION",
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
-    "cudnn_fp8": None,
+    CUDNN_FP8: None,
 }
-CUDNN_FP8 = "cudnn_fp8"
 #: Keys of a ``--runs`` entry.
 RUN_KEYS = ("name", "controller", "seed", "smooth_k", "smooth_q", "sdpa")
 #: ``--matrix`` values.
