@@ -14,6 +14,7 @@ which costs one recompile per distinct setting (each layer's setting is a guard)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -182,6 +183,10 @@ def _sagebwd_backward(
     # Looked up at each call, so that a test wrapping a kernel of this module sees its calls.
     dkdv_run = {GLUON_DKDV: gluon_dkdv, GLUON_DKDV_WG: gluon_dkdv_wg}.get(dkdv_kernel)
     dq_run = {GLUON_DQ: gluon_dq, GLUON_DQ_WG: gluon_dq_wg}.get(dq_kernel)
+    if ds != "int8":
+        # An FP8 or bf16 dS (the plan gives those to every Gluon kernel but gluon_dkdv_wg): they are told its format.
+        dkdv_run = functools.partial(dkdv_run, ds_fmt=ds) if dkdv_run is not None else None
+        dq_run = functools.partial(dq_run, ds_fmt=ds) if dq_run is not None else None
     return backward(
         grad_out,
         out,

@@ -70,11 +70,18 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> list
 
 
 def hopper_grads(
-    monkeypatch: pytest.MonkeyPatch, env: str, setting: str, shape: tuple, with_stats: bool = False
+    monkeypatch: pytest.MonkeyPatch,
+    env: str,
+    setting: str,
+    shape: tuple,
+    with_stats: bool = False,
+    precision: AttentionPrecision | None = None,
+    attention: object = sage_attention_triton,
 ) -> tuple[torch.Tensor, ...]:
     """dQ, dK, dV (and the dS statistics when ``with_stats``) of ``sage_attention_triton`` on CUDA with the
     environment variable ``env`` at ``setting``; ``shape`` is ``(batch, hq, hkv, n, nk, d, causal)`` and seeds the
-    inputs, so two settings see the same tensors."""
+    inputs, so two settings see the same tensors. ``precision``: SageBwd's default unless given; ``attention``:
+    the function run (``sage_attention_reference`` for the reference's gradients of the same inputs)."""
     batch, hq, hkv, n, nk, d, causal = shape
     monkeypatch.setenv(env, setting)
     plan.refresh_settings()
@@ -84,6 +91,6 @@ def hopper_grads(
     v = torch.randn(batch, hkv, nk, d, device="cuda", generator=gen).bfloat16().requires_grad_()
     do = torch.randn(batch, hq, n, d, device="cuda", generator=gen).bfloat16()
     stats = torch.zeros(2, device="cuda") if with_stats else None
-    out, _ = sage_attention_triton(q, k, v, is_causal=causal, stats=stats)
+    out, _ = attention(q, k, v, is_causal=causal, stats=stats, precision=precision)
     grads = torch.autograd.grad(out, (q, k, v), do)
     return (*grads, stats) if with_stats else grads

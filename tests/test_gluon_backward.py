@@ -68,10 +68,10 @@ def test_off_and_other_tritons_keep_the_portable_kernel(kernel_switch, gluon_her
     [
         {"dp": "int8"},
         {"dp": "fp8"},
-        {"ds": "fp8"},
         {"dv": "bf16"},
-        {"ds": "bf16"},
+        {"dv": "fp8", "ds": "fp8"},
         {"qk": "bf16"},
+        {"qk": "fp8", "ds": "fp8"},
         {"smooth_q": True},
         {"dtype": torch.float16},
         {"head_dim": 96},
@@ -85,6 +85,29 @@ def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(kernel_switch, 
     kernel_switch(plan.GLUON_DKDV_ENV, "force")
     assert _applies()
     assert not _applies(**overrides)
+
+
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(("head_dim", "seq_k"), [(128, 4096), (64, 4096), (64, 4032)])
+def test_an_fp8_or_bf16_ds_takes_the_d128_kernel_not_its_one_warpgroup_twin(
+    kernel_switch, gluon_here, ds, head_dim, seq_k
+):
+    """Issue 42: a layer the controller escalates to ``ds="fp8"`` or ``"bf16"`` keeps the Gluon dK/dV kernel (its
+    dK product in bf16); the one-warpgroup twin serves INT8 dS only, so D=64 takes the D=128 kernel."""
+    kernel_switch(plan.GLUON_DKDV_ENV, "force")
+    planned = meta_plan(False, dict(ds=ds, head_dim=head_dim, seq_k=seq_k))
+    assert planned.dkdv == "gluon_dkdv", planned.dkdv
+    assert meta_plan(True, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == "gluon_dkdv"
+    kernel_switch(plan.GLUON_DKDV_ENV, "auto")
+    assert meta_plan(False, dict(ds=ds, batch=4, heads=16, head_dim=head_dim, seq_k=seq_k)).dkdv == "gluon_dkdv"
+    kernel_switch(plan.GLUON_DKDV_ENV, "off")
+    assert meta_plan(False, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == "triton_dkdv"
+
+
+def test_the_launcher_refuses_a_ds_format_it_does_not_take():
+    x = torch.zeros(1, 1, 128, 128, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dkdv: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'nvfp4'"):
+        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="nvfp4")
 
 
 def test_an_unknown_setting_is_refused(kernel_switch, gluon_here, monkeypatch):
@@ -122,8 +145,8 @@ def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return count_calls(monkeypatch, ("gluon_dkdv", "gluon_dkdv_wg"))
 
 
-def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
-    return hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, setting, shape, with_stats=True)
+def _grads(monkeypatch, setting: str, *shape, precision=None) -> tuple[torch.Tensor, ...]:
+    return hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, setting, shape, with_stats=True, precision=precision)
 
 
 @needs_hopper
@@ -155,6 +178,53 @@ def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, bat
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)  # the dS statistics (summed atomically)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, d, causal",
+    [
+        pytest.param(1, 2, 2, 256, 256, 64, False, id="mha-d64"),
+        pytest.param(2, 4, 2, 512, 512, 128, True, id="gqa-causal-d128"),
+        pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),
+        pytest.param(1, 2, 2, 1024, 320, 128, False, id="fewer-keys"),
+        pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+    ],
+)
+def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_gradients(monkeypatch, ds, batch, hq, hkv, n, nk, d, causal):
+    """Issue 42: with ``ds="fp8"`` or ``"bf16"`` the Gluon kernel's dK product runs in bf16 (dS's e4m3 codes or
+    bf16 values against Q'^'s INT8 codes widened to bf16, fp32 accumulation), as ``_dkdv_kernel``'s does: dV
+    and the dS statistics as the portable kernel's, dK to its last bits (the bf16 sums' order), and as near the
+    reference (``test_triton_kernels``'s bound on the GPU)."""
+    from sage_lightning.kernels import AttentionPrecision
+    from sage_lightning.kernels.reference import sage_attention_reference
+
+    precision = AttentionPrecision(ds=ds)
+    calls = _count_gluon_calls(monkeypatch)
+    shape = (batch, hq, hkv, n, nk, d, causal)
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert calls == ["gluon_dkdv"], f"the backward took {calls}, not gluon_dkdv"
+    calls.clear()
+    want = _grads(monkeypatch, "off", *shape, precision=precision)
+    assert not calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        if name == "dK":  # bf16 products: a wgmma may sum in another order than the dot (FP8 P V did, device run 19)
+            rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert rel < 1e-3, f"dK: rel_l2 {rel} against the portable kernel's (equal: {torch.equal(a, b)})"
+        else:  # dV's INT8 product and the dQ kernel are the same in both calls
+            assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)  # the dS statistics (summed atomically)
+    int8 = _grads(monkeypatch, "force", *shape)  # the same inputs, dS in INT8: a different dK
+    assert not torch.equal(got[1], int8[1])
+    if n * nk <= 512 * 512:
+        ref = hopper_grads(
+            monkeypatch, plan.GLUON_DKDV_ENV, "force", shape, True, precision, attention=sage_attention_reference
+        )
+        for name, a, b in zip(("dQ", "dK", "dV"), got, ref, strict=False):
+            rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert rel < 2e-2, f"{name}: rel_l2 {rel} against the reference"
 
 
 @needs_hopper

@@ -69,9 +69,8 @@ def test_off_and_other_tritons_keep_the_portable_kernel(kernel_switch, gluon_her
     [
         {"dp": "int8"},
         {"dp": "fp8"},
-        {"ds": "fp8"},
-        {"ds": "bf16"},
         {"qk": "bf16"},
+        {"qk": "fp8", "ds": "fp8"},
         {"smooth_q": True},
         {"dtype": torch.float16},
         {"head_dim": 96},
@@ -85,6 +84,33 @@ def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(kernel_switch, 
     kernel_switch(plan.GLUON_DQ_ENV, "force")
     assert _applies()
     assert not _applies(**overrides)
+
+
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_an_fp8_or_bf16_ds_keeps_the_gluon_dq_kernels(kernel_switch, gluon_here, ds, head_dim):
+    """Issue 42: ``ds="fp8"`` or ``"bf16"`` (the other products INT8) keeps the Gluon dQ kernels, their dQ product in
+    bf16: at D=64 the one-warpgroup twin, at D=128 the two-warpgroup kernel, as for INT8."""
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
+    expected = "gluon_dq_wg" if head_dim == 64 else "gluon_dq"
+    assert meta_plan(False, dict(ds=ds, head_dim=head_dim)).dq == expected
+    assert meta_plan(True, dict(ds=ds, head_dim=head_dim)).dq == expected
+    kernel_switch(plan.GLUON_DQ_ENV, "auto")
+    assert meta_plan(False, dict(ds=ds, batch=4, heads=16, head_dim=head_dim)).dq == expected
+    kernel_switch(plan.GLUON_DQ_ENV, "force")
+    kernel_switch(plan.GLUON_DQ_WG_ENV, "off")
+    assert meta_plan(False, dict(ds=ds, head_dim=head_dim)).dq == "gluon_dq"
+    kernel_switch(plan.GLUON_DQ_ENV, "off")
+    assert meta_plan(False, dict(ds=ds, head_dim=head_dim)).dq == "triton_dq"
+
+
+def test_the_launchers_refuse_a_ds_format_they_do_not_take():
+    q = torch.zeros(1, 1, 128, 128, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dq: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'int4'"):
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="int4")
+    q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dq_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'int4'"):
+        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="int4")
 
 
 def test_an_unknown_setting_is_refused(kernel_switch, gluon_here, monkeypatch):
@@ -127,8 +153,8 @@ def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not
         gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=1)
 
 
-def _grads(monkeypatch, setting: str, *shape) -> tuple[torch.Tensor, ...]:
-    return hopper_grads(monkeypatch, plan.GLUON_DQ_ENV, setting, shape)
+def _grads(monkeypatch, setting: str, *shape, precision=None) -> tuple[torch.Tensor, ...]:
+    return hopper_grads(monkeypatch, plan.GLUON_DQ_ENV, setting, shape, precision=precision)
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -171,9 +197,52 @@ def test_gluon_dq_equals_the_portable_kernel_bit_for_bit(monkeypatch, batch, hq,
 
 
 @needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, d, causal",
+    [
+        pytest.param(1, 2, 2, 256, 256, 64, False, id="mha-d64"),
+        pytest.param(2, 4, 2, 512, 512, 128, True, id="gqa-causal-d128"),
+        pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),
+        pytest.param(1, 2, 2, 1024, 320, 128, True, id="causal-fewer-keys"),
+        pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+        # D=64 (the one-warpgroup twin): odd blocks causal, GQA causal with more keys, a large causal call.
+        pytest.param(1, 2, 2, 384, 384, 64, True, id="wg-odd-blocks-causal"),
+        pytest.param(2, 4, 2, 640, 768, 64, True, id="wg-gqa-causal-more-keys"),
+        pytest.param(1, 8, 8, 2048, 2048, 64, True, id="wg-large-causal"),
+    ],
+)
+def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_dq(monkeypatch, ds, batch, hq, hkv, n, nk, d, causal):
+    """Issue 42: with ``ds="fp8"`` or ``"bf16"`` the Gluon kernels' dQ product runs in bf16 (dS's e4m3 codes or bf16
+    values from registers against K'^'s INT8 codes widened to bf16, fp32 accumulation), as ``_dq_kernel``'s does:
+    the portable kernel's dQ to its last bits, the bf16 sums' order aside (D=64: the one-warpgroup twin)."""
+    from sage_lightning.kernels import AttentionPrecision
+
+    precision = AttentionPrecision(ds=ds)
+    calls = _count_gluon_calls(monkeypatch)
+    shape = (batch, hq, hkv, n, nk, d, causal)
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    expected = "gluon_dq_wg" if gqw.gluon_dq_wg_serves(d) else "gluon_dq"
+    assert calls == [expected], f"the backward took {calls}, not {expected}"
+    calls.clear()
+    want = _grads(monkeypatch, "off", *shape, precision=precision)
+    assert not calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        if name == "dQ":  # bf16 products: a wgmma may sum in another order than the dot (FP8 P V did, device run 19)
+            rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert rel < 1e-3, f"dQ: rel_l2 {rel} against the portable kernel's (equal: {torch.equal(a, b)})"
+        else:  # the dK/dV kernel is the same in both calls
+            assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    assert not torch.equal(got[0], _grads(monkeypatch, "force", *shape)[0])  # dS in INT8: a different dQ
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("variant", [dict(warp_specialize=False), dict(codes_in_registers=False), dict(defer=True)])
-def test_every_variant_gives_the_same_dq(variant):
-    """The variants change where the loads are issued and where the codes live, not a value."""
+def test_every_variant_gives_the_same_dq(variant, ds):
+    """The variants change where the loads are issued and where the codes live, not a value (whatever dS's
+    format)."""
     from sage_lightning.kernels.quant import backward_preprocess
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -181,8 +250,8 @@ def test_every_variant_gives_the_same_dq(variant):
     out, lse, q_op, q_scale, _q_mean, k_op, k_scale = portable_forward(q, k, v)
     delta, *_ = backward_preprocess(do, out, 128, codes=False, codes_t=False)
     args = (do, delta, q_op, q_scale, k_op, k_scale, v.contiguous(), lse)
-    want = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5)
-    got = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5, **variant)
+    want = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5, ds_fmt=ds)
+    got = gq.gluon_dq(*args, is_causal=True, scale=128**-0.5, ds_fmt=ds, **variant)
     assert torch.equal(got, want)
 
 

@@ -22,6 +22,12 @@ written to shared memory once per tile and are the A operands of ``dV`` and ``dK
 warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma requires: ``dO^`` and ``Q'^``
 are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
 
+dS in FP8 or bf16 (``DS_FMT``, issue 42: the precision the controller escalates a layer to) keeps ``_dkdv_kernel``'s
+numerics for those formats: dS's e4m3 codes (one scale per tile, ``max|dS| / 448``) or dS rounded to bf16, as the
+bf16 A operand of a bf16 wgmma with fp32 accumulation whose B operand is Q'^'s INT8 codes widened to bf16 (exact)
+in shared memory by the consumers, then ``dK += acc * s_dS s_Q`` (``* s_Q`` for bf16). No Q'^T is loaded (16-bit
+wgmma reads B as stored); the dS statistics stay INT8's error, as the portable kernel's.
+
 Per program: one kv head's ``BLOCK_N = 64`` keys; it walks every query tile of every query head of the group
 (one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage; the tile's lse and
 delta come through the ring with it). Variants: warp-
@@ -50,19 +56,24 @@ if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Trit
 
     from .gluon_common import (
         _dkdv_accumulate,
+        _dkdv_accumulate_hp,
         _dkdv_loader,
         _dkdv_products,
+        _dkdv_products_hp,
         _dkdv_program,
         _dkdv_smem,
         _dkdv_store,
         _dkdv_tile,
         _dkdv_zeros,
         _ds_codes,
+        _ds_values,
         _int32_scaled,
         _issue_loads,
         _load_kv,
         _p_codes,
+        _p_codes_lean,
         _wgmma_layout,
+        _widen_codes,
     )
 
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
@@ -101,10 +112,12 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-        DEFER: gl.constexpr,
+        DEFER: gl.constexpr, DS_FMT: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
-        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead)."""
+        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead). With a non-INT8
+        ``DS_FMT`` they widen each tile's Q'^ to bf16 in shared memory before its S and dP are issued (no Q'^T is
+        loaded) and dK's product runs in bf16 (:func:`._dkdv_products_hp`)."""
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
@@ -116,6 +129,9 @@ if HAVE_GLUON:
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        # A non-INT8 dS: dK's bf16 product (k16 instructions), its fp32 accumulator.
+        hp_layout: gl.constexpr = _wgmma_layout(4, 2, HEAD_DIM // 2, 16)
+        LOAD_QT: gl.constexpr = DS_FMT == "int8"
 
         pid_bkv = kv_row // SEQ_K
         pid_n = (kv_row - pid_bkv * SEQ_K) // BLOCK_N
@@ -131,7 +147,7 @@ if HAVE_GLUON:
                 _issue_loads(
                     i, total, gl.maximum(n_m, 1), lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                    HEAD_DIM, BLOCK_M, STAGES,
+                    HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                 )  # fmt: skip
         k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
 
@@ -144,7 +160,10 @@ if HAVE_GLUON:
         if DEFER:
             # The tile before's dV and dK products, finished in the next iteration (their scales with them).
             dv_tok = warpgroup_mma_init(acc_zero)
-            dk_tok = warpgroup_mma_init(acc_zero)
+            if DS_FMT == "int8":
+                dk_tok = warpgroup_mma_init(acc_zero)
+            else:
+                dk_tok = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout))
             dv_c = gl.zeros([BLOCK_N], gl.float32, acc_row_l)
             dk_c = k_scale * 0.0
 
@@ -156,13 +175,18 @@ if HAVE_GLUON:
                 _issue_loads(
                     t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                    HEAD_DIM, BLOCK_M, STAGES,
+                    HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                 )  # fmt: skip
             start_m, offs_q, q_scale, do_scale = _dkdv_tile(
                 t, n_m, lo_tile, bh0, m_blocks, offs_q_tile, Q_SCALE, DO_SCALE, BLOCK_M
             )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            if DS_FMT != "int8" and not DEFER:
+                # Q'^ widened to bf16 (dK's B operand; the tile before's dK product was waited for at its end).
+                # Before S and dP are issued: with their 64 accumulator registers in flight, the causal variant
+                # with statistics spilled (offline sm_90 compile, 240 registers).
+                _widen_codes(q_smem.index(stage), qt_smem, BLOCK_M, HEAD_DIM, 8, 8)
             if not DEFER:
                 lse = lse_smem.index(stage).load(query_l)
                 delta = delta_smem.index(stage).load(query_l)
@@ -176,7 +200,10 @@ if HAVE_GLUON:
                 dv_int = warpgroup_mma_wait(num_outstanding=2, deps=[dv_tok])
                 dk_int = warpgroup_mma_wait(num_outstanding=2, deps=[dk_tok])
                 dv += _int32_scaled(dv_int, dv_c[:, None])
-                dk += _int32_scaled(dk_int, dk_c)
+                if DS_FMT == "int8":
+                    dk += _int32_scaled(dk_int, dk_c)
+                else:
+                    dk += gl.convert_layout(dk_int, acc_layout) * dk_c
                 # Both warpgroups are done with the codes and the tile before's stage.
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
@@ -185,25 +212,51 @@ if HAVE_GLUON:
                     _issue_loads(
                         t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
                         desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
-                        HEAD_DIM, BLOCK_M, STAGES,
+                        HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                     )  # fmt: skip
                 # Loaded here, after the tile before's dV and dK are out of the registers.
                 lse = lse_smem.index(stage).load(query_l)
                 delta = delta_smem.index(stage).load(query_l)
+                if DS_FMT != "int8":
+                    # Q'^ widened to bf16 once the tile before's dK product (which read the buffer) is done.
+                    _widen_codes(q_smem.index(stage), qt_smem, BLOCK_M, HEAD_DIM, 8, 8)
             s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             # P's codes (its per-key scale a reduction across both warpgroups). Causal: only the first query tile
             # of a key block can hold a key after its query (top-left).
             masked = start_m + 1 < (pid_n + 1) * BLOCK_N
-            p, p_scale = _p_codes(s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL)
+            if DS_FMT == "int8":
+                p, p_scale = _p_codes(
+                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL
+                )
+            else:
+                p, p_scale = _p_codes_lean(
+                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, start_m, masked, CAUSAL, BLOCK_M,
+                    query_l,
+                )  # fmt: skip
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
             # One dS scale for the 64 x 128 tile (a reduction across both warpgroups).
-            ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
-            dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
+            if DS_FMT == "int8":
+                ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
+                dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
+            else:
+                ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                dv_tok, dk_tok = _dkdv_products_hp(
+                    p_smem, ds_smem, dot_smem.index(stage), qt_smem, acc_zero,
+                    gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
+                )  # fmt: skip
             if DEFER:
                 dv_c = gl.convert_layout(p_scale, acc_row_l) * do_scale
-                dk_c = ds_scale * q_scale
-            else:
+                if DS_FMT == "bf16":
+                    dk_c = q_scale
+                else:
+                    dk_c = ds_scale * q_scale
+            elif DS_FMT == "int8":
                 dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
+            else:
+                dv, dk = _dkdv_accumulate_hp(
+                    dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
+                )
+            if not DEFER:
                 # Both warpgroups are done with the codes and this stage before either overwrites them (and,
                 # with the load partition, before the stage is handed back to it).
                 gl.thread_barrier()
@@ -213,7 +266,10 @@ if HAVE_GLUON:
             dv_int = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok])
             dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
             dv += _int32_scaled(dv_int, dv_c[:, None])
-            dk += _int32_scaled(dk_int, dk_c)
+            if DS_FMT == "int8":
+                dk += _int32_scaled(dk_int, dk_c)
+            else:
+                dk += gl.convert_layout(dk_int, acc_layout) * dk_c
         _dkdv_store(
             dk, dv, err2, norm2, pid_n * BLOCK_N, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout, HEAD_DIM, BLOCK_N,
             WITH_STATS,
@@ -252,6 +308,7 @@ if HAVE_GLUON:
         WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr,
         LOAD_REGS: gl.constexpr,
+        DS_FMT: gl.constexpr = "int8",
     ):
         # One 64-key block per program (_dkdv_program: the grid's order, the query tiles it walks).
         pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
@@ -260,8 +317,9 @@ if HAVE_GLUON:
         # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs, bars = _dkdv_smem(
-            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 1
-        )
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 1,
+            DS_FMT != "int8",  # Q'^'s codes widened to bf16 for an FP8 or bf16 dS's product
+        )  # fmt: skip
         if WARP_SPECIALIZE:
             gl.warp_specialize(
                 [
@@ -269,12 +327,12 @@ if HAVE_GLUON:
                         _dkdv_compute,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
                          STAGES, Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
-                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER),
+                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT),
                     ),
                     (
                         _dkdv_loader,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES, 1),
+                         STAGES, 1, DS_FMT == "int8"),
                     ),
                 ],
                 [1],
@@ -284,7 +342,7 @@ if HAVE_GLUON:
             _dkdv_compute(
                 descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
                 Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
-                WITH_STATS, WARP_SPECIALIZE, DEFER,
+                WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT,
             )  # fmt: skip
 
 
@@ -307,6 +365,7 @@ def gluon_dkdv(
     stages: int | None = None,
     warp_specialize: bool = True,
     defer: bool = False,
+    ds_fmt: str = "int8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
     ``stats``), for the calls the plan (:func:`..plan.plan_attention`) gives it.
@@ -325,6 +384,9 @@ def gluon_dkdv(
             one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
             their scaling overlaps the tensor cores (same values, same order of additions).
+        ds_fmt: dS's format, as ``_dkdv_kernel``'s ``DS_FMT``: ``"int8"`` (SageBwd's); ``"fp8"`` (e4m3 codes, one
+            scale per tile) or ``"bf16"``, whose dK product runs in bf16 against Q'^'s codes widened to bf16 in
+            shared memory (``q_op_t`` is not read).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
@@ -336,7 +398,10 @@ def gluon_dkdv(
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    if ds_fmt not in ("int8", "fp8", "bf16"):
+        raise ValueError(f"gluon_dkdv: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
+    q_op_t = q_op_t if ds_fmt == "int8" else None  # the widened Q'^ stands in for its [D, N] copy
     descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
     bkv = batch * kv_heads
     _gluon_dkdv_kernel[(seq_k // BLOCK_N * bkv,)](
@@ -345,6 +410,7 @@ def gluon_dkdv(
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,
+        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
     )  # fmt: skip

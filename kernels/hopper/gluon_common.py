@@ -71,6 +71,52 @@ if HAVE_GLUON:
         return _int8_scale(_nan_max(_nan_max(gl.abs(x), 1), 0))
 
     @gluon.jit
+    def _fp8_scale(amax):
+        """``quant.fp8_scale``: ``amax / 448``, or 1 where that is 0."""
+        scale = amax / 448.0
+        return gl.where(scale == 0.0, 1.0, scale)
+
+    @gluon.jit
+    def _ds_operand(ds, DS_FMT: gl.constexpr):
+        """dS (fp32) as a non-INT8 dS product's bf16 operand, as ``_dkdv_kernel`` and ``_dq_kernel`` make it, with
+        ``(amax, scale)``: ``"fp8"``, its e4m3 codes for one scale over the tile (``quant.fp8_codes``: one multiply by
+        the reciprocal) widened to bf16 (exact); ``"bf16"``, dS rounded to bf16 (scale 1, amax not computed: 0)."""
+        if DS_FMT == "fp8":
+            amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
+        else:
+            amax = gl.to_tensor(0.0)
+        values, scale = _ds_operand_from(ds, amax, DS_FMT)
+        return values, amax, scale
+
+    @gluon.jit
+    def _ds_operand_from(ds, amax, DS_FMT: gl.constexpr):
+        """:func:`_ds_operand` given the tile's largest magnitude ``amax`` (unused for bf16): ``(values, scale)``."""
+        if DS_FMT == "fp8":
+            scale = _fp8_scale(amax)
+            # e4m3 -> fp32 -> bf16, both exact (e4m3 -> bf16 directly goes through f16 -> bf16, a quarter-rate F2F).
+            values = (ds * (1.0 / scale)).to(gl.float8e4nv).to(gl.float32).to(gl.bfloat16)
+        else:
+            gl.static_assert(DS_FMT == "bf16", "DS_FMT is int8, fp8 or bf16")
+            scale = gl.to_tensor(1.0)
+            values = ds.to(gl.bfloat16)
+        return values, scale
+
+    @gluon.jit
+    def _widen_codes(src, dst, ROWS: gl.constexpr, COLS: gl.constexpr, WARPS: gl.constexpr, VEC: gl.constexpr = 16):
+        """``dst [ROWS, COLS]`` (bf16, NVMMA) ``= src [ROWS, COLS]`` (INT8 codes, NVMMA) in shared memory, by the
+        ``WARPS`` warps that call it, a chunk of rows at a time (16 codes, one 128-bit load, per thread and chunk; the
+        chunks keep few registers live). Every INT8 code is a bf16 exactly. The caller fences and synchronises
+        before a wgmma reads ``dst``."""
+        tpw_n: gl.constexpr = COLS // VEC
+        CHUNK: gl.constexpr = (32 // tpw_n) * WARPS
+        layout: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, VEC], threads_per_warp=[32 // tpw_n, tpw_n], warps_per_cta=[WARPS, 1], order=[1, 0]
+        )
+        for c in gl.static_range(ROWS // CHUNK):
+            codes = src.slice(c * CHUNK, CHUNK, 0).load(layout)
+            dst.slice(c * CHUNK, CHUNK, 0).store(codes.to(gl.bfloat16))
+
+    @gluon.jit
     def _head_chunk_order(lin, n_prog, n_heads, HEAD_CHUNK: gl.constexpr):
         """Program ``lin`` of a 1-D grid of ``n_prog * n_heads`` as ``(prog, head)``: the heads in chunks of
         ``HEAD_CHUNK``, and within a chunk program-major (``prog`` 0 of every head of the chunk, then 1, ...).
@@ -119,12 +165,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_smem(
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr, HP_DS: gl.constexpr = False,
     ):  # fmt: skip
         """Shared memory: K'^ and V of the program (``HALVES`` 64-key tiles; one is not indexed), a ``STAGES``-deep
         ring of Q'^, Q'^T, dO, dO^T, lse and delta tiles, the codes of P^T and dS^T (per half), the ring's
         ``ready``/``empty`` mbarriers (``empty`` released by each of the ``HALVES`` consumers) and K/V's. Returns
-        ``(bufs, bars)`` as :func:`_dkdv_loader` and the consumers unpack them."""
+        ``(bufs, bars)`` as :func:`_dkdv_loader` and the consumers unpack them.
+
+        With ``HP_DS`` (a non-INT8 dS, one half only) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile,
+        Q'^ widened by the consumers (the dK product's B operand), and dS^T's tile is bf16."""
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
         if HALVES == 1:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
@@ -133,7 +182,12 @@ if HAVE_GLUON:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, [HALVES] + desc_k.block_type.shape, desc_k.layout)
             v_smem = gl.allocate_shared_memory(desc_v.dtype, [HALVES] + desc_v.block_type.shape, desc_v.layout)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
+        if not HP_DS:
+            qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
+        else:
+            gl.static_assert(HALVES == 1, "a non-INT8 dS takes one 64-key half")
+            qb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(desc_q.block_type.shape, gl.bfloat16)
+            qt_smem = gl.allocate_shared_memory(gl.bfloat16, desc_q.block_type.shape, qb_layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
         lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
@@ -142,7 +196,11 @@ if HAVE_GLUON:
         )
         if HALVES == 1:
             p_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
-            ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+            if not HP_DS:
+                ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_N, BLOCK_M], codes_layout)
+            else:
+                ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
+                ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], ds_layout)
         else:
             p_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
             ds_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
@@ -175,11 +233,12 @@ if HAVE_GLUON:
         t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
         q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
         SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PREDICATED: gl.constexpr = True,
+        LOAD_QT: gl.constexpr = True,
     ):  # fmt: skip
         """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
         stage ``t % STAGES``; with ``PREDICATED``, nothing when ``t >= total`` (without, ``t < total`` is the
         caller's). ``row_q0``: the group's first head's first row in the ``[B*H*N, D]`` views; ``col_t0``: its first
-        row in the ``[B*H*D, N]`` views."""
+        row in the ``[B*H*D, N]`` views. Without ``LOAD_QT`` (a non-INT8 dS) no Q'^T tile is loaded."""
         s = t % STAGES
         if PREDICATED:
             live = t < total
@@ -191,12 +250,13 @@ if HAVE_GLUON:
         row_t = col_t0 + g * HEAD_DIM
         bar = ready.index(s)
         nbytes: gl.constexpr = (
-            desc_q.block_type.nbytes + desc_qt.block_type.nbytes + desc_do.block_type.nbytes
+            desc_q.block_type.nbytes + (desc_qt.block_type.nbytes if LOAD_QT else 0) + desc_do.block_type.nbytes
             + desc_dot.block_type.nbytes + desc_lse.block_type.nbytes + desc_delta.block_type.nbytes
         )  # fmt: skip
         mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
+        if LOAD_QT:
+            tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
         # The tile's lse and delta (512 bytes each) come with it.
@@ -207,6 +267,7 @@ if HAVE_GLUON:
     def _dkdv_loader(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+        LOAD_QT: gl.constexpr = True,
     ):  # fmt: skip
         """The load partition (one warp): K'^ and V once (:func:`_load_kv`), then every iteration's Q'^, Q'^T, dO
         and dO^T tiles (with lse and delta) into the ring, each stage refilled once the consumers have released it
@@ -222,7 +283,7 @@ if HAVE_GLUON:
             _issue_loads(
                 t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
                 q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                HALVES == 1,
+                HALVES == 1, LOAD_QT,
             )  # fmt: skip
 
     @gluon.jit
@@ -266,6 +327,22 @@ if HAVE_GLUON:
         return p, p_scale
 
     @gluon.jit
+    def _p_codes_lean(
+        s_int, scale, lse, p_smem, offs_key, start_m, masked, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+        query_l: gl.constexpr,
+    ):  # fmt: skip
+        """:func:`_p_codes` with the queries' offsets made in the masked branch (from the tile's first query
+        ``start_m``) rather than held through the loop: the registers a non-INT8 dS's path needs."""
+        p = gl.exp2(_int32_scaled(s_int, scale) - lse[None, :])
+        if CAUSAL:
+            if masked:
+                offs_q = start_m + gl.arange(0, BLOCK_M, layout=query_l)
+                p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
+        p_scale = _int8_scale(_nan_max(p, 1))
+        p_smem.store(_int8_codes(p, p_scale[:, None]))
+        return p, p_scale
+
+    @gluon.jit
     def _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr):
         """dS^T ``= P^T (dP^T - delta)``, its codes into ``ds_smem`` with one scale for the tile, and with
         ``WITH_STATS`` its quantization error and norm added per key into ``err2`` and ``norm2``; returns
@@ -300,6 +377,56 @@ if HAVE_GLUON:
         return dv, dk
 
     @gluon.jit
+    def _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr):
+        """:func:`_ds_codes` for a non-INT8 dS (``_dkdv_kernel``'s): dS^T as the dK product's bf16 operand into
+        ``ds_smem`` (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded), and with ``WITH_STATS``
+        the INT8 error of dS (what the controller would return to) as :func:`_ds_codes` adds it; returns
+        ``(ds_scale, err2, norm2)`` (``ds_scale`` 1 for bf16)."""
+        ds = p * (dp - delta[None, :])
+        if WITH_STATS:
+            # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
+            amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
+            values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
+        else:
+            values, amax, ds_scale = _ds_operand(ds, DS_FMT)
+        ds_smem.store(values)
+        if WITH_STATS:
+            stat_scale = _int8_scale(amax)
+            err = ds - ((ds / stat_scale + _ROUNDER) - _ROUNDER) * stat_scale
+            err2 += gl.sum(err * err, axis=1)
+            norm2 += gl.sum(ds * ds, axis=1)
+        return ds_scale, err2, norm2
+
+    @gluon.jit
+    def _dkdv_products_hp(p_smem, ds_smem, dot_tile, qb_tile, acc_zero, dk_zero):
+        """:func:`_dkdv_products` for a non-INT8 dS: dV's INT8 product as there; dK's in bf16 with fp32
+        accumulation, A = dS^T's bf16 operand ``[64 keys, 128 queries]``, B = Q'^ widened to bf16 ``[128, D]`` as
+        stored (16-bit wgmma reads B either way: no transposed copy)."""
+        fence_async_shared()
+        gl.thread_barrier()
+        dv_tok = warpgroup_mma(p_smem, dot_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem, qb_tile, dk_zero, use_acc=False, is_async=True)
+        return dv_tok, dk_tok
+
+    @gluon.jit
+    def _dkdv_accumulate_hp(
+        dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout: gl.constexpr,
+        DS_FMT: gl.constexpr,
+    ):  # fmt: skip
+        """:func:`_dkdv_accumulate` for a non-INT8 dS: dK's fp32 product times ``ds_scale * q_scale`` (fp8) or
+        ``q_scale`` (bf16), as ``_dkdv_kernel``'s ``hp_dot(...) * scale``."""
+        acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
+        p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
+        dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
+        dk_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok]), acc_layout)
+        if DS_FMT == "fp8":
+            dk += dk_acc * (ds_scale * q_scale)
+        else:
+            dk += dk_acc * q_scale
+        return dv, dk
+
+    @gluon.jit
     def _dkdv_store(
         dk, dv, err2, norm2, key0, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, WITH_STATS: gl.constexpr,
@@ -324,21 +451,30 @@ if HAVE_GLUON:
     def _dq_smem(
         desc_q, desc_do, desc_k, desc_v, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr, KT_BUFS: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
-        EMPTY_COUNT: gl.constexpr, KT_EMPTY_COUNT: gl.constexpr,
+        EMPTY_COUNT: gl.constexpr, KT_EMPTY_COUNT: gl.constexpr, HP_DS: gl.constexpr = False,
     ):  # fmt: skip
         """Shared memory: Q'^ and dO of the program (``Q_BLOCKS`` blocks), a ``STAGES``-deep ring of K'^ and V
         tiles, ``KT_BUFS`` transposed K'^ tiles, the dS codes (unless ``CODES_IN_REGISTERS``), the ring's
         ``ready``/``empty`` mbarriers (``empty`` counting ``EMPTY_COUNT`` arrivals), Q's and the transposed tiles'
-        ``kt_ready``/``kt_empty`` (two, ``kt_empty`` counting ``KT_EMPTY_COUNT``). Returns ``(bufs, bars)``."""
+        ``kt_ready``/``kt_empty`` (two, ``kt_empty`` counting ``KT_EMPTY_COUNT``). Returns ``(bufs, bars)``. With
+        ``HP_DS`` (a non-INT8 dS) the ``KT_BUFS`` tiles hold K'^ widened to bf16 ``[64, D]`` (not transposed: 16-bit
+        wgmma reads B either way) and the dS tile is bf16."""
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.int8)
         kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.int8)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [Q_BLOCKS] + desc_q.block_type.shape, desc_q.layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [Q_BLOCKS] + desc_do.block_type.shape, desc_do.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
-        kt_smem = gl.allocate_shared_memory(gl.int8, [KT_BUFS, HEAD_DIM, BLOCK_N], kt_layout)
+        if HP_DS:
+            kb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16)
+            kt_smem = gl.allocate_shared_memory(gl.bfloat16, [KT_BUFS, BLOCK_N, HEAD_DIM], kb_layout)
+        else:
+            kt_smem = gl.allocate_shared_memory(gl.int8, [KT_BUFS, HEAD_DIM, BLOCK_N], kt_layout)
         v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES] + desc_v.block_type.shape, desc_v.layout)
         if CODES_IN_REGISTERS:
             ds_smem = q_smem  # unused
+        elif HP_DS:
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16)
+            ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], ds_layout)
         else:
             ds_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_M, BLOCK_N], codes_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -403,6 +539,28 @@ if HAVE_GLUON:
         return ds_scale, _int8_codes(ds, ds_scale)
 
     @gluon.jit
+    def _dq_ds_values(
+        s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DS_FMT: gl.constexpr,
+    ):  # fmt: skip
+        """:func:`_dq_ds_codes` for a non-INT8 dS (``_dq_kernel``'s): the same P and dS, then dS as the dQ product's
+        bf16 operand (:func:`_ds_operand`); returns ``(ds_scale, values)`` (``ds_scale`` 1 for bf16)."""
+        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
+        if CAUSAL:
+            if start_n >= full_hi:
+                if offs_n_tile is None:
+                    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
+                else:
+                    offs_n = start_n + offs_n_tile
+                p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
+        dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+        ds = p * (dp - delta[:, None])
+        values, _amax, ds_scale = _ds_operand(ds, DS_FMT)
+        return ds_scale, values
+
+    @gluon.jit
     def _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
                   BLOCK_M: gl.constexpr):  # fmt: skip
         """dQ (times ``tau``) of query block ``m_block`` of head ``bh`` to global memory."""
@@ -442,7 +600,7 @@ def dkdv_operands(
     delta: torch.Tensor,
     do_codes_t: torch.Tensor,
     q_op: torch.Tensor,
-    q_op_t: torch.Tensor,
+    q_op_t: torch.Tensor | None,
     k_op: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
@@ -450,7 +608,8 @@ def dkdv_operands(
     block_n: int,
 ) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, torch.Tensor]:
     """The dK/dV launchers' TMA descriptors (Q'^, Q'^T, K'^, V, dO, dO^T, lse, delta: the kernels' first eight
-    arguments, tiles of ``block_m`` queries and ``block_n`` keys) and the empty ``(dK, dV)`` they write.
+    arguments, tiles of ``block_m`` queries and ``block_n`` keys) and the empty ``(dK, dV)`` they write. ``q_op_t``
+    ``None`` (a kernel that reads no Q'^T: a non-INT8 dS): Q'^'s descriptor stands in its place.
 
     Example::
 
@@ -462,9 +621,10 @@ def dkdv_operands(
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
+    desc_q = _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim])
     descs = (
-        _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim]),
-        _desc(q_op_t, bh * head_dim, seq_q, [head_dim, block_m]),
+        desc_q,
+        _desc(q_op_t, bh * head_dim, seq_q, [head_dim, block_m]) if q_op_t is not None else desc_q,
         _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
         _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
         _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),

@@ -26,6 +26,11 @@ buffers in turn, ``kt_ready``/``kt_empty`` mbarriers), or by the consumers thems
 one-partition kernel. No ``[D, Nk]`` copy of K'^ is made in global memory (it was 32 MiB at 16K tokens, D=128, and
 a launch per backward).
 
+dS in FP8 or bf16 (``DS_FMT``, issue 42) keeps ``_dq_kernel``'s numerics for those formats: dS's e4m3 codes (one scale
+per tile) or dS rounded to bf16, from registers, as the A operand of a bf16 wgmma with fp32 accumulation whose B
+operand is K'^'s INT8 codes widened to bf16 (exact) in shared memory, in place of the transposition (16-bit wgmma
+reads B as stored), then ``dQ += acc * s_dS s_K`` (``* s_K`` for bf16).
+
 Per program: Q'^ and dO ``[128, D]`` once, then every key tile (``BLOCK_N = 64``) of the kv head the query head
 reads (GQA: ``head // group``) up to the causal limit, through a ``STAGES``-deep ring of ``K'^ [64, D]`` and
 ``V [64, D]`` tiles with ``ready``/``empty`` mbarriers. Variants: warp-specialised (default: ``gl.warp_specialize``,
@@ -58,11 +63,13 @@ if HAVE_GLUON:
     from .gluon_common import (
         _dq_block,
         _dq_ds_codes,
+        _dq_ds_values,
         _dq_smem,
         _dq_store,
         _head_chunk_order,
         _int32_scaled,
         _wgmma_layout,
+        _widen_codes,
     )
 
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
@@ -129,6 +136,16 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _widen_k(k_tile, kb_tile, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
+        """A non-INT8 dS's :func:`_transpose_k`: ``kb_tile [64, D]`` (bf16) ``= k_tile [64, D]`` (INT8 codes) in
+        shared memory, by the ``WARPS`` warps that call it, visible to the CTA's next wgmma when it returns. The
+        dQ product's B operand in bf16 needs no transposition (16-bit wgmma reads B in either order), only the
+        widening (every INT8 code is a bf16 exactly)."""
+        _widen_codes(k_tile, kb_tile, BLOCK_N, HEAD_DIM, WARPS, 16)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M: gl.constexpr, Q_BLOCKS: gl.constexpr):
         """TMA loads of the program's ``Q_BLOCKS`` consecutive blocks of Q'^ and dO (once) into ``q_smem`` and
         ``do_smem`` (``[Q_BLOCKS, BLOCK_M, D]`` each)."""
@@ -140,7 +157,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_producer(
         descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr, HP_DS: gl.constexpr = False,
     ):  # fmt: skip
         """The producer partition (one warpgroup): the program's ``Q_BLOCKS`` blocks of Q'^ and dO once
         (:func:`_issue_q`), every key tile into the ring, and each tile's
@@ -150,7 +167,8 @@ if HAVE_GLUON:
         (``kt_empty``), its transposition, then ``kt_ready``; its stage is released on this side (``empty`` counts
         the consumers' arrival and this one), and the stage of tile ``t - 1`` is refilled with tile
         ``t - 1 + STAGES`` once the consumers have released it too. The producer thus runs at most two tiles ahead
-        of the consumers' dQ products."""
+        of the consumers' dQ products. With ``HP_DS`` (a non-INT8 dS) the tile is widened to bf16
+        (:func:`_widen_k`) in place of the transposition."""
         desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
@@ -163,7 +181,10 @@ if HAVE_GLUON:
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
             mbarrier.wait(kt_empty.index(kb), ((t // 2) & 1) ^ 1)
-            _transpose_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, 4)
+            if HP_DS:
+                _widen_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, BLOCK_N, 4)
+            else:
+                _transpose_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, 4)
             mbarrier.arrive(kt_ready.index(kb), count=1)
             mbarrier.arrive(empty.index(stage), count=1)
             if t > 0:
@@ -176,14 +197,16 @@ if HAVE_GLUON:
         descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr,
+        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, DS_FMT: gl.constexpr,
     ):  # fmt: skip
         """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
         With ``WARP_SPECIALIZE`` the producer warpgroup transposes each tile's K'^ (``kt_ready``, two buffers in
         turn); without, these warps issue the loads (``STAGES - 1`` tiles ahead) and, while a tile's S and dP run,
         copy its K'^ transposed into ``kt_smem`` themselves (one buffer; two with ``DEFER``, whose dQ product of the
         tile before still reads the other). With ``DEFER`` each tile's dQ product is waited for in the next
-        iteration, after the next tile's S and dP are issued."""
+        iteration, after the next tile's S and dP are issued. With a non-INT8 ``DS_FMT`` the dQ product runs in
+        bf16 with fp32 accumulation (``_dq_kernel``'s): A = dS's e4m3 codes or bf16 values, B = K'^ widened to bf16
+        (:func:`_widen_k`, by whoever would transpose it)."""
         desc_q, desc_do, desc_k, desc_v = descs
         q_all, do_all, k_smem, kt_smem, v_smem, ds_smem = bufs
         ready, empty, q_bar, kt_ready, kt_empty = bars
@@ -195,6 +218,9 @@ if HAVE_GLUON:
         acc_layout: gl.constexpr = _wgmma_layout(8, 1, HEAD_DIM, 32)
         # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        # A non-INT8 dS: the dQ product in bf16 (k16 instructions), dS's bf16 operand from registers, 2 per register.
+        hp_layout: gl.constexpr = _wgmma_layout(8, 1, HEAD_DIM, 16)
+        hp_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hp_layout, k_width=2)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -209,7 +235,10 @@ if HAVE_GLUON:
         mbarrier.wait(q_bar, 0)
         if DEFER:
             # The tile before's dQ product and its scale, finished in the next iteration.
-            dq_tok = warpgroup_mma_init(acc_zero)
+            if DS_FMT == "int8":
+                dq_tok = warpgroup_mma_init(acc_zero)
+            else:
+                dq_tok = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, hp_layout))
             dq_c = q_scale * 0.0
 
         for t in range(n_tiles):
@@ -227,12 +256,18 @@ if HAVE_GLUON:
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             kt_tile = kt_smem.index(t % kt_smem.shape[0])
             if not WARP_SPECIALIZE:
-                _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
+                if DS_FMT == "int8":
+                    _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
+                else:
+                    _widen_k(k_smem.index(stage), kt_tile, HEAD_DIM, BLOCK_N, 8)
             if DEFER:
                 # The tile before's dQ product was committed before S and dP: two groups may stay in flight. Its
                 # scaling overlaps this tile's S and dP on the tensor cores; the additions into dQ keep their order.
                 dq_int = warpgroup_mma_wait(num_outstanding=2, deps=[dq_tok])
-                dq += _int32_scaled(dq_int, dq_c)
+                if DS_FMT == "int8":
+                    dq += _int32_scaled(dq_int, dq_c)
+                else:
+                    dq += gl.convert_layout(dq_int, acc_layout) * dq_c
                 # Both warpgroups are done with the tile before's stage (and the codes).
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
@@ -241,15 +276,33 @@ if HAVE_GLUON:
                 else:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             # P, dS and its codes; one dS scale for the 128 x 64 tile (a reduction across both warpgroups).
-            ds_scale, codes = _dq_ds_codes(
-                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                s_layout, BLOCK_N, CAUSAL,
-            )  # fmt: skip
+            if DS_FMT == "int8":
+                ds_scale, codes = _dq_ds_codes(
+                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                    s_layout, BLOCK_N, CAUSAL,
+                )  # fmt: skip
+            else:
+                ds_scale, codes = _dq_ds_values(
+                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                    s_layout, BLOCK_N, CAUSAL, DS_FMT,
+                )  # fmt: skip
             if WARP_SPECIALIZE:
                 mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its transposed
             # [D, 64] copy (K-major over the keys).
-            if CODES_IN_REGISTERS:
+            if DS_FMT != "int8":
+                # bf16: A = dS's operand [128 queries, 64 keys], B = K'^ widened [64 keys, D] as stored.
+                hp_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, hp_layout)
+                if CODES_IN_REGISTERS:
+                    dq_tok = warpgroup_mma(
+                        gl.convert_layout(codes, hp_a_layout), kt_tile, hp_zero, use_acc=False, is_async=True
+                    )
+                else:
+                    ds_smem.store(codes)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    dq_tok = warpgroup_mma(ds_smem, kt_tile, hp_zero, use_acc=False, is_async=True)
+            elif CODES_IN_REGISTERS:
                 dq_tok = warpgroup_mma(
                     gl.convert_layout(codes, a_layout), kt_tile.permute((1, 0)), acc_zero, use_acc=False,
                     is_async=True,
@@ -260,10 +313,21 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 dq_tok = warpgroup_mma(ds_smem, kt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
             if DEFER:
-                dq_c = ds_scale * k_scale
-            else:
+                if DS_FMT == "bf16":
+                    dq_c = k_scale
+                else:
+                    dq_c = ds_scale * k_scale
+            elif DS_FMT == "int8":
                 dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
                 dq += _int32_scaled(dq_int, ds_scale * k_scale)
+            else:
+                # _dq_kernel's hp_dot(...) * (ds_scale * k_scale) (fp8) or * k_scale (bf16).
+                dq_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok]), acc_layout)
+                if DS_FMT == "bf16":
+                    dq += dq_acc * k_scale
+                else:
+                    dq += dq_acc * (ds_scale * k_scale)
+            if not DEFER:
                 # Both warpgroups are done with this stage (and the codes) before it is handed back or overwritten.
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
@@ -271,7 +335,10 @@ if HAVE_GLUON:
                     mbarrier.arrive(kt_empty.index(t % 2), count=1)
         if DEFER:
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
-            dq += _int32_scaled(dq_int, dq_c)
+            if DS_FMT == "int8":
+                dq += _int32_scaled(dq_int, dq_c)
+            else:
+                dq += gl.convert_layout(dq_int, acc_layout) * dq_c
         _dq_store(dq, pid_m, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
 
     @gluon.jit
@@ -302,6 +369,7 @@ if HAVE_GLUON:
         CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr,
         PRODUCER_REGS: gl.constexpr,
+        DS_FMT: gl.constexpr = "int8",
     ):
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         pid_m, bh = _head_chunk_order(gl.program_id(0), m_blocks, BH, HEAD_CHUNK)
@@ -327,6 +395,7 @@ if HAVE_GLUON:
         bufs, bars = _dq_smem(
             desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1,
             2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, 2 if WARP_SPECIALIZE else 1, 1,
+            DS_FMT != "int8",
         )  # fmt: skip
         descs = (desc_q, desc_do, desc_k, desc_v)
         if WARP_SPECIALIZE:
@@ -336,11 +405,12 @@ if HAVE_GLUON:
                         _dq_compute,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
                          DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
-                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER),
+                         WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, DS_FMT),
                     ),
                     (
                         _dq_producer,
-                        (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1),
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1,
+                         DS_FMT != "int8"),
                     ),
                 ],
                 [4],
@@ -350,7 +420,7 @@ if HAVE_GLUON:
             _dq_compute(
                 descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
                 DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
-                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER,
+                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, DS_FMT,
             )  # fmt: skip
 
 
@@ -376,6 +446,7 @@ def gluon_dq(
     warp_specialize: bool = True,
     codes_in_registers: bool = True,
     defer: bool = False,
+    ds_fmt: str = "int8",
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
     (:func:`..plan.plan_attention`) gives it.
@@ -399,12 +470,16 @@ def gluon_dq(
             its scaling overlaps the tensor cores (same values, same order of additions). Under Triton 3.6 ptxas
             serializes this variant's wgmma (C7514: the dQ token crosses the loop's back edge), so it checks the
             protocol rather than promising speed.
+        ds_fmt: dS's format, as ``_dq_kernel``'s ``DS_FMT``: ``"int8"`` (SageBwd's); ``"fp8"`` (e4m3 codes, one
+            scale per tile) or ``"bf16"``, whose dQ product runs in bf16 against K'^'s codes widened to bf16 in
+            shared memory (in place of their transposition).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a ring of fewer stages than the variant needs (2 with ``defer`` or ``warp_specialize``).
+        ValueError: a ring of fewer stages than the variant needs (2 with ``defer`` or ``warp_specialize``), or a
+            ``ds_fmt`` it does not take.
 
     Example::
 
@@ -412,6 +487,8 @@ def gluon_dq(
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    if ds_fmt not in ("int8", "fp8", "bf16"):
+        raise ValueError(f"gluon_dq: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
     stages = stages if stages is not None else default_stages(head_dim)
     if stages < (2 if defer or warp_specialize else 1):
         needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
@@ -424,6 +501,7 @@ def gluon_dq(
         HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
         PRODUCER_REGS=PRODUCER_REGS,
+        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
         num_warps=8,
         **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
     )  # fmt: skip

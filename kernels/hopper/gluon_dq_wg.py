@@ -42,6 +42,7 @@ if HAVE_GLUON:
     from .gluon_common import (
         _dq_block,
         _dq_ds_codes,
+        _dq_ds_values,
         _dq_smem,
         _dq_store,
         _head_chunk_order,
@@ -70,11 +71,13 @@ if HAVE_GLUON:
     def _dqwg_compute(
         bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, DS_FMT: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: query block ``2 * pid_pair + HALF`` against its key tiles (the first ``mine`` of
         the ring's ``n_tiles``), then its dQ rows to global memory. Each tile's K'^ comes transposed from the
-        producer warpgroup (``kt_ready``), one copy for both warpgroups."""
+        producer warpgroup (``kt_ready``), one copy for both warpgroups. With a non-INT8 ``DS_FMT`` (:mod:`.gluon_dq`'s
+        numerics for it) the producer widens K'^ to bf16 instead and the dQ product runs in bf16, dS's operand from
+        registers."""
         q_all, do_all, k_smem, kt_smem, v_smem = bufs
         ready, empty, q_bar, kt_ready, kt_empty = bars
         q_smem = q_all.index(HALF)
@@ -86,6 +89,9 @@ if HAVE_GLUON:
         acc_layout: gl.constexpr = _wgmma_layout(4, 1, HEAD_DIM, 32)
         # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
+        # A non-INT8 dS: the dQ product in bf16 (k16 instructions), dS's bf16 operand from registers.
+        hp_layout: gl.constexpr = _wgmma_layout(4, 1, HEAD_DIM, 16)
+        hp_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hp_layout, k_width=2)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -118,19 +124,38 @@ if HAVE_GLUON:
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             # P, dS and its codes; one dS scale for the 128 x 64 tile (within the warpgroup). The keys' offsets are
             # made in the masked branch (None), not held through the loop: here they would spill.
-            ds_scale, codes = _dq_ds_codes(
-                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, None, start_n, full_hi, s_layout,
-                BLOCK_N, CAUSAL,
-            )  # fmt: skip
+            if DS_FMT == "int8":
+                ds_scale, codes = _dq_ds_codes(
+                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, None, start_n, full_hi, s_layout,
+                    BLOCK_N, CAUSAL,
+                )  # fmt: skip
+            else:
+                ds_scale, codes = _dq_ds_values(
+                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, None, start_n, full_hi, s_layout,
+                    BLOCK_N, CAUSAL, DS_FMT,
+                )  # fmt: skip
             kt_tile = kt_smem.index(t % 2)
             mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
-            # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
-            # its transposed [D, 64] copy (K-major over the keys).
-            dq_tok = warpgroup_mma(
-                gl.convert_layout(codes, a_layout), kt_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True
-            )
-            dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
-            dq += _int32_scaled(dq_int, ds_scale * k_scale)
+            if DS_FMT == "int8":
+                # dQ of the tile: A = the codes [128 queries, 64 keys] from registers, B = K'^ [64 keys, D] read from
+                # its transposed [D, 64] copy (K-major over the keys).
+                dq_tok = warpgroup_mma(
+                    gl.convert_layout(codes, a_layout), kt_tile.permute((1, 0)), acc_zero, use_acc=False,
+                    is_async=True,
+                )  # fmt: skip
+                dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
+                dq += _int32_scaled(dq_int, ds_scale * k_scale)
+            else:
+                # bf16: A = dS's operand from registers, B = K'^ widened [64 keys, D] as stored.
+                dq_tok = warpgroup_mma(
+                    gl.convert_layout(codes, hp_a_layout), kt_tile,
+                    gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, hp_layout), use_acc=False, is_async=True,
+                )  # fmt: skip
+                dq_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok]), acc_layout)
+                if DS_FMT == "bf16":
+                    dq += dq_acc * k_scale
+                else:
+                    dq += dq_acc * (ds_scale * k_scale)
             # The warpgroup is done with this stage and the transposed tile before it hands them back (the
             # producer refills a stage, or transposes into a buffer, once both warpgroups have).
             gl.thread_barrier()
@@ -154,6 +179,7 @@ if HAVE_GLUON:
         BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        DS_FMT: gl.constexpr = "int8",
     ):  # fmt: skip
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         n_pairs = gl.cdiv(m_blocks, 2)
@@ -177,7 +203,9 @@ if HAVE_GLUON:
         # Shared memory: both blocks' Q'^ and dO, a STAGES-deep ring of K'^ and V tiles, two transposed K'^ tiles.
         # A stage is released by both consumer warpgroups and by the producer once it has transposed the stage's
         # K'^; a transposed tile by both consumer warpgroups.
-        smem, bars = _dq_smem(desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2, 2, True, 3, 2)
+        smem, bars = _dq_smem(
+            desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2, 2, True, 3, 2, DS_FMT != "int8"
+        )
         bufs = (smem[0], smem[1], smem[2], smem[3], smem[4])  # no dS codes buffer: they stay in registers
         descs = (desc_q, desc_do, desc_k, desc_v)
         gl.warp_specialize(
@@ -185,14 +213,18 @@ if HAVE_GLUON:
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                     qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DS_FMT),
                 ),
                 (
                     _dqwg_compute,
                     (bufs, bars, n_tiles, pid_pair, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
-                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL),
+                     qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, DS_FMT),
                 ),
-                (_dq_producer, (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2)),
+                (
+                    _dq_producer,
+                    (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2,
+                     DS_FMT != "int8"),
+                ),
             ],
             [4, 4],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -223,6 +255,7 @@ def gluon_dq_wg(
     is_causal: bool,
     scale: float,
     stages: int = 4,
+    ds_fmt: str = "int8",
 ) -> torch.Tensor:
     """dQ as :func:`.gluon_dq.gluon_dq` returns it, bit for bit, for the calls :func:`gluon_dq_wg_serves` accepts
     (arguments as there).
@@ -232,12 +265,13 @@ def gluon_dq_wg(
             :func:`.gluon_dq.gluon_dq`.
         stages: depth of the TMA ring of key tiles, at least 2 (12 KiB each at D=64, beside 48 KiB of Q'^ and dO
             and 8 KiB of transposed K'^ tiles).
+        ds_fmt: dS's format, as :func:`.gluon_dq.gluon_dq`'s (``"fp8"`` and ``"bf16"``: K'^ widened to bf16, 16 KiB).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a head dim it does not serve, or ``stages`` below 2.
+        ValueError: a head dim it does not serve, ``stages`` below 2, or a ``ds_fmt`` it does not take.
 
     Example::
 
@@ -247,6 +281,8 @@ def gluon_dq_wg(
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     if not gluon_dq_wg_serves(head_dim):
         raise ValueError(f"gluon_dq_wg: serves head_dim in {HEAD_DIMS}; received head_dim={head_dim}")
+    if ds_fmt not in ("int8", "fp8", "bf16"):
+        raise ValueError(f"gluon_dq_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
     if stages < 2:
         raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
                          f"received stages={stages}")  # fmt: skip
@@ -258,6 +294,7 @@ def gluon_dq_wg(
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=HEAD_CHUNK if is_causal else 1,
         PRODUCER_REGS=PRODUCER_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
         num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dq
