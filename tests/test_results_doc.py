@@ -17,7 +17,15 @@ from typing import Any
 import pytest
 
 from benchmarks.training import results_doc
-from benchmarks.training.evidence import EVIDENCE_GROUPS, decision_records, difference, final_val, rows_by_run, verdict
+from benchmarks.training.evidence import (
+    EVIDENCE_GROUPS,
+    EXTRA_GROUPS,
+    decision_records,
+    difference,
+    final_val,
+    rows_by_run,
+    verdict,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,6 +209,10 @@ def test_the_committed_results_give_a_page_with_the_matrix_as_run(tmp_path: Path
     for group in EVIDENCE_GROUPS:
         if not group.startswith("e2e-"):
             assert not re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text), group
+    # Groups outside the matrix's defaults (gpu_lanes.sh's runs joined by group), cuDNN's FP8 runs by their backend.
+    assert f"### large-qknorm-d128: {EXTRA_GROUPS['large-qknorm-d128']}" in text
+    assert "| cudnn-fp8 | cuDNN's FP8 attention | 0.7296 | 0.7402 | yes / yes |" in text
+    assert "| sage-fp8-ds | `sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k` | 0.6469 | 0.6427 | yes / yes |" in text
     small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
     sage = final_val(small, "sage")
     assert sage == (2000, pytest.approx(0.8135, abs=5e-5)) and f"| sage | 2000 | {sage[1]:.4f} |" in text

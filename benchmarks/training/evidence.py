@@ -19,6 +19,14 @@ EVIDENCE_GROUPS: dict[str, str] = {
     "large-no-qknorm": "large tokens per step without QK-norm: is QK-norm needed for stability?",
     "e2e-seq4096": "speed at sequence 4096 (issue #4): end-to-end tokens/s and peak memory against SDPA cuDNN",
 }
+#: Groups run outside the matrix's defaults (``--groups large-qknorm-d128``, or one run per process by
+#: ``benchmarks/gpu_lanes.sh``, joined by group), shown after them with their question.
+EXTRA_GROUPS: dict[str, str] = {
+    "large-no-qknorm-1000": "large tokens per step without QK-norm, 1,000 steps: does the gap last, and does FP8 dS "
+    "close it?",
+    "large-qknorm-d128": "large tokens per step, QK-norm, heads of 128: does cuDNN's FP8 attention train as well as "
+    "full precision, and SageBwd?",
+}
 #: How the runs of a group are told apart (from their ``runs`` entry), and how the page names them.
 ROLES: dict[str, str] = {
     "full": "full precision",
@@ -92,9 +100,8 @@ def split_combined(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for s in group["summary"]:
             controller = bool(s.get("controller")) and not s["run"].endswith("-observe")
             other = None if s.get("seed") == seed else s.get("seed")
-            group["runs"].append(
-                {"name": s["run"], "attention": s.get("attention"), "controller": controller, "seed": other}
-            )
+            run = {"name": s["run"], "attention": s.get("attention"), "controller": controller, "seed": other}
+            group["runs"].append({**run, "sdpa_backend": s.get("sdpa_backend")})
             group["decisions"][s["run"]] = result.get("decisions", {}).get(f"{name}/{s['run']}", [])
         first = group["summary"][0]
         qk = "QK-norm" if first.get("qk_norm") else "no QK-norm"

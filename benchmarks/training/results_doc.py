@@ -25,6 +25,7 @@ from typing import Any
 from benchmarks.result_file import REPO, RESULTS
 from benchmarks.training.evidence import (
     EVIDENCE_GROUPS,
+    EXTRA_GROUPS,
     MIN_MARGIN,
     ROLES,
     by_seed,
@@ -202,6 +203,7 @@ def seed_table(result: dict[str, Any]) -> list[str]:
     for base in sorted(runs, key=lambda name: (name != "full", name)):
         by, first = runs[base], summaries[next(iter(runs[base].values()))[0]]
         what = "full precision" if first.get("attention") == "full" else f"`{first.get('precision')}`"
+        what = "cuDNN's FP8 attention" if first.get("sdpa_backend") == "cudnn_fp8" else what
         what += f", controller at noise_ratio_high {first['threshold']}" if first.get("threshold") else ""
         what += "".join(
             f"; seed {seed}: the controller observing only" for seed, (n, _) in by.items() if "observe" in n
@@ -249,7 +251,8 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
     noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
     lines: list[str] = []
     for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
-        groups = [(g, loaded["matrix"][g][1]) for g in EVIDENCE_GROUPS if loaded["matrix"].get(g, (None,))[0] == path]
+        names = {**EVIDENCE_GROUPS, **EXTRA_GROUPS}
+        groups = [(g, loaded["matrix"][g][1]) for g in names if loaded["matrix"].get(g, (None,))[0] == path]
         first, human = groups[0][1], path.with_suffix(".md")
         lines += [
             f"The matrix as run: {_link(path, doc)} ({first['device']}, {first['date']}: `{first['command']}`). "
@@ -417,8 +420,8 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         lines += [prose("no-activations"), ""]
 
     lines += ["## 2. Training: loss curves and final validation loss", ""]
-    for group, question in EVIDENCE_GROUPS.items():
-        if group.startswith("e2e-"):
+    for group, question in {**EVIDENCE_GROUPS, **EXTRA_GROUPS}.items():
+        if group.startswith("e2e-") or (group in EXTRA_GROUPS and group not in loaded["matrix"]):
             continue
         lines += [f"### {group}: {question}", ""]
         if group not in loaded["matrix"]:
@@ -433,7 +436,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
     lines += ["## 3. The controller's record", ""]
     any_record = False
-    for group in EVIDENCE_GROUPS:
+    for group in {**EVIDENCE_GROUPS, **EXTRA_GROUPS}:
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
             record = controller_record(result) + noise_record(result)

@@ -195,9 +195,7 @@ def plot_group(result: dict[str, Any], path: Path) -> bool:
             if diffs:
                 diff_axis.plot(*zip(*diffs, strict=True), "o-", markersize=3, color=color, label=name)
     seed_b = val_points(runs.get(found.get("full_seed_b", ""), []))
-    band = sorted(
-        (runs_tokens(runs, found["full"], s), abs(seed_b[s] - reference[s])) for s in seed_b if s in reference
-    )
+    band = sorted((runs_tokens(runs, full, s), abs(seed_b[s] - reference[s])) for s in seed_b if s in reference)
     if band:
         xs, spread = zip(*band, strict=True)
         diff_axis.fill_between(xs, [-v for v in spread], spread, color="0.85", label="|full - full seed 2|")
