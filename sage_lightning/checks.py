@@ -11,11 +11,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.kernels import AttentionPrecision
+from sage_lightning.kernels.plan import FP8_CAPABILITY, device_capability
 from sage_lightning.layer import AttentionLayerState, attention_layers
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import PolicyConfig
@@ -122,7 +124,23 @@ def check_fit(
             "tokens-per-step lever is off for this run (precision levers still work)."
         )
         config = dataclasses.replace(config, min_accumulate_grad_batches=None)
-    return layers, config
+    return layers, without_fp8_rungs(config, trainer.strategy.root_device)
+
+
+def without_fp8_rungs(config: PolicyConfig, device: torch.device) -> PolicyConfig:
+    """``config`` with the ladder's rungs that set a product to FP8 (``ds_fp8``) left out where ``device`` has no
+    FP8 tensor cores (a CUDA GPU below compute capability 8.9): the tokens-per-step rule then takes the first rung
+    that changes ``ds`` alone, ``ds_bf16``.
+
+    Example::
+
+        without_fp8_rungs(PolicyConfig(), torch.device("cpu")).ladder   # unchanged: the reference runs FP8
+    """
+    capability = device_capability(device)
+    if capability is None or capability >= FP8_CAPABILITY:
+        return config
+    ladder = tuple(rung for rung in config.ladder if "fp8" not in rung.fields.values())
+    return config if len(ladder) == len(config.ladder) else dataclasses.replace(config, ladder=ladder)
 
 
 def checkpoint_bases(

@@ -260,10 +260,16 @@ class StepPipeline:
                 layers[name] = dataclasses.replace(
                     layers[name], ds_rel_err=None, qk_rel_err=None, probe=None, noise_ratio_ran=None
                 )
+        tokens = int(head["tokens"])
         signals = StepSignals(
-            step=record.step, loss=loss, grad_norm=grad_norm, layers=layers, grad_scaler=record.grad_scaler
+            step=record.step,
+            loss=loss,
+            grad_norm=grad_norm,
+            layers=layers,
+            grad_scaler=record.grad_scaler,
+            tokens=tokens,
         )
-        return signals, int(head["tokens"])
+        return signals, tokens
 
 
 def step_tokens(record: StepRecord) -> int:

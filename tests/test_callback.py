@@ -87,7 +87,7 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     assert {"sage/tokens_per_step", "sage/tokens_seen", "sage/int8_fraction", "sage/spike/loss"} <= scalars
     ds_err = [e.value for e in accumulator.Scalars("sage/ds_rel_err/blocks.0.attn")]
     assert len(ds_err) == 4 and all(0.01 < v < 0.05 for v in ds_err)  # steps 0, 2, 4 and the probe at 3
-    assert [e.value for e in accumulator.Scalars("sage/precision_level/blocks.0.attn")][-1] == 3.0  # ladder[2], ds_bf16
+    assert [e.value for e in accumulator.Scalars("sage/precision_level/blocks.0.attn")][-1] == 4.0  # ladder[3], ds_bf16
     assert [e.value for e in accumulator.Scalars("sage/tokens_seen")][-1] == 6 * 2 * 33
     # int8 share: 2 layers x 3 steps on INT8 dS, then 2 x 3 with dS in bf16.
     assert [e.value for e in accumulator.Scalars("sage/int8_fraction")][-1] == pytest.approx(0.5)
@@ -109,15 +109,15 @@ def test_a_measured_ds_error_above_threshold_escalates_and_lands_in_tensorboard(
     left = next(x for x in range(picture.shape[1]) if tuple(picture[0, x]) == tuple(PALETTE[0]))
     at = [left + 43 * step + 21 for step in range(6)]
     assert [tuple(picture[0, at[step]]) for step in (0, 1, 2, 5)] == [tuple(PALETTE[0])] * 2 + [
-        tuple(color_for(3, 6))
+        tuple(color_for(4, 7))
     ] * 2
-    assert tuple(picture[12, at[5]]) == tuple(color_for(3, 6))  # the second layer's band
+    assert tuple(picture[12, at[5]]) == tuple(color_for(4, 7))  # the second layer's band
     assert picture.shape[0] > 24 and picture.shape[1] == left + 6 * 43 + 4
     dark = picture.sum(axis=2) < 300
     assert dark[:12, :left].any() and dark[12:24, :left].any()  # each band's layer name
     assert dark[24:, left:].any() and dark[24:, :left].any()  # the step labels, and "step"
     legend = accumulator.Tensors("sage/precision_legend/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert "level 3, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
+    assert "level 4, `ds_bf16`" in legend and "`blocks.1.attn`" in legend
     assert trainer.progress_bar_metrics["int8_share"] == pytest.approx(0.5)
     assert trainer.progress_bar_metrics["tokens_per_step"] == 66
 
@@ -577,7 +577,7 @@ def test_the_controller_settings_join_the_module_hyperparameters(tmp_path, defau
     """hparams.yaml and TensorBoard's HParams hold the controller's thresholds beside the module's arguments."""
     controller = AdaptivePrecision(PolicyConfig(ds_rel_err_high=0.15, calm_steps=40), verbose=False)
     assert controller.hparams["config"]["ds_rel_err_high"] == 0.15
-    assert controller.hparams["config"]["ladder"] == ["smooth_q", "qk_bf16", "ds_bf16", "dv_bf16", "full"]
+    assert controller.hparams["config"]["ladder"] == ["smooth_q", "qk_bf16", "ds_fp8", "ds_bf16", "dv_bf16", "full"]
     logger = TensorBoardLogger(tmp_path, name="tb", default_hp_metric=default_hp_metric)
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=2, logger=logger), callbacks=[controller])
     trainer.fit(ModelWithHparams(layers=2, lr=0.03), token_loader(2))

@@ -76,7 +76,7 @@ def test_ds_rel_err_escalates_to_ds_bf16_after_patience(measurements: list[float
     else:
         assert steps == [escalated_at]
         assert policy.precision(NAMES[0]) == DS_BF16
-        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 3
+        assert policy.rung(NAMES[0]) == "ds_bf16" and policy.level(NAMES[0]) == 4
         decision = policy.decide(signals(1000, l0=LayerSignals(ds_rel_err=0.5)))  # dS runs bf16: rule is moot
         assert decision.decisions == ()
 
@@ -664,7 +664,7 @@ def test_attn_qat_layer_falls_back_to_full_on_its_probe(
     (decision,) = outcome.decisions
     assert (decision.old, decision.new) == (base.short_name, "full") and reason in decision.reason
     # smooth_q, qk_bf16, ds_bf16, dv_bf16 change nothing that runs in attn_qat mode: full is the only rung.
-    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 5
+    assert policy.rung(NAMES[0]) == "full" and policy.level(NAMES[0]) == 6
     assert policy.state_dict()["layers"][NAMES[0]]["path"] == ["full"]
     # The calm period alone brings it back, to the very base (the drop-in variant stays the drop-in variant).
     (back,) = policy.decide(signals(CALM)).decisions
@@ -848,6 +848,7 @@ def test_the_low_bit_share_counts_layers_still_on_their_base_fast_path() -> None
     policy = PrecisionPolicy({"a": BASE, "b": BASE, "c": BASE.replace(mode="full")})
     assert policy.low_bit_layers([BASE, DS_BF16, BASE.replace(mode="full")]) == 1
     assert runs_low_bit(BASE, BASE.replace(dp="fp8")) and not runs_low_bit(BASE, BASE.replace(qk="bf16"))
+    assert runs_low_bit(BASE, BASE.replace(ds="fp8")) and not runs_low_bit(BASE.replace(ds="fp8"), DS_BF16)
     share = LowBitShare()
     assert share.fraction == 1.0  # before the first step
     share.count(layers=3, low_bit=1)

@@ -55,11 +55,12 @@ def latest(pattern: str, results: Path = RESULTS, keep: object = None) -> tuple[
 
 
 def is_speed_run(data: dict) -> bool:
-    """A ``kernels.speed`` result of main's code: speed rows with ``pass``, SageBwd and SDPA cuDNN both timed,
-    and not marked ``diagnostic`` (a run of code that is not main's, kept for a note)."""
+    """A ``kernels.speed`` result of main's code: speed rows with ``pass``, SageBwd and SDPA's cuDNN and flash
+    backends all timed (the table's columns), and not marked ``diagnostic`` (a run of code that is not main's, kept
+    for a note)."""
     rows = data.get("rows", [])
     impls = {row.get("impl") for row in rows if "pass" in row}
-    return data.get("kind") == "speed" and {"sage", "sdpa_cudnn"} <= impls and not data.get("diagnostic")
+    return data.get("kind") == "speed" and {"sage", "sdpa_cudnn", "sdpa_flash"} <= impls and not data.get("diagnostic")
 
 
 def speed_table(path: Path, data: dict) -> list[str]:

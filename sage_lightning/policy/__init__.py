@@ -13,7 +13,7 @@ per step), :mod:`~.engine` (the decisions), :mod:`~.share` (the low-bit share). 
 """
 
 from sage_lightning.policy.backoff import Backoff
-from sage_lightning.policy.config import DEFAULT_LADDER, PolicyConfig
+from sage_lightning.policy.config import DEFAULT_LADDER, TOKENS_RUNG, PolicyConfig
 from sage_lightning.policy.engine import PrecisionPolicy
 from sage_lightning.policy.share import LowBitShare, runs_low_bit
 from sage_lightning.policy.tokens import TokensLever
@@ -36,6 +36,7 @@ __all__ = [
     "ACTIONS",
     "CAUSES",
     "DEFAULT_LADDER",
+    "TOKENS_RUNG",
     "LEVERS",
     "PROBE_GRADIENTS",
     "PROBE_TENSORS",

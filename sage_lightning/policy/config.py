@@ -7,13 +7,21 @@ from dataclasses import dataclass
 
 from sage_lightning.policy.vocabulary import Rung, check_int, is_number
 
+#: The rung the tokens-per-step rule takes (``PolicyConfig.ds_tokens_per_step_high``), and only that rule: dS in FP8
+#: e4m3, which closed SageBwd's loss gap at 131K tokens per step in every seed where bf16 dS was tried and runs in the
+#: Hopper kernels (``docs/controller.md``, Tokens per step). A ladder without it gives that rule its first rung that
+#: changes ``ds`` alone; the callback drops it on GPUs without FP8 (compute capability below 8.9).
+TOKENS_RUNG = "ds_fp8"
+
 #: The design's rungs, one per cause and full precision for anything: Q-smoothing, then the scores' product in bf16
-#: for the forward (the latter also for a spoiled Q'/K' block scale, which smoothing cannot remove), dS in bf16 for
-#: dQ and dK, dV's product in bf16 for dV, then full precision. A layer goes to the first rung, in this order, that
-#: fixes what it is blamed for; a catastrophic reading goes straight to ``full``.
+#: for the forward (the latter also for a spoiled Q'/K' block scale, which smoothing cannot remove), dS in FP8 (taken
+#: by the tokens-per-step rule alone), dS in bf16 for dQ and dK, dV's product in bf16 for dV, then full precision. A
+#: layer goes to the first rung, in this order, that fixes what it is blamed for; a catastrophic reading goes straight
+#: to ``full``.
 DEFAULT_LADDER: tuple[Rung, ...] = (
     Rung("smooth_q", {"smooth_q": True}, scope="forward", fixes=("forward",)),
     Rung("qk_bf16", {"qk": "bf16"}, scope="forward", fixes=("forward", "qk")),
+    Rung(TOKENS_RUNG, {"ds": "fp8"}, scope="backward", fixes=("ds",)),
     Rung("ds_bf16", {"ds": "bf16"}, scope="backward", fixes=("ds",)),
     Rung("dv_bf16", {"dv": "bf16"}, scope="backward", fixes=("dv",)),
     Rung("full", {"mode": "full"}, scope="both"),
@@ -25,6 +33,10 @@ DEFAULT_LADDER: tuple[Rung, ...] = (
 #: ``noise_ratio_high`` (0.2 and ``noise_ratio_low`` 0.1 are what the matrix's controller runs used).
 NOISE_RATIO_HIGH: float | None = None
 NOISE_RATIO_LOW = 0.1
+#: Tokens per optimizer step from which a layer's INT8 dS moves to :data:`TOKENS_RUNG`: between the matrix's 16K
+#: (SageBwd fixed inside full precision's margin in both seeds) and 131K (outside in both seeds, with and without
+#: QK-norm, at heads of 64 and 128; FP8 dS inside in three of four runs), ``docs/controller.md``, Tokens per step.
+DS_TOKENS_PER_STEP_HIGH: int | None = 65_536
 
 
 @dataclass(frozen=True)
@@ -96,6 +108,11 @@ class PolicyConfig:
         noise_patience: consecutive measurements above ``noise_ratio_high`` needed to act.
         noise_sequences: the most sequences of one micro-batch the noise measurement keeps (at least 2; it needs
             micro-batches of two sequences or more).
+        ds_tokens_per_step_high: from this many tokens per optimizer step (every rank's micro-batches, as the
+            callback's ``tokens_fn`` counts them), every layer whose dS runs in INT8 moves to the ladder's
+            ``ds_fp8`` rung (else its first rung that changes ``ds`` alone) and stays there while the steps are this
+            large: SageBwd's pretraining gap at large tokens per step, which FP8 dS closes (``docs/controller.md``,
+            Tokens per step). A rule on the run, not on a measurement. ``None`` turns it off.
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
@@ -140,6 +157,7 @@ class PolicyConfig:
     noise_ratio_low: float = NOISE_RATIO_LOW
     noise_patience: int = 2
     noise_sequences: int = 16
+    ds_tokens_per_step_high: int | None = DS_TOKENS_PER_STEP_HIGH
 
     def __post_init__(self) -> None:
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
@@ -163,6 +181,11 @@ class PolicyConfig:
         ):
             check_int(name, getattr(self, name), minimum=1)
         check_int("noise_sequences", self.noise_sequences, minimum=2)
+        tokens = self.ds_tokens_per_step_high
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(
+                f"PolicyConfig: ds_tokens_per_step_high must be an int >= 1 or None (off); received {tokens!r}."
+            )
         if self.noise_ratio_high is not None:
             for name in ("noise_ratio_high", "noise_ratio_low"):
                 value = getattr(self, name)

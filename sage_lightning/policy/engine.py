@@ -11,7 +11,7 @@ from typing import Any
 from sage_lightning.detectors import SpikeDetector, SpikeReading
 from sage_lightning.policy._precision import LOW_BIT_FORMATS, AttentionPrecision
 from sage_lightning.policy.backoff import Backoff
-from sage_lightning.policy.config import PolicyConfig
+from sage_lightning.policy.config import TOKENS_RUNG, PolicyConfig
 from sage_lightning.policy.share import runs_low_bit
 from sage_lightning.policy.tokens import TokensLever
 from sage_lightning.policy.vocabulary import (
@@ -98,7 +98,10 @@ class PrecisionPolicy:
       ``attn_qat_probe_grad_cos_min``; its only rung is ``full``;
     * the noise ratio (the error the precision that ran puts into the layer's gradients over their sampling noise,
       :mod:`sage_lightning.noise`) ``> noise_ratio_high`` for ``noise_patience`` measurements in a row: the next
-      rung that changes ``ds`` alone (``ds_bf16``); where no such rung is left, tokens per step are halved.
+      rung that changes ``ds`` alone (``ds_bf16``); where no such rung is left, tokens per step are halved;
+    * tokens per step (:attr:`StepSignals.tokens`) at or over ``ds_tokens_per_step_high``: every layer whose dS runs
+      in INT8 takes :data:`~sage_lightning.policy.config.TOKENS_RUNG` (``ds_fp8``; no other rule takes it), held
+      while the steps stay that large.
 
     Every escalation arms a probe (and the dS statistics) on the next step: if the new rung did not fix the
     reading, the layer escalates again, and the reason says so.
@@ -168,6 +171,9 @@ class PrecisionPolicy:
         self._armed: dict[str, int] = {}
         # Whether the last step decided had a soft loss or gradient-norm reading: a soft run arms dS only once.
         self._last_step_soft = False
+        # The latest step's tokens (every rank's): the tokens-per-step rule's reading, not checkpointed (every
+        # verdict brings it again before a rung could step down).
+        self._last_tokens: int | None = None
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
         self._rollbacks_without_progress = 0
         self._good_steps = 0
@@ -297,6 +303,8 @@ class PrecisionPolicy:
             )
         step = signals.step
         layers = {name: signals.layers.get(name, LayerSignals()) for name in self._layers}
+        if signals.tokens is not None:
+            self._last_tokens = signals.tokens
         self._disarm_measured(layers, step)
         for name, measured in layers.items():
             state = self._layers[name]
@@ -384,6 +392,7 @@ class PrecisionPolicy:
             self._count_progress()
             decisions += self._layer_rules(layers, step)
             decisions += self._noise_rules(layers, step, decisions)
+            decisions += self._tokens_rule(step, decisions)
             if not self._noise_holds_tokens():
                 decisions += self._tokens.raise_after_calm(step)
         return StepOutcome(
@@ -528,6 +537,41 @@ class PrecisionPolicy:
             decisions += self._tokens.lower(step, stuck[0] + more)
         return decisions
 
+    def _tokens_rule(self, step: int, taken: Sequence[Decision]) -> list[Decision]:
+        """Tokens per step at or over ``ds_tokens_per_step_high``: every layer whose dS runs in INT8 takes the
+        tokens rung (:meth:`_tokens_rung`), which :meth:`_step_down` then holds while the steps stay that large."""
+        high, tokens, target = self.config.ds_tokens_per_step_high, self._last_tokens, self._tokens_rung()
+        if not self._tokens_hold() or target is None:
+            return []
+        moved = {d.layer for d in taken}
+        reason = (
+            f"{tokens:,} tokens per step >= ds_tokens_per_step_high {high:,}: at this many tokens per step INT8 dS "
+            "costs validation loss that FP8 or bf16 dS does not"
+        )
+        decisions = []
+        for name in self._layers:
+            current = self.precision(name)
+            if name in moved or current.mode != "sagebwd" or current.ds != "int8":
+                continue
+            decision = self._escalate(name, "ds", step, reason, target=target)
+            if decision is not None:
+                decisions.append(decision)
+        return decisions
+
+    def _tokens_rung(self) -> int | None:
+        """The ladder index of the tokens-per-step rule's rung: :data:`TOKENS_RUNG` where the ladder has it, else
+        the first rung that changes ``ds`` alone; ``None`` when the rule is off or the ladder has neither."""
+        if self.config.ds_tokens_per_step_high is None:
+            return None
+        ladder = self.config.ladder
+        named = [i for i, rung in enumerate(ladder) if rung.name == TOKENS_RUNG]
+        return (named or [i for i, rung in enumerate(ladder) if set(rung.fields) == {"ds"}] or [None])[0]
+
+    def _tokens_hold(self) -> bool:
+        """Whether the latest step had ``ds_tokens_per_step_high`` tokens or more (the rule is on)."""
+        high = self.config.ds_tokens_per_step_high
+        return high is not None and self._last_tokens is not None and self._last_tokens >= high
+
     def _noise_holds_tokens(self) -> bool:
         """Whether a layer's latest noise ratio (at the precision it ran in) is still at or over
         ``noise_ratio_low``: tokens per step then stay down."""
@@ -634,10 +678,13 @@ class PrecisionPolicy:
             return decisions
         return self._tokens.lower(step, cause)
 
-    def _escalate(self, name: str, cause: str, step: int, reason: str, *, alone: bool = False) -> Decision | None:
+    def _escalate(
+        self, name: str, cause: str, step: int, reason: str, *, alone: bool = False, target: int | None = None
+    ) -> Decision | None:
         """Move ``name`` to the first rung, in ladder order, not taken yet, that changes what runs and fixes
         ``cause`` (``"top"``: the rung that fixes every cause, else the last; ``alone``: only a rung that changes
-        that product's field and nothing else, as the noise rule wants); ``None`` when there is none."""
+        that product's field and nothing else, as the noise rule wants; ``target``: that rung only, the one rule
+        that takes :data:`TOKENS_RUNG`, which the others pass over); ``None`` when there is none."""
         state = self._layers[name]
         ladder = self.config.ladder
         current = self._precision_of(state.base, state.path)
@@ -648,6 +695,10 @@ class PrecisionPolicy:
             for i, rung in enumerate(ladder)
             if i not in state.path and rung.apply(current).short_name != current.short_name
         ]
+        if target is not None:
+            candidates = [target] if target in candidates else []
+        else:
+            candidates = [i for i in candidates if ladder[i].name != TOKENS_RUNG]
         if cause == "top":
             complete = [i for i in candidates if set(ladder[i].fixes) == set(CAUSES)]
             serving = complete[-1:] or candidates[-1:]
@@ -673,6 +724,8 @@ class PrecisionPolicy:
         if not state.path or not state.backoff.ready(step):
             return None
         top = self.config.ladder[state.path[-1]]
+        if state.path[-1] == self._tokens_rung() and self._tokens_hold():
+            return None  # the tokens-per-step rule would take it again at once
         reason = f"calm for {state.backoff.calm_for(step)} steps >= {state.backoff.period}"
         if "ds" in top.fields:
             measured_since = state.last_ds_step is not None and state.last_ds_step > state.backoff.last_change

@@ -6,24 +6,26 @@ TensorBoard tag ``sage/int8_fraction`` and the run's last line show is defined i
 
 from __future__ import annotations
 
-from sage_lightning.policy._precision import AttentionPrecision
+from sage_lightning.policy._precision import LOW_BIT_FORMATS, AttentionPrecision
 
 
 def runs_low_bit(base: AttentionPrecision, now: AttentionPrecision) -> bool:
     """Whether a layer whose base precision is ``base`` runs low-bit at ``now``: the base has low-bit work
-    (attn_qat, or SageBwd with an INT8 or FP8 product) and ``now`` is still on its fast path, i.e. runs the base's
-    mode with every low-bit product of the base still in that format (an attn_qat layer has no low-bit products: it
-    is on its fast path while still in attn_qat mode; a base with FP8 products is on it while they run FP8).
+    (attn_qat, or SageBwd with an INT8 or FP8 product) and ``now`` is still on a fast path, i.e. runs the base's
+    mode with every low-bit product of the base still low-bit, INT8 or FP8 (an attn_qat layer has no low-bit
+    products: it is on its fast path while still in attn_qat mode). INT8 dS moved to FP8 (the tokens-per-step rule)
+    stays low-bit.
 
     Example::
 
-        runs_low_bit(AttentionPrecision(), AttentionPrecision(ds="bf16"))   # False: dS left INT8
+        runs_low_bit(AttentionPrecision(), AttentionPrecision(ds="bf16"))   # False: dS left the low-bit formats
+        runs_low_bit(AttentionPrecision(), AttentionPrecision(ds="fp8"))    # True
     """
     has_low_bit = base.mode == "attn_qat" or bool(base.int8_products or base.fp8_products)
     if not has_low_bit:
         return False
     low_bit = (*base.int8_products, *base.fp8_products)
-    return now.mode == base.mode and all(getattr(now, product) == getattr(base, product) for product in low_bit)
+    return now.mode == base.mode and all(getattr(now, product) in LOW_BIT_FORMATS for product in low_bit)
 
 
 class LowBitShare:

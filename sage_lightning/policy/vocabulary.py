@@ -141,6 +141,7 @@ class StepSignals:
         layers: per layer, by name.
         grad_scaler: an AMP ``GradScaler`` skips steps with non-finite gradients itself (fp16), so those are
             routine overflow, not divergence.
+        tokens: the step's tokens, every micro-batch's on every rank, or ``None`` when not counted.
     """
 
     step: int
@@ -148,6 +149,7 @@ class StepSignals:
     grad_norm: float | None = None
     layers: Mapping[str, LayerSignals] = field(default_factory=dict)
     grad_scaler: bool = False
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
