@@ -27,6 +27,7 @@ EXTRA_GROUPS: dict[str, str] = {
     "large-qknorm-d128": "large tokens per step, QK-norm, heads of 128: does cuDNN's FP8 attention train as well as "
     "full precision, and SageBwd?",
 }
+ALL_GROUPS: dict[str, str] = {**EVIDENCE_GROUPS, **EXTRA_GROUPS}
 #: How the runs of a group are told apart (from their ``runs`` entry), and how the page names them.
 ROLES: dict[str, str] = {
     "full": "full precision",

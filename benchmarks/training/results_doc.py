@@ -24,8 +24,8 @@ from typing import Any
 
 from benchmarks.result_file import REPO, RESULTS
 from benchmarks.training.evidence import (
+    ALL_GROUPS,
     EVIDENCE_GROUPS,
-    EXTRA_GROUPS,
     MIN_MARGIN,
     ROLES,
     by_seed,
@@ -251,8 +251,7 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
     noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
     lines: list[str] = []
     for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
-        names = {**EVIDENCE_GROUPS, **EXTRA_GROUPS}
-        groups = [(g, loaded["matrix"][g][1]) for g in names if loaded["matrix"].get(g, (None,))[0] == path]
+        groups = [(g, loaded["matrix"][g][1]) for g in ALL_GROUPS if loaded["matrix"].get(g, (None,))[0] == path]
         first, human = groups[0][1], path.with_suffix(".md")
         lines += [
             f"The matrix as run: {_link(path, doc)} ({first['device']}, {first['date']}: `{first['command']}`). "
@@ -420,8 +419,8 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         lines += [prose("no-activations"), ""]
 
     lines += ["## 2. Training: loss curves and final validation loss", ""]
-    for group, question in {**EVIDENCE_GROUPS, **EXTRA_GROUPS}.items():
-        if group.startswith("e2e-") or (group in EXTRA_GROUPS and group not in loaded["matrix"]):
+    for group, question in ALL_GROUPS.items():
+        if group.startswith("e2e-") or (group not in EVIDENCE_GROUPS and group not in loaded["matrix"]):
             continue
         lines += [f"### {group}: {question}", ""]
         if group not in loaded["matrix"]:
@@ -436,7 +435,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
     lines += ["## 3. The controller's record", ""]
     any_record = False
-    for group in {**EVIDENCE_GROUPS, **EXTRA_GROUPS}:
+    for group in ALL_GROUPS:
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
             record = controller_record(result) + noise_record(result)
