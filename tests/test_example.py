@@ -419,6 +419,9 @@ def test_every_config_parses(name: str, monkeypatch: pytest.MonkeyPatch, capsys:
     preset = PRESETS[name]
     for field in ("n_layers", "d_model", "n_heads", "qk_norm"):
         assert f"    {field}: {str(getattr(preset, field)).lower()}" in printed  # the configs match the presets
+    # The tokens-per-step rule where the study measured it: no gap at 260K tokens per step, one at 2.1M.
+    threshold = 1048576 if name == "llama-325m" else 65536
+    assert f"ds_tokens_per_step_high: {threshold}" in printed
 
 
 # ------------------------------------------------------------------------------------- resuming, folders, errors
