@@ -186,7 +186,8 @@ class StepExecutor:
                 (``None``: ``<trainer.default_root_dir>/sage-last-good.ckpt``).
         """
         policy, tally = self._require_policy(), self.tally
-        signals, tokens = self._pipeline.signals(trainer, record)
+        signals = self._pipeline.signals(trainer, record)
+        tokens = signals.tokens
         tally.tokens_per_step = tokens
         tally.tokens_seen += tokens
         outcome = policy.decide(signals)

@@ -59,7 +59,7 @@ class StepPipeline:
         record, grad_norm2 = pipeline.close_window(trainer, policy, scaler)   # the optimizer step
         pipeline.await_verdict(record)
         for due in pipeline.due(until=step - VERDICT_LAG):
-            signals, tokens = pipeline.signals(trainer, due)
+            signals = pipeline.signals(trainer, due)         # signals.tokens: the step's, every rank's
     """
 
     def __init__(self) -> None:
@@ -236,8 +236,8 @@ class StepPipeline:
         self.pending.clear()
         return dropped
 
-    def signals(self, trainer: pl.Trainer, record: StepRecord) -> tuple[StepSignals, int]:
-        """The policy's view of one step, from its reduced vector, and the step's tokens (every rank's)."""
+    def signals(self, trainer: pl.Trainer, record: StepRecord) -> StepSignals:
+        """The policy's view of one step, from its reduced vector (its ``tokens``: the step's, every rank's)."""
         sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
         head, layers = self.layout.unpack(record.host_values(), sharded_grads=sharded)
         loss, grad_norm = head["loss"], head["grad_norm"]
@@ -260,16 +260,14 @@ class StepPipeline:
                 layers[name] = dataclasses.replace(
                     layers[name], ds_rel_err=None, qk_rel_err=None, probe=None, noise_ratio_ran=None
                 )
-        tokens = int(head["tokens"])
-        signals = StepSignals(
+        return StepSignals(
             step=record.step,
             loss=loss,
             grad_norm=grad_norm,
             layers=layers,
             grad_scaler=record.grad_scaler,
-            tokens=tokens,
+            tokens=int(head["tokens"]),
         )
-        return signals, tokens
 
 
 def step_tokens(record: StepRecord) -> int:

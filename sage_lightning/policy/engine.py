@@ -174,6 +174,12 @@ class PrecisionPolicy:
         # The latest step's tokens (every rank's): the tokens-per-step rule's reading, not checkpointed (every
         # verdict brings it again before a rung could step down).
         self._last_tokens: int | None = None
+        # The tokens rule's rung (TOKENS_RUNG where the ladder has it, which the other rules pass over; else its first
+        # rung that changes ds alone), fixed with the config: None where the rule is off or the ladder has neither.
+        named = [i for i, rung in enumerate(cfg.ladder) if rung.name == TOKENS_RUNG]
+        self._reserved_rung = named[0] if named else None
+        ds_alone = [i for i, rung in enumerate(cfg.ladder) if set(rung.fields) == {"ds"}]
+        self._tokens_target = None if cfg.ds_tokens_per_step_high is None else (named or ds_alone or [None])[0]
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
         self._rollbacks_without_progress = 0
         self._good_steps = 0
@@ -539,33 +545,26 @@ class PrecisionPolicy:
 
     def _tokens_rule(self, step: int, taken: Sequence[Decision]) -> list[Decision]:
         """Tokens per step at or over ``ds_tokens_per_step_high``: every layer whose dS runs in INT8 takes the
-        tokens rung (:meth:`_tokens_rung`), which :meth:`_step_down` then holds while the steps stay that large."""
-        high, tokens, target = self.config.ds_tokens_per_step_high, self._last_tokens, self._tokens_rung()
-        if not self._tokens_hold() or target is None:
+        tokens rung (``_tokens_target``), which :meth:`_step_down` then holds while the steps stay that large."""
+        target = self._tokens_target
+        if target is None or not self._tokens_hold():
             return []
         moved = {d.layer for d in taken}
         reason = (
-            f"{tokens:,} tokens per step >= ds_tokens_per_step_high {high:,}: at this many tokens per step INT8 dS "
-            "costs validation loss that FP8 or bf16 dS does not"
+            f"{self._last_tokens:,} tokens per step >= ds_tokens_per_step_high {self.config.ds_tokens_per_step_high:,}"
+            ": at this many tokens per step INT8 dS costs validation loss that FP8 or bf16 dS does not"
         )
         decisions = []
-        for name in self._layers:
+        for name, state in self._layers.items():
+            if name in moved or target in state.path:  # on it already: no precision to rebuild, each step
+                continue
             current = self.precision(name)
-            if name in moved or current.mode != "sagebwd" or current.ds != "int8":
+            if current.mode != "sagebwd" or current.ds != "int8":
                 continue
             decision = self._escalate(name, "ds", step, reason, target=target)
             if decision is not None:
                 decisions.append(decision)
         return decisions
-
-    def _tokens_rung(self) -> int | None:
-        """The ladder index of the tokens-per-step rule's rung: :data:`TOKENS_RUNG` where the ladder has it, else
-        the first rung that changes ``ds`` alone; ``None`` when the rule is off or the ladder has neither."""
-        if self.config.ds_tokens_per_step_high is None:
-            return None
-        ladder = self.config.ladder
-        named = [i for i, rung in enumerate(ladder) if rung.name == TOKENS_RUNG]
-        return (named or [i for i, rung in enumerate(ladder) if set(rung.fields) == {"ds"}] or [None])[0]
 
     def _tokens_hold(self) -> bool:
         """Whether the latest step had ``ds_tokens_per_step_high`` tokens or more (the rule is on)."""
@@ -698,7 +697,7 @@ class PrecisionPolicy:
         if target is not None:
             candidates = [target] if target in candidates else []
         else:
-            candidates = [i for i in candidates if ladder[i].name != TOKENS_RUNG]
+            candidates = [i for i in candidates if i != self._reserved_rung]
         if cause == "top":
             complete = [i for i in candidates if set(ladder[i].fixes) == set(CAUSES)]
             serving = complete[-1:] or candidates[-1:]
@@ -724,7 +723,7 @@ class PrecisionPolicy:
         if not state.path or not state.backoff.ready(step):
             return None
         top = self.config.ladder[state.path[-1]]
-        if state.path[-1] == self._tokens_rung() and self._tokens_hold():
+        if state.path[-1] == self._tokens_target and self._tokens_hold():
             return None  # the tokens-per-step rule would take it again at once
         reason = f"calm for {state.backoff.calm_for(step)} steps >= {state.backoff.period}"
         if "ds" in top.fields:
