@@ -19,7 +19,6 @@ import pytest
 from benchmarks.training import results_doc
 from benchmarks.training.evidence import (
     EVIDENCE_GROUPS,
-    EXTRA_GROUPS,
     decision_records,
     difference,
     final_val,
@@ -210,7 +209,8 @@ def test_the_committed_results_give_a_page_with_the_matrix_as_run(tmp_path: Path
         if not group.startswith("e2e-"):
             assert not re.search(rf"### {group}: [^\n]*\n\nNot measured yet\.", text), group
     # Groups outside the matrix's defaults (gpu_lanes.sh's runs joined by group), cuDNN's FP8 runs by their backend.
-    assert f"### large-qknorm-d128: {EXTRA_GROUPS['large-qknorm-d128']}" in text
+    gaps = json.loads((REPO / "benchmarks/results/training-h200-20261127-gap-groups.json").read_text())
+    assert f"### large-qknorm-d128: {gaps['questions']['large-qknorm-d128']}" in text
     assert "| cudnn-fp8 | cuDNN's FP8 attention | 0.7296 | 0.7402 | yes / yes |" in text
     assert "| sage-fp8-ds | `sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k` | 0.6469 | 0.6427 | yes / yes |" in text
     small = json.loads((REPO / "benchmarks/results/training-h200-20261121-small.json").read_text())
@@ -270,6 +270,25 @@ def test_a_combined_file_renders_its_groups_and_final_losses(tmp_path: Path) -> 
     assert "at large tokens per step 0.8500 / 0.8400 (seeds 1234 / 1235), beyond the margin; at small 0.7050" in text
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert (doc.parent / target).is_file(), target
+
+
+def test_groups_outside_the_matrix_take_their_question_from_their_file(tmp_path: Path) -> None:
+    results = _combined(tmp_path / "results")
+    result = json.loads((results / "training-h200-20261127-noise-evidence.json").read_text())
+    for item in result["rows"] + result["summary"]:
+        item["group"] = {"large-qknorm": "large-qknorm-seeds", "small-qknorm": "small-qknorm-rule"}[item["group"]]
+    result["decisions"] = {}
+    result["questions"] = {"large-qknorm-seeds": "four seeds: can they tell?", "small-qknorm-rule": "left alone?"}
+    (results / "training-h200-20261128-tokens-rule.json").write_text(json.dumps(result))
+    doc = tmp_path / "docs" / "results.md"
+    text = results_doc.main(["--results", str(results), "--doc", str(doc), "--images", str(tmp_path / "im")])
+    # After the matrix's groups, in the file's order, each under the question its file names.
+    first, second = (
+        text.index("### large-qknorm-seeds: four seeds: can they tell?"),
+        text.index("### small-qknorm-rule: left alone?"),
+    )
+    assert text.index("### large-no-qknorm: ") < first < second < text.index("## 3. The controller's record")
+    assert text.count("| full | full precision | 0.8000 | 0.8100 | yes / yes |") == 2
 
 
 def test_the_page_in_docs_links_only_what_exists() -> None:

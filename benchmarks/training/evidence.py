@@ -19,15 +19,6 @@ EVIDENCE_GROUPS: dict[str, str] = {
     "large-no-qknorm": "large tokens per step without QK-norm: is QK-norm needed for stability?",
     "e2e-seq4096": "speed at sequence 4096 (issue #4): end-to-end tokens/s and peak memory against SDPA cuDNN",
 }
-#: Groups run outside the matrix's defaults (``--groups large-qknorm-d128``, or one run per process by
-#: ``benchmarks/gpu_lanes.sh``, joined by group), shown after them with their question.
-EXTRA_GROUPS: dict[str, str] = {
-    "large-no-qknorm-1000": "large tokens per step without QK-norm, 1,000 steps: does the gap last, and does FP8 dS "
-    "close it?",
-    "large-qknorm-d128": "large tokens per step, QK-norm, heads of 128: does cuDNN's FP8 attention train as well as "
-    "full precision, and SageBwd?",
-}
-ALL_GROUPS: dict[str, str] = {**EVIDENCE_GROUPS, **EXTRA_GROUPS}
 #: How the runs of a group are told apart (from their ``runs`` entry), and how the page names them.
 ROLES: dict[str, str] = {
     "full": "full precision",
@@ -107,10 +98,18 @@ def split_combined(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         first = group["summary"][0]
         qk = "QK-norm" if first.get("qk_norm") else "no QK-norm"
         title = f"{first['tokens_per_step']:,} tokens per step, {qk}, {first.get('max_steps') or 0:,} steps"
-        group["matrix"] = {"group": name, "title": title, "combined": True}
+        question = result.get("questions", {}).get(name, "")  # groups outside the matrix's name their question
+        group["matrix"] = {"group": name, "title": title, "combined": True, "question": question}
     for row in result.get("rows", []):
         groups[row["group"]]["rows"].append(row)
     return groups
+
+
+def group_questions(matrix: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, str]:
+    """``{group: question}`` in page order: the matrix's groups, then the other loaded groups file by file (the
+    question their combined file names)."""
+    extra = sorted((g for g in matrix if g not in EVIDENCE_GROUPS), key=lambda g: (matrix[g][1]["date"], matrix[g][0]))
+    return {**EVIDENCE_GROUPS, **{g: matrix[g][1]["matrix"].get("question", "") for g in extra}}
 
 
 def val_points(rows: Sequence[dict[str, Any]]) -> dict[int, float]:

@@ -24,7 +24,6 @@ from typing import Any
 
 from benchmarks.result_file import REPO, RESULTS
 from benchmarks.training.evidence import (
-    ALL_GROUPS,
     EVIDENCE_GROUPS,
     MIN_MARGIN,
     ROLES,
@@ -35,6 +34,7 @@ from benchmarks.training.evidence import (
     ends,
     final_val,
     findings,
+    group_questions,
     load,
     margin,
     model_source,
@@ -88,12 +88,9 @@ def _source(path: Path, result: dict[str, Any], doc: Path) -> str:
 
 
 def _figure(path: Path, result: dict[str, Any], image: Path, drawn: bool, doc: Path, alt: str) -> list[str]:
-    lines = (
-        [f"![{alt}]({os.path.relpath(image, doc.parent)})"]
-        if drawn
-        else [f"*(Figure not drawn: matplotlib is not installed where `{REGENERATE}` ran.)*"]
-    )
-    return [*lines, "", f"{_source(path, result, doc)} Figure drawn by `{REGENERATE}`.", ""]
+    shown = f"![{alt}]({os.path.relpath(image, doc.parent)})"
+    shown = shown if drawn else f"*(Figure not drawn: matplotlib is not installed where `{REGENERATE}` ran.)*"
+    return [shown, "", f"{_source(path, result, doc)} Figure drawn by `{REGENERATE}`.", ""]
 
 
 def group_table(result: dict[str, Any]) -> list[str]:
@@ -155,9 +152,9 @@ def controller_record(result: dict[str, Any]) -> list[str]:
         if fixed.get("tokens_per_s") and s.get("tokens_per_s") and not result.get("matrix", {}).get("combined"):
             cost = f"; tokens/s {s['tokens_per_s'] / fixed['tokens_per_s']:.3f}x SageBwd fixed's"
         lines.append(
-            f"**{name}**: {len(records)} decision(s); INT8 share of layer-steps {_f(share, 3)}; skipped steps "
-            f"{s.get('skipped_steps', 0)}, rollbacks {s.get('rollbacks', 0)}, accumulate_grad_batches at the end "
-            f"{s.get('accumulate_grad_batches', '')}{cost}."
+            f"**{name}**: {len(records)} decision(s); low-bit (INT8 or FP8) share of layer-steps {_f(share, 3)}; "
+            f"skipped steps {s.get('skipped_steps', 0)}, rollbacks {s.get('rollbacks', 0)}, accumulate_grad_batches at "
+            f"the end {s.get('accumulate_grad_batches', '')}{cost}."
         )
         lines += ["", *gap_closed(result, name), ""]
         if records:
@@ -204,7 +201,9 @@ def seed_table(result: dict[str, Any]) -> list[str]:
         by, first = runs[base], summaries[next(iter(runs[base].values()))[0]]
         what = "full precision" if first.get("attention") == "full" else f"`{first.get('precision')}`"
         what = "cuDNN's FP8 attention" if first.get("sdpa_backend") == "cudnn_fp8" else what
+        acting = first.get("controller") and not first["run"].endswith("-observe")
         what += f", controller at noise_ratio_high {first['threshold']}" if first.get("threshold") else ""
+        what += ", with the controller" if acting and not first.get("threshold") else ""
         what += "".join(
             f"; seed {seed}: the controller observing only" for seed, (n, _) in by.items() if "observe" in n
         )
@@ -251,7 +250,7 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
     noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
     lines: list[str] = []
     for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
-        groups = [(g, loaded["matrix"][g][1]) for g in ALL_GROUPS if loaded["matrix"].get(g, (None,))[0] == path]
+        groups = [(g, r) for g, (p, r) in loaded["matrix"].items() if p == path]
         first, human = groups[0][1], path.with_suffix(".md")
         lines += [
             f"The matrix as run: {_link(path, doc)} ({first['device']}, {first['date']}: `{first['command']}`). "
@@ -419,7 +418,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         lines += [prose("no-activations"), ""]
 
     lines += ["## 2. Training: loss curves and final validation loss", ""]
-    for group, question in ALL_GROUPS.items():
+    for group, question in group_questions(loaded["matrix"]).items():
         if group.startswith("e2e-") or (group not in EVIDENCE_GROUPS and group not in loaded["matrix"]):
             continue
         lines += [f"### {group}: {question}", ""]
@@ -435,7 +434,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
     lines += ["## 3. The controller's record", ""]
     any_record = False
-    for group in ALL_GROUPS:
+    for group in group_questions(loaded["matrix"]):
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
             record = controller_record(result) + noise_record(result)
