@@ -32,6 +32,7 @@ from sage_lightning.checks import (
     check_fit,
     check_state,
     checkpoint_bases,
+    fit_hparams,
     upgrade_state,
 )
 from sage_lightning.console import attention_summary, quiet_lightning_noise, resume_instructions
@@ -258,9 +259,9 @@ class AdaptivePrecision(Callback):
 
     @property
     def hparams(self) -> dict[str, Any]:
-        """The controller's settings as plain values, as the loggers get them under ``"adaptive_precision"``
-        (``hparams.yaml``, TensorBoard's HParams): every :class:`~sage_lightning.policy.PolicyConfig` field under
-        ``config`` (the ladder as its rung names) and the arguments that change what the callback does.
+        """The controller's settings as plain values, logged under ``"adaptive_precision"`` (``hparams.yaml``,
+        TensorBoard's HParams): every :class:`~sage_lightning.policy.PolicyConfig` field under ``config`` (the ladder
+        as its rung names; the fit GPU's in the logs) and the arguments that change what the callback does.
 
         Example::
 
@@ -283,7 +284,7 @@ class AdaptivePrecision(Callback):
         if stage == "fit":
             # setup runs before Lightning logs the module's hyperparameters, whose first call to a TensorBoardLogger
             # writes the HParams session TensorBoard shows: the settings must be in it (tensorboard.log_hyperparams).
-            tensorboard.log_hyperparams(trainer, self.hparams)
+            tensorboard.log_hyperparams(trainer, fit_hparams(self.hparams, self.config, trainer.strategy.root_device))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

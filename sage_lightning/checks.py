@@ -143,6 +143,18 @@ def without_fp8_rungs(config: PolicyConfig, device: torch.device) -> PolicyConfi
     return config if len(ladder) == len(config.ladder) else dataclasses.replace(config, ladder=ladder)
 
 
+def fit_hparams(hparams: dict[str, Any], config: PolicyConfig, device: torch.device) -> dict[str, Any]:
+    """The callback's ``hparams`` with the ladder a fit on ``device`` runs (:func:`without_fp8_rungs`), as the loggers
+    get them: an A100's HParams show no ``ds_fp8`` rung.
+
+    Example::
+
+        fit_hparams({"config": {"ladder": []}}, PolicyConfig(), torch.device("cpu"))["config"]["ladder"][2]  # 'ds_fp8'
+    """
+    ladder = [rung.name for rung in without_fp8_rungs(config, device).ladder]
+    return {**hparams, "config": {**hparams["config"], "ladder": ladder}}
+
+
 def checkpoint_bases(
     state: Mapping[str, Any],
     layers: Mapping[str, AttentionLayerState],

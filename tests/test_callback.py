@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shutil
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -771,6 +772,9 @@ def test_an_interrupted_then_resumed_run_logs_each_step_once_and_says_how_to_res
     assert message.startswith(f"AdaptivePrecision: training interrupted at step 7. Resume from {checkpoint} (step 4)")
     assert f"ckpt_path={checkpoint!r}" in message
 
+    # TensorBoard reads a folder's event files in name order: time (seconds), host, pid, then a counter global to the
+    # process, so two files of one second sort wrong once the counter passes 9 -> 10 (earlier tests' writers count).
+    time.sleep(1.1)
     run(10, [], ckpt_path=checkpoint)
     accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "images": 0})
     accumulator.Reload()

@@ -135,3 +135,20 @@ def test_the_default_leaves_small_steps_alone_and_a_resumed_run_keeps_fp8_ds(tmp
     # calm_steps=1 and a dS error under ds_rel_err_low would step down; 66 tokens a step hold the rung.
     assert [d for d in resumed.history if d.step >= 4 and d.lever == "precision"] == []
     assert {s.precision.ds for s in attention_layers(model).values()} == {"fp8"}
+
+
+def test_the_logged_ladder_is_the_one_the_gpu_runs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU without FP8 (an A100: capability 8.0) hparams.yaml and TensorBoard's HParams show the ladder the
+    controller runs there, without ``ds_fp8``; the callback's own settings keep the ladder it was given."""
+    import yaml
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device: (8, 0))
+    controller = AdaptivePrecision(verbose=False)
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=1, logger=logger), callbacks=[controller])
+    trainer.fit(TinyLM(), token_loader(1))
+    logged = yaml.safe_load((tmp_path / "tb" / "version_0" / "hparams.yaml").read_text())
+    assert logged["adaptive_precision"]["config"]["ladder"] == ["smooth_q", "qk_bf16", "ds_bf16", "dv_bf16", "full"]
+    assert TOKENS_RUNG in controller.hparams["config"]["ladder"]
+    assert TOKENS_RUNG not in [rung.name for rung in controller._policy.config.ladder]
