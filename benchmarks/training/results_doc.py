@@ -250,7 +250,8 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
     noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
     lines: list[str] = []
     for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
-        groups = [(g, r) for g, (p, r) in loaded["matrix"].items() if p == path]
+        ordered = [(g, loaded["matrix"].get(g)) for g in group_questions(loaded["matrix"])]
+        groups = [(g, found[1]) for g, found in ordered if found and found[0] == path]
         first, human = groups[0][1], path.with_suffix(".md")
         lines += [
             f"The matrix as run: {_link(path, doc)} ({first['device']}, {first['date']}: `{first['command']}`). "
