@@ -626,7 +626,7 @@ class AttentionLayerState:
             base: the precision the controller would step back down to (the layer's starting precision).
 
         Returns:
-            ``(sums, sequences)``: a float64 ``[2, 3]`` device tensor, rows ``base`` and the precision that ran
+            ``(sums, sequences)``: a float64 ``[2, 4]`` device tensor, rows ``base`` and the precision that ran
             (the same row twice where they are equal), and the sequences of the captured call (its micro-batch; the
             sums are over the first ``arm_noise(sequences)`` of them); ``None`` where nothing was
             captured (not armed, no served call of two or more sequences, or no backward through it yet) or the

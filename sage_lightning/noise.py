@@ -22,6 +22,13 @@ step of ``B`` sequences the step's gradient error is ``bias2 + err_var / B`` and
     noise_ratio = sqrt((B * max(bias2, 0) + err_var) / grad_var)
 
 It grows like ``sqrt(B)`` where the error is a bias and stays flat where it is noise itself.
+
+The same capture gives the gradient noise scale (McCandlish et al., 2018, "An Empirical Model of Large-Batch
+Training": ``B_simple``), recorded but not acted on: ``mean2 = ||mean G||^2 - var(G) / S`` is the unbiased squared
+norm of the expected per-sequence gradient, and ``noise_scale = grad_var / mean2`` the step size in sequences beyond
+which a larger step averages little noise away. By the study's explanation INT8 dS costs loss where a step's
+sequences are many times that scale (its sampling noise small beside a shared error); this reading is what a
+threshold on ``sequences per step / noise_scale`` would be calibrated from (``docs/controller.md``, Noise ratio).
 """
 
 from __future__ import annotations
@@ -35,8 +42,24 @@ import torch.nn.functional as F
 
 from sage_lightning.kernels import AttentionPrecision, sage_attention
 
-#: The sums a measurement returns per precision, in order.
-NOISE_FIELDS: tuple[str, ...] = ("bias2", "err_var", "grad_var")
+#: The sums a measurement returns per precision, in order (``mean2`` is the reference's: the same in every row).
+NOISE_FIELDS: tuple[str, ...] = ("bias2", "err_var", "grad_var", "mean2")
+
+
+def gradient_moments(per_sequence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_var, mean2)`` of per-sequence gradients: the per-sequence variance summed over coordinates (the trace
+    of their covariance) and the unbiased squared norm of their mean (``||mean||^2 - grad_var / S``, which can come
+    out negative where the mean is small beside the noise), both without a host sync.
+
+    Args:
+        per_sequence: ``[S, P]``, one row per sequence, ``S >= 2``.
+
+    Example::
+
+        gradient_moments(torch.tensor([[1.0, 0.0], [3.0, 0.0]]))   # (tensor(2.), tensor(3.))
+    """
+    grad_var = per_sequence.var(dim=0).sum()
+    return grad_var, per_sequence.mean(dim=0).square().sum() - grad_var / per_sequence.shape[0]
 
 
 def adapter_gradients(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -92,8 +115,9 @@ def noise_sums(
     is_causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """``[bias2, err_var, grad_var]`` (:data:`NOISE_FIELDS`) of each precision against full-precision attention,
-    over the batch's sequences, as a float64 ``[len(precisions), 3]`` tensor on the inputs' device (no host sync).
+    """``[bias2, err_var, grad_var, mean2]`` (:data:`NOISE_FIELDS`) of each precision against full-precision
+    attention, over the batch's sequences, as a float64 ``[len(precisions), 4]`` tensor on the inputs' device (no
+    host sync); ``grad_var`` and ``mean2`` are the reference's (:func:`gradient_moments`).
 
     Args:
         q, k, v: SDPA's layout, at least two sequences (the batch dimension); detached copies are fine.
@@ -108,7 +132,7 @@ def noise_sums(
 
         from sage_lightning.kernels import AttentionPrecision
         q, k, v, do = (torch.randn(4, 2, 64, 32) for _ in range(4))
-        noise_sums(q, k, v, do, [AttentionPrecision()], is_causal=True)   # tensor([[bias2, err_var, grad_var]])
+        noise_sums(q, k, v, do, [AttentionPrecision()], is_causal=True)   # [[bias2, err_var, grad_var, mean2]]
     """
     sequences = q.shape[0]
     if sequences < 2:
@@ -118,14 +142,14 @@ def noise_sums(
         )
     common = dict(is_causal=is_causal, scale=scale)
     reference = _per_sequence(q, k, v, _attention_grads(q, k, v, grad_out, precision=None, **common))
-    grad_var = reference.var(dim=0).sum()
+    grad_var, mean2 = gradient_moments(reference)
     rows = []
     for precision in precisions:
         low = _per_sequence(q, k, v, _attention_grads(q, k, v, grad_out, precision=precision, **common))
         error = low - reference
         err_var = error.var(dim=0).sum()
         bias2 = error.mean(dim=0).square().sum() - err_var / sequences
-        rows.append(torch.stack([bias2, err_var, grad_var]))
+        rows.append(torch.stack([bias2, err_var, grad_var, mean2]))
     return torch.stack(rows).to(torch.float64)
 
 
@@ -149,6 +173,23 @@ def noise_ratio(bias2: float, err_var: float, grad_var: float, sequences_per_ste
     if not (math.isfinite(bias2) and math.isfinite(err_var)):
         return math.nan
     return math.sqrt(max(sequences_per_step * max(bias2, 0.0) + max(err_var, 0.0), 0.0) / grad_var)
+
+
+def noise_scale(grad_var: float, mean2: float) -> float | None:
+    """The gradient noise scale in sequences, ``grad_var / mean2`` (see the module's docstring), from
+    :func:`noise_sums`' reference sums.
+
+    Returns:
+        The scale; ``None`` where the capture cannot resolve it: no noise, or a mean gradient at or under zero
+        beside the noise (its estimate is unbiased, so small means come out negative), or a sum not finite.
+
+    Example::
+
+        noise_scale(grad_var=32.0, mean2=2.0)   # 16.0: steps of many more than 16 sequences average little noise away
+    """
+    if not (math.isfinite(grad_var) and math.isfinite(mean2)) or not grad_var > 0 or not mean2 > 0:
+        return None
+    return grad_var / mean2
 
 
 def percentile_95(readings: Sequence[float]) -> float:

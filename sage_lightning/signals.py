@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.noise import NOISE_FIELDS, noise_ratio
+from sage_lightning.noise import NOISE_FIELDS, noise_ratio, noise_scale
 from sage_lightning.policy import PROBE_TENSORS, LayerSignals, SignalRequest
 
 #: The head of the vector: the step's global numbers.
@@ -57,6 +57,10 @@ LAYER_FIELDS: tuple[str, ...] = (
 _NOISE_BLOCK = len(NOISE_ROWS) * len(NOISE_FIELDS) + 2
 #: A layer's values in that layout (a checkpoint's pending verdict may hold it; :meth:`SignalLayout.unpack` reads it).
 PREVIOUS_LAYER_WIDTH = len(LAYER_FIELDS) - _NOISE_BLOCK
+#: A layer's values in the layout between (noise rows without ``mean2``, the last of :data:`NOISE_FIELDS`), and
+#: where its noise rows start.
+NO_SCALE_LAYER_WIDTH = len(LAYER_FIELDS) - len(NOISE_ROWS)
+_NOISE_START = LAYER_FIELDS.index(f"noise_{NOISE_ROWS[0]}_{NOISE_FIELDS[0]}")
 #: Offsets in a layer's row of the counts that say something optional was measured there, and of its flag.
 _MEASURED = tuple(
     LAYER_FIELDS.index(name)
@@ -264,12 +268,14 @@ class SignalLayout:
             if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
                 qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
             ratios: dict[str, float | None] = dict.fromkeys(NOISE_ROWS)
+            scale = None
             if (ranks := row["ranks_with_noise"]) > 0:
                 # The step's sequences: the measured micro-batches' mean, times every rank's micro-batches.
                 per_step = row["noise_sequences"] / ranks * max(head["micro_batches"], 1.0)
                 for which in NOISE_ROWS:
-                    sums = (row[f"noise_{which}_{field}"] / ranks for field in NOISE_FIELDS)
-                    ratios[which] = noise_ratio(*sums, sequences_per_step=per_step)
+                    bias2, err_var, grad_var, _ = (row[f"noise_{which}_{field}"] / ranks for field in NOISE_FIELDS)
+                    ratios[which] = noise_ratio(bias2, err_var, grad_var, sequences_per_step=per_step)
+                scale = noise_scale(row["noise_base_grad_var"] / ranks, row["noise_base_mean2"] / ranks)
             layers[name] = LayerSignals(
                 ds_rel_err=ds_rel_err,
                 probe=probe,
@@ -277,6 +283,7 @@ class SignalLayout:
                 nonfinite=row["nonfinite"] > 0,
                 noise_ratio=ratios["base"],
                 noise_ratio_ran=ratios["ran"],
+                noise_scale=scale,
             )
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean
@@ -287,17 +294,25 @@ class SignalLayout:
         return head, layers
 
     def _current_layout(self, total: Sequence[float]) -> Sequence[float]:
-        """``total`` in this layout: a vector of the previous one (no noise fields; a checkpoint's pending verdict
-        from before the measurement existed) gains them as zeros (nothing measured)."""
+        """``total`` in this layout: a vector of an earlier one (a checkpoint's pending verdict) as this one reads
+        it. Without the noise fields (from before the measurement existed) they are zeros (nothing measured); with
+        noise rows of three sums (before ``mean2``) each row gains a zero ``mean2`` (no noise scale)."""
         if len(total) == self.size:
             return total
-        head, width = len(HEAD_FIELDS), PREVIOUS_LAYER_WIDTH
-        if len(total) != head + len(self.layers) * width:
+        head = len(HEAD_FIELDS)
+        widths = [w for w in (PREVIOUS_LAYER_WIDTH, NO_SCALE_LAYER_WIDTH) if len(total) == head + len(self.layers) * w]
+        if not widths:
             raise ValueError(f"SignalLayout.unpack: expected {self.size} values for {self.layers}; got {len(total)}.")
-        values = list(total[:head])
+        width, values = widths[0], list(total[:head])
         for i in range(len(self.layers)):
             row = list(total[head + i * width : head + (i + 1) * width])
-            values += row[:-1] + [0.0] * _NOISE_BLOCK + row[-1:]
+            if width == PREVIOUS_LAYER_WIDTH:
+                values += row[:-1] + [0.0] * _NOISE_BLOCK + row[-1:]
+                continue
+            old = len(NOISE_FIELDS) - 1
+            sums = row[_NOISE_START : _NOISE_START + len(NOISE_ROWS) * old]
+            rows = [sums[r * old : (r + 1) * old] + [0.0] for r in range(len(NOISE_ROWS))]
+            values += row[:_NOISE_START] + [x for r in rows for x in r] + row[_NOISE_START + len(sums) :]
         return values
 
 

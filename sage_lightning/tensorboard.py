@@ -12,7 +12,8 @@ the flat counters last.
 
 * per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
   ``sage/noise_ratio/<layer>`` (the base precision's gradient error over the gradient noise; ``noise_ratio_ran``
-  for the precision that ran, where it differs),
+  for the precision that ran, where it differs), ``sage/noise_scale/<layer>`` (the gradient noise scale in
+  sequences, from the same measurement, where it resolves one),
   ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
   ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder,
   not a number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0
@@ -127,6 +128,8 @@ def step_metrics(
             if layer.noise_ratio_ran is not None and layer.noise_ratio_ran != layer.noise_ratio:
                 metrics[f"sage/noise_ratio_ran/{name}"] = layer.noise_ratio_ran
             measured = True
+        if layer.noise_scale is not None:
+            metrics[f"sage/noise_scale/{name}"] = layer.noise_scale
         if layer.probe is not None:
             for tensor, values in layer.probe.items():
                 metrics[f"sage/probe/{tensor}_cos/{name}"] = values["cos"]

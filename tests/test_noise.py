@@ -7,13 +7,22 @@ import math
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.layer import AttentionLayerState
-from sage_lightning.noise import adapter_gradients, calibrate_threshold, noise_ratio, noise_sums
+from sage_lightning.noise import (
+    adapter_gradients,
+    calibrate_threshold,
+    gradient_moments,
+    noise_ratio,
+    noise_scale,
+    noise_sums,
+)
 from sage_lightning.policy import LayerSignals, PrecisionPolicy, StepSignals
-from sage_lightning.signals import HEAD_FIELDS, LAYER_FIELDS, SignalLayout
+from sage_lightning.signals import HEAD_FIELDS, LAYER_FIELDS, NO_SCALE_LAYER_WIDTH, PREVIOUS_LAYER_WIDTH, SignalLayout
 
 BASE = AttentionPrecision()
 LAYER = "blocks.0.attn"
@@ -38,6 +47,30 @@ def test_no_noise_or_no_step_gives_no_reading_and_a_non_finite_error_gives_nan()
     assert math.isnan(noise_ratio(math.inf, 1.0, 1.0, 8))
 
 
+@pytest.mark.parametrize(("mean_norm2", "trace", "sequences"), [(4.0, 64.0, 8), (1.0, 256.0, 16), (9.0, 9.0, 4)])
+def test_the_noise_scale_is_the_traced_covariance_over_the_squared_mean_unbiased(mean_norm2, trace, sequences) -> None:
+    """Per-sequence gradients of a known mean and covariance: over many captures the moments average to the truth
+    (``mean2`` unbiased though each capture's mean carries ``trace / S`` of noise), so the scale is ``trace /
+    |mean|^2`` in sequences."""
+    generator = torch.Generator().manual_seed(7)
+    dims, captures = 16, 4000
+    mean = torch.full((dims,), math.sqrt(mean_norm2 / dims), dtype=torch.float64)
+    noise = torch.randn(captures, sequences, dims, generator=generator, dtype=torch.float64)
+    draws = mean + math.sqrt(trace / dims) * noise
+    moments = torch.tensor([[float(m) for m in gradient_moments(draw)] for draw in draws])
+    grad_var, mean2 = moments.mean(dim=0).tolist()
+    assert grad_var == pytest.approx(trace, rel=0.03) and mean2 == pytest.approx(mean_norm2, abs=0.05 * trace / 4)
+    assert noise_scale(trace, mean_norm2) == pytest.approx(trace / mean_norm2)
+    if trace / sequences > mean_norm2:  # one capture's mean mostly noise: its estimate can go negative (None)
+        assert (moments[:, 1] < 0).any()
+
+
+def test_an_unresolved_noise_scale_is_none() -> None:
+    assert noise_scale(32.0, 2.0) == 16.0
+    for grad_var, mean2 in ((32.0, 0.0), (32.0, -1.0), (0.0, 2.0), (math.nan, 2.0), (32.0, math.inf)):
+        assert noise_scale(grad_var, mean2) is None, (grad_var, mean2)
+
+
 def test_adapter_gradients_are_each_sequences_x_transpose_gradient_per_head() -> None:
     x, g = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
     expected = torch.stack([torch.stack([x[b, h].T @ g[b, h] for h in range(2)]).flatten() for b in range(3)])
@@ -49,9 +82,9 @@ def test_bf16_ds_puts_less_error_into_the_gradients_than_int8_on_the_same_inputs
     q, k, v, do = (torch.randn(6, 2, 64, 32) for _ in range(4))
     k = k + 3.0  # a key offset, as K-smoothing meets in real models
     sums = noise_sums(q, k, v, do, [BASE, BASE.replace(ds="bf16")], is_causal=True)
-    assert sums.shape == (2, 3) and sums.dtype == torch.float64
-    (_, int8_var, noise), (_, bf16_var, noise_again) = sums.tolist()
-    assert noise == noise_again > 0  # the same reference for both
+    assert sums.shape == (2, 4) and sums.dtype == torch.float64
+    (_, int8_var, noise, mean2), (_, bf16_var, noise_again, mean2_again) = sums.tolist()
+    assert noise == noise_again > 0 and mean2 == mean2_again  # the same reference for both
     assert bf16_var < 0.7 * int8_var
 
 
@@ -78,7 +111,7 @@ def test_a_layer_captures_one_call_and_measures_its_base_and_running_precisions(
     layer.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum().backward()
     sums, sequences = layer.take_noise(BASE)
     assert sequences == 5  # the micro-batch's sequences, though 3 were kept
-    assert sums.shape == (2, 3) and sums[0, 1] > sums[1, 1]  # the base (INT8 dS) errs more than what ran
+    assert sums.shape == (2, 4) and sums[0, 1] > sums[1, 1]  # the base (INT8 dS) errs more than what ran
     assert layer.take_noise(BASE) is None  # taken once
     with pytest.raises(ValueError, match=r"arm_noise: sequences must be an int >= 2.*received 1"):
         layer.arm_noise(1)
@@ -97,7 +130,7 @@ def test_a_call_of_one_sequence_is_not_captured() -> None:
 
 def test_the_reading_travels_in_the_packed_vector_and_counts_every_micro_batch() -> None:
     layout = SignalLayout((LAYER, "blocks.1.attn"))
-    sums = torch.tensor([[1.0, 0.0, 16.0], [0.0, 4.0, 16.0]], dtype=torch.float64)
+    sums = torch.tensor([[1.0, 0.0, 16.0, 0.5], [0.0, 4.0, 16.0, 0.5]], dtype=torch.float64)
     packed = layout.pack(
         torch.device("cpu"),
         loss_sum=torch.tensor(2.0),
@@ -112,17 +145,34 @@ def test_the_reading_travels_in_the_packed_vector_and_counts_every_micro_batch()
     head, layers = layout.unpack(packed.tolist())
     # 16 sequences per micro-batch, 4 micro-batches: 64 per step.
     assert layers[LAYER].noise_ratio == pytest.approx(2.0) and layers[LAYER].noise_ratio_ran == pytest.approx(0.5)
-    assert layers["blocks.1.attn"].noise_ratio is None
+    assert layers[LAYER].noise_scale == pytest.approx(32.0)  # 16 / 0.5 sequences
+    assert layers["blocks.1.attn"].noise_ratio is None and layers["blocks.1.attn"].noise_scale is None
 
 
 def test_a_vector_saved_before_the_noise_fields_reads_as_not_measured() -> None:
     layout = SignalLayout((LAYER,))
-    old_width = len(LAYER_FIELDS) - 8
-    old = [2.0, 1.0, 64.0, 1.0, 1.0] + [0.0] * (old_width - 1) + [1.0]  # nothing measured, the layer flagged
+    assert PREVIOUS_LAYER_WIDTH == len(LAYER_FIELDS) - 10  # two rows of four sums, the sequences and ranks
+    old = [2.0, 1.0, 64.0, 1.0, 1.0] + [0.0] * (PREVIOUS_LAYER_WIDTH - 1) + [1.0]  # nothing measured, the layer flagged
     head, layers = layout.unpack(old)
     assert layers[LAYER].nonfinite and layers[LAYER].noise_ratio is None and head["loss"] == 2.0
     with pytest.raises(ValueError, match="expected"):
         layout.unpack([0.0] * (len(HEAD_FIELDS) + 3))
+
+
+def test_a_vector_saved_before_the_noise_scale_reads_its_ratios_without_one() -> None:
+    """A checkpoint's pending verdict from the layout with three noise sums a row (before ``mean2``)."""
+    layout = SignalLayout((LAYER,))
+    sums = torch.tensor([[1.0, 0.0, 16.0, 0.5], [0.0, 4.0, 16.0, 0.5]], dtype=torch.float64)
+    packed = layout.pack(
+        torch.device("cpu"), loss_sum=torch.tensor(2.0), micro_batches=4, tokens=64, grad_norm2=torch.tensor(1.0),
+        ds_sums=None, qk_sums=None, probes=None, noise=[(sums, 16)],
+    ).tolist()  # fmt: skip
+    mean2_at = [LAYER_FIELDS.index(f"noise_{row}_mean2") + len(HEAD_FIELDS) for row in ("base", "ran")]
+    old = [value for i, value in enumerate(packed) if i not in mean2_at]
+    assert len(old) == len(HEAD_FIELDS) + NO_SCALE_LAYER_WIDTH
+    _, layers = layout.unpack(old)
+    assert layers[LAYER].noise_ratio == pytest.approx(2.0) and layers[LAYER].noise_ratio_ran == pytest.approx(0.5)
+    assert layers[LAYER].noise_scale is None
 
 
 # ------------------------------------------------------------------------------------------------- the policy
@@ -207,10 +257,18 @@ def test_a_trainer_measures_the_noise_ratio_and_the_controller_acts_on_it(tmp_pa
         verbose=False,
     )
     model = TinyLM()
-    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=6), callbacks=[controller])
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=6, logger=logger), callbacks=[controller])
     trainer.fit(model, token_loader(6, batch_size=4))
     readings = list(controller.policy.noise_readings)
     assert {step for step, *_ in readings} >= {0, 2} and all(r[2] > 0 for r in readings)
+    # The gradient noise scale rides along (recorded, not acted on): in sequences where the capture resolves one.
+    scales = [r[4] for r in readings]
+    assert all(scale is None or scale > 0 for scale in scales) and any(scale is not None for scale in scales)
+    accumulator = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    assert any(t.startswith("sage/noise_scale/") for t in tags) and any(t.startswith("sage/noise_ratio/") for t in tags)
     raised = [d for d in controller.history if d.lever == "precision"]
     assert raised and all(d.reason.startswith("noise_ratio ") and d.step == 2 for d in raised)
     assert {layer.precision.ds for layer in attention_layers(model).values()} == {"bf16"}

@@ -231,7 +231,7 @@ def noise_record(result: dict[str, Any]) -> list[str]:
     lines = []
     for run, readings in observed(result).items():
         late: dict[str, list[float]] = {}
-        for step, layer, base, _ in readings:
+        for step, layer, base, *_ in readings:
             if step > 0.2 * readings[-1][0]:
                 late.setdefault(layer.removeprefix("model.blocks.").removesuffix(".attn"), []).append(base)
         values = [r[2] for r in readings]

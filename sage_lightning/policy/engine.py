@@ -184,10 +184,10 @@ class PrecisionPolicy:
         self._rollbacks_without_progress = 0
         self._good_steps = 0
         self._tried: list[str] = []
-        #: Every noise measurement, ``(step, layer, base ratio, ratio of the precision that ran)``, oldest first
-        #: (the last ``NOISE_READINGS_KEPT``): what the thresholds are calibrated on. Not checkpointed.
-        self.noise_readings: collections.deque[tuple[int, str, float | None, float | None]] = collections.deque(
-            maxlen=NOISE_READINGS_KEPT
+        #: Every noise measurement, ``(step, layer, base ratio, ratio of the precision that ran, noise scale)``, oldest
+        #: first (the last ``NOISE_READINGS_KEPT``): what the thresholds are calibrated on. Not checkpointed.
+        self.noise_readings: collections.deque[tuple[int, str, float | None, float | None, float | None]] = (
+            collections.deque(maxlen=NOISE_READINGS_KEPT)
         )
         self._loss_detector = SpikeDetector(
             window=cfg.spike_window,
@@ -321,7 +321,9 @@ class PrecisionPolicy:
             if measured.noise_ratio is not None:
                 state.last_noise_ratio, state.last_noise_step = measured.noise_ratio, step
                 state.last_noise_ratio_ran = measured.noise_ratio_ran
-                self.noise_readings.append((step, name, measured.noise_ratio, measured.noise_ratio_ran))
+                self.noise_readings.append(
+                    (step, name, measured.noise_ratio, measured.noise_ratio_ran, measured.noise_scale)
+                )
 
         decisions: list[Decision] = []
         loss_reading: SpikeReading | None = None

@@ -118,6 +118,8 @@ class LayerSignals:
             measured this step.
         noise_ratio_ran: the same for the precision the layer ran in during the step (``noise_ratio`` where that
             is the base).
+        noise_scale: the gradient noise scale of the layer's gradients in sequences, from the same measurement
+            (:func:`sage_lightning.noise.noise_scale`; recorded, not acted on), or ``None``.
     """
 
     ds_rel_err: float | None = None
@@ -126,6 +128,7 @@ class LayerSignals:
     qk_rel_err: float | None = None
     noise_ratio: float | None = None
     noise_ratio_ran: float | None = None
+    noise_scale: float | None = None
 
 
 @dataclass(frozen=True)
