@@ -146,9 +146,7 @@ def noise_sums(
     rows = []
     for precision in precisions:
         low = _per_sequence(q, k, v, _attention_grads(q, k, v, grad_out, precision=precision, **common))
-        error = low - reference
-        err_var = error.var(dim=0).sum()
-        bias2 = error.mean(dim=0).square().sum() - err_var / sequences
+        err_var, bias2 = gradient_moments(low - reference)  # the error's spread, and the part every sequence shares
         rows.append(torch.stack([bias2, err_var, grad_var, mean2]))
     return torch.stack(rows).to(torch.float64)
 
