@@ -184,7 +184,7 @@ def _sagebwd_backward(
     dkdv_run = {GLUON_DKDV: gluon_dkdv, GLUON_DKDV_WG: gluon_dkdv_wg}.get(dkdv_kernel)
     dq_run = {GLUON_DQ: gluon_dq, GLUON_DQ_WG: gluon_dq_wg}.get(dq_kernel)
     if ds != "int8":
-        # An FP8 or bf16 dS (the plan gives those to every Gluon kernel but gluon_dkdv_wg): they are told its format.
+        # An FP8 or bf16 dS (every Gluon kernel takes those): the kernel is told its format.
         dkdv_run = functools.partial(dkdv_run, ds_fmt=ds) if dkdv_run is not None else None
         dq_run = functools.partial(dq_run, ds_fmt=ds) if dq_run is not None else None
     return backward(

@@ -72,8 +72,7 @@ SDPA, REFERENCE, TRITON, HOPPER = "sdpa", "reference", "triton", "hopper"
 TRITON_FORWARD, HOPPER_FORWARD = "triton_forward", "hopper_forward"
 TRITON_DKDV, GLUON_DKDV, GLUON_DKDV_WG = "triton_dkdv", "gluon_dkdv", "gluon_dkdv_wg"
 TRITON_DQ, GLUON_DQ, GLUON_DQ_WG = "triton_dq", "gluon_dq", "gluon_dq_wg"
-#: dS formats the Gluon dK/dV and dQ kernels take, the other products in INT8 (all of them but the one-warpgroup dK/dV,
-#: ``gluon_dkdv_wg``, which takes INT8 only: D=64 then runs ``gluon_dkdv``).
+#: dS formats the Gluon dK/dV and dQ kernels take (every one of them), the other products in INT8.
 GLUON_DS_FORMATS = ("int8", "fp8", "bf16")
 #: The kernel name of a pass that a traced call leaves to the operator: it plans the pass on its concrete tensors.
 IN_OPERATOR = "plan"
@@ -362,17 +361,16 @@ def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> t
     from .hopper import gluon_backward, gluon_dkdv_wg, gluon_dq, gluon_dq_wg
 
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
-    # dS in INT8, or in FP8 or bf16 (the product in bf16 against Q'^ and K'^'s codes widened: issue 42): the D=128
-    # kernels and the one-warpgroup dQ take all three; the one-warpgroup dK/dV INT8 only.
+    # dS in INT8, or in FP8 or bf16 (the product in bf16 against Q'^ and K'^'s codes widened: issue 42): every
+    # Gluon kernel takes all three.
     ds_takes = (formats["ds"] in GLUON_DS_FORMATS, f"ds in {', '.join(GLUON_DS_FORMATS)}")
-    int8_ds = formats["ds"] == "int8"
     takes, dkdv_reason = _gluon_pass(
         q, k, formats, is_causal, block_m, block_n, gluon_backward, GLUON_DKDV, switches, ("qk", "dv"), (ds_takes,)
     )
     dkdv = TRITON_DKDV
     if takes:
         dkdv = GLUON_DKDV
-        if switches.gluon_dkdv_wg == "auto" and int8_ds and gluon_dkdv_wg.gluon_dkdv_wg_serves(head_dim, seq_k):
+        if switches.gluon_dkdv_wg == "auto" and gluon_dkdv_wg.gluon_dkdv_wg_serves(head_dim, seq_k):
             dkdv, dkdv_reason = GLUON_DKDV_WG, f"{dkdv_reason}; one warpgroup per 64 keys at this head dim"
     nonempty = ((seq_q > 0 and seq_k > 0, "at least one query and one key"), ds_takes)
     takes, dq_reason = _gluon_pass(

@@ -89,17 +89,16 @@ def test_it_leaves_what_it_does_not_serve_to_the_portable_kernel(kernel_switch, 
 
 @pytest.mark.parametrize("ds", ["fp8", "bf16"])
 @pytest.mark.parametrize(("head_dim", "seq_k"), [(128, 4096), (64, 4096), (64, 4032)])
-def test_an_fp8_or_bf16_ds_takes_the_d128_kernel_not_its_one_warpgroup_twin(
-    kernel_switch, gluon_here, ds, head_dim, seq_k
-):
-    """Issue 42: a layer the controller escalates to ``ds="fp8"`` or ``"bf16"`` keeps the Gluon dK/dV kernel (its
-    dK product in bf16); the one-warpgroup twin serves INT8 dS only, so D=64 takes the D=128 kernel."""
+def test_an_fp8_or_bf16_ds_keeps_the_kernel_an_int8_ds_takes(kernel_switch, gluon_here, ds, head_dim, seq_k):
+    """Issue 42: a layer the controller escalates to ``ds="fp8"`` or ``"bf16"`` keeps the Gluon dK/dV kernel its INT8
+    dS had (its dK product in bf16): at D=64 the one-warpgroup twin where it serves the key count."""
     kernel_switch(plan.GLUON_DKDV_ENV, "force")
-    planned = meta_plan(False, dict(ds=ds, head_dim=head_dim, seq_k=seq_k))
-    assert planned.dkdv == "gluon_dkdv", planned.dkdv
-    assert meta_plan(True, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == "gluon_dkdv"
+    want = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(head_dim, seq_k) else "gluon_dkdv"
+    for causal in (False, True):
+        assert meta_plan(causal, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == want
+        assert meta_plan(causal, dict(head_dim=head_dim, seq_k=seq_k)).dkdv == want
     kernel_switch(plan.GLUON_DKDV_ENV, "auto")
-    assert meta_plan(False, dict(ds=ds, batch=4, heads=16, head_dim=head_dim, seq_k=seq_k)).dkdv == "gluon_dkdv"
+    assert meta_plan(False, dict(ds=ds, batch=4, heads=16, head_dim=head_dim, seq_k=seq_k)).dkdv == want
     kernel_switch(plan.GLUON_DKDV_ENV, "off")
     assert meta_plan(False, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == "triton_dkdv"
 
@@ -136,6 +135,9 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
     with pytest.raises(ValueError, match=r"gluon_dkdv_wg: serves head_dim in \(64,\) .* received head_dim=128"):
         x = torch.zeros(1, 1, 4096, 128, dtype=torch.int8, device="meta")
         wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1)
+    x = torch.zeros(1, 1, 4096, 64, dtype=torch.int8, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dkdv_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'e5m2'"):
+        wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="e5m2")
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -190,6 +192,10 @@ def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, bat
         pytest.param(1, 4, 2, 256, 512, 64, True, id="causal-more-keys"),
         pytest.param(1, 2, 2, 1024, 320, 128, False, id="fewer-keys"),
         pytest.param(1, 8, 8, 2048, 2048, 128, True, id="large-causal"),
+        # D=64 with whole 128-key programs: the one-warpgroup kernel (also in mha-d64 and causal-more-keys above).
+        pytest.param(2, 4, 2, 512, 384, 64, True, id="wg-gqa-causal-fewer-keys"),
+        pytest.param(1, 2, 2, 1024, 1024, 64, True, id="wg-large-causal"),
+        pytest.param(1, 2, 2, 256, 320, 64, False, id="d64-keys-not-128"),
     ],
 )
 def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_gradients(monkeypatch, ds, batch, hq, hkv, n, nk, d, causal):
@@ -204,7 +210,8 @@ def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_gradients(monkeypatch, ds,
     calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape, precision=precision)
-    assert calls == ["gluon_dkdv"], f"the backward took {calls}, not gluon_dkdv"
+    expected = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
+    assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape, precision=precision)
     assert not calls
@@ -225,6 +232,35 @@ def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_gradients(monkeypatch, ds,
         for name, a, b in zip(("dQ", "dK", "dV"), got, ref, strict=False):
             rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
             assert rel < 2e-2, f"{name}: rel_l2 {rel} against the reference"
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gradients(monkeypatch, ds, causal):
+    """Issue 42: at D=64 the one-warpgroup dK/dV kernel with an FP8 or bf16 dS against the 64-key kernel with the
+    same dS (``SAGE_LIGHTNING_GLUON_DKDV_WG=off``): dV, dQ and the dS statistics as there, dK's bf16 product to its
+    last bits (one warpgroup sums each element over the tile's 128 queries as the two of the 64-key kernel do)."""
+    from sage_lightning.kernels import AttentionPrecision
+
+    precision = AttentionPrecision(ds=ds)
+    calls = _count_gluon_calls(monkeypatch)
+    shape = (2, 4, 2, 1024, 1024, 64, causal)
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert calls == ["gluon_dkdv_wg"], calls
+    calls.clear()
+    monkeypatch.setenv(plan.GLUON_DKDV_WG_ENV, "off")
+    plan.refresh_settings()
+    want = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert calls == ["gluon_dkdv"], calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        if name == "dK":
+            rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            assert rel < 1e-4, f"dK: rel_l2 {rel} against the 64-key kernel's (equal: {torch.equal(a, b)})"
+        else:
+            assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
 
 
 @needs_hopper

@@ -172,8 +172,9 @@ if HAVE_GLUON:
         ``ready``/``empty`` mbarriers (``empty`` released by each of the ``HALVES`` consumers) and K/V's. Returns
         ``(bufs, bars)`` as :func:`_dkdv_loader` and the consumers unpack them.
 
-        With ``HP_DS`` (a non-INT8 dS, one half only) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile,
-        Q'^ widened by the consumers (the dK product's B operand), and dS^T's tile is bf16."""
+        With ``HP_DS`` (a non-INT8 dS) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile per half, Q'^
+        widened by that half's consumer (the dK product's B operand; two halves run apart, so each widens its own),
+        and dS^T's tiles are bf16."""
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
         if HALVES == 1:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
@@ -185,9 +186,11 @@ if HAVE_GLUON:
         if not HP_DS:
             qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         else:
-            gl.static_assert(HALVES == 1, "a non-INT8 dS takes one 64-key half")
             qb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(desc_q.block_type.shape, gl.bfloat16)
-            qt_smem = gl.allocate_shared_memory(gl.bfloat16, desc_q.block_type.shape, qb_layout)
+            if HALVES == 1:
+                qt_smem = gl.allocate_shared_memory(gl.bfloat16, desc_q.block_type.shape, qb_layout)
+            else:
+                qt_smem = gl.allocate_shared_memory(gl.bfloat16, [HALVES] + desc_q.block_type.shape, qb_layout)
         do_smem = gl.allocate_shared_memory(desc_do.dtype, [STAGES] + desc_do.block_type.shape, desc_do.layout)
         dot_smem = gl.allocate_shared_memory(desc_dot.dtype, [STAGES] + desc_dot.block_type.shape, desc_dot.layout)
         lse_smem = gl.allocate_shared_memory(desc_lse.dtype, [STAGES] + desc_lse.block_type.shape, desc_lse.layout)
@@ -203,7 +206,11 @@ if HAVE_GLUON:
                 ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], ds_layout)
         else:
             p_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
-            ds_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
+            if not HP_DS:
+                ds_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
+            else:
+                ds_all_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
+                ds_smem = gl.allocate_shared_memory(gl.bfloat16, [HALVES, BLOCK_N, BLOCK_M], ds_all_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())

@@ -19,6 +19,12 @@ D=128 they would be 64 and the consumers would spill). Key counts must be multip
 through the TMA ring with the tile (512 bytes each per stage) rather than as 64 global loads per thread: 1.08-1.14x
 on the device (``benchmarks/NOTES.md``, device run 7).
 
+dS in FP8 or bf16 (``DS_FMT``, issue 42: the precision the controller escalates a layer to) takes
+:mod:`.gluon_backward`'s numerics for those formats: dS^T's e4m3 codes (one scale per tile) widened to bf16, or dS
+rounded to bf16, as the A operand of a bf16 wgmma with fp32 accumulation whose B operand is the tile's Q'^ codes
+widened to bf16 in shared memory; no Q'^T is loaded. The two warpgroups run apart, so each widens Q'^ into a buffer of
+its own (16 KiB each at D=64; dS^T's bf16 tiles take 8 KiB more each, the ring 8 KiB less per stage without Q'^T).
+
 Design, offline figures and the device results: ``benchmarks/NOTES.md`` (device run 7) and
 ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
 """
@@ -38,16 +44,21 @@ if HAVE_GLUON:
 
     from .gluon_common import (
         _dkdv_accumulate,
+        _dkdv_accumulate_hp,
         _dkdv_loader,
         _dkdv_products,
+        _dkdv_products_hp,
         _dkdv_program,
         _dkdv_smem,
         _dkdv_store,
         _dkdv_tile,
         _dkdv_zeros,
         _ds_codes,
+        _ds_values,
         _p_codes,
+        _p_codes_lean,
         _wgmma_layout,
+        _widen_codes,
     )
 
 #: Keys per program: one 64-key half (:data:`.gluon_backward.BLOCK_N`, the K quantization block) per warpgroup.
@@ -73,16 +84,19 @@ if HAVE_GLUON:
         descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv,
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 against every
-        query tile; its dK and dV rows to global memory at the end."""
+        query tile; its dK and dV rows to global memory at the end. With a non-INT8 ``DS_FMT`` it widens each tile's
+        Q'^ to bf16 in its own buffer before the tile's S is issued, and dK's product runs in bf16."""
         k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         k_smem = k_all.index(HALF)
         v_smem = v_all.index(HALF)
         p_smem = p_all.index(HALF)
         ds_smem = ds_all.index(HALF)
+        if DS_FMT != "int8":
+            qb_smem = qt_smem.index(HALF)  # this half's Q'^ widened to bf16 (no Q'^T ring)
         # One warpgroup: its 4 warps split the 64 keys' rows; a row's 128 queries lie in one thread quad.
         s_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_M, 32)
         dp_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_M, 16)
@@ -90,6 +104,8 @@ if HAVE_GLUON:
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        # A non-INT8 dS: dK's bf16 product (k16 instructions), its fp32 accumulator.
+        hp_layout: gl.constexpr = _wgmma_layout(4, 1, HEAD_DIM, 16)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
@@ -112,6 +128,10 @@ if HAVE_GLUON:
             )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+            if DS_FMT != "int8":
+                # Q'^ widened to bf16 (dK's B operand; this warpgroup's dK product of the tile before was waited for
+                # at its end), while few registers are live: before S's accumulator.
+                _widen_codes(q_smem.index(stage), qb_smem, BLOCK_M, HEAD_DIM, 4, 8)
             # S^T = K'^ Q'^T (int32). dP^T's product is issued after P's codes are stored: with both accumulators
             # in flight beside lse, dK and dV the warpgroup would need more than its 240 registers (the other
             # warpgroup keeps the tensor cores busy meanwhile).
@@ -122,14 +142,32 @@ if HAVE_GLUON:
             # P's codes (its per-key scale within the thread quad that holds the row). Causal: a tile whose first
             # query comes before this half's last key holds masked scores (top-left).
             masked = start_m < key0 + BLOCK_N - 1
-            p, p_scale = _p_codes(s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL)
+            if DS_FMT == "int8":
+                p, p_scale = _p_codes(
+                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL
+                )
+            else:
+                p, p_scale = _p_codes_lean(
+                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, start_m, masked, CAUSAL, BLOCK_M,
+                    query_l,
+                )  # fmt: skip
             dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
             delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
             # One dS scale for this half's 64 x 128 tile (within the warpgroup).
-            ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
-            dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
-            dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
+            if DS_FMT == "int8":
+                ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
+                dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
+                dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
+            else:
+                ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                dv_tok, dk_tok = _dkdv_products_hp(
+                    p_smem, ds_smem, dot_smem.index(stage), qb_smem, acc_zero,
+                    gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
+                )  # fmt: skip
+                dv, dk = _dkdv_accumulate_hp(
+                    dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
+                )
             # The warpgroup is done with its codes and with this stage before it overwrites the one or hands
             # the other back (the load warp refills a stage once both warpgroups have).
             gl.thread_barrier()
@@ -145,7 +183,7 @@ if HAVE_GLUON:
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8",
     ):  # fmt: skip
         # Two 64-key halves per program (_dkdv_program: the grid's order, the query tiles it walks).
         pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
@@ -155,26 +193,27 @@ if HAVE_GLUON:
         # warpgroup's codes; a stage is released by both consumer warpgroups.
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs, bars = _dkdv_smem(
-            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 2
-        )
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 2,
+            DS_FMT != "int8",  # Q'^'s codes widened to bf16 per half for an FP8 or bf16 dS's product
+        )  # fmt: skip
         gl.warp_specialize(
             [
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS),
+                     CAUSAL, WITH_STATS, DS_FMT),
                 ),
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS),
+                     CAUSAL, WITH_STATS, DS_FMT),
                 ),
                 (
                     _dkdv_loader,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                     STAGES, 2),
+                     STAGES, 2, DS_FMT == "int8"),
                 ),
             ],
             [4, 1],
@@ -210,6 +249,7 @@ def gluon_dkdv_wg(
     is_causal: bool,
     scale: float,
     stages: int = 3,
+    ds_fmt: str = "int8",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as :func:`.gluon_backward.gluon_dkdv` returns them, bit for bit, for the calls
     :func:`gluon_dkdv_wg_serves` accepts (arguments as there).
@@ -217,10 +257,16 @@ def gluon_dkdv_wg(
     Args:
         grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, is_causal,
             scale: as :func:`.gluon_backward.gluon_dkdv`.
-        stages: depth of the TMA ring (3 at D=64: 40 KiB per stage beside 56 KiB of K, V and codes).
+        stages: depth of the TMA ring (3 at D=64: 40 KiB per stage beside 56 KiB of K, V and codes; with a non-INT8
+            dS 33 KiB per stage beside 104 KiB).
+        ds_fmt: dS's format, as :func:`.gluon_backward.gluon_dkdv`'s: ``"int8"``; ``"fp8"`` or ``"bf16"``, whose dK
+            product runs in bf16 against Q'^'s codes widened to bf16 (``q_op_t`` is not read).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
+
+    Raises:
+        ValueError: a call :func:`gluon_dkdv_wg_serves` refuses, or a ``ds_fmt`` it does not take.
 
     Example::
 
@@ -234,6 +280,9 @@ def gluon_dkdv_wg(
             f"gluon_dkdv_wg: serves head_dim in {HEAD_DIMS} and seq_k a multiple of {KEYS_PER_PROGRAM}; "
             f"received head_dim={head_dim}, seq_k={seq_k}"
         )
+    if ds_fmt not in ("int8", "fp8", "bf16"):
+        raise ValueError(f"gluon_dkdv_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+    q_op_t = q_op_t if ds_fmt == "int8" else None  # the widened Q'^ stands in for its [D, N] copy
     descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
     bkv = batch * kv_heads
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM * bkv,)](
@@ -241,6 +290,7 @@ def gluon_dkdv_wg(
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, HEAD_CHUNK=HEAD_CHUNK, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
+        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
         num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dk, dv
