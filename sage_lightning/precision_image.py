@@ -14,8 +14,11 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -183,6 +186,67 @@ def _round_ticks(first: int, last: int, most: int = 6) -> list[int]:
     every = next(m * magnitude for m in (1, 2, 5, 10) if span / (m * magnitude) <= most - 1)
     every = max(1, int(every))
     return list(range(-(-first // every) * every, last + 1, every))
+
+
+def history_from_decisions(
+    layers: Sequence[str], decisions: Iterable[Any], start: int = 0
+) -> tuple[LevelHistory, list[str]]:
+    """A :class:`LevelHistory` rebuilt from a run's decision log, for a picture after the run (a results page, a
+    notebook), with the name of each level: 0 is each layer's starting precision, then each other precision a
+    layer took, in the order one was first taken (a layer stepping back down returns to its level).
+
+    The levels number the precisions this run reached, not the ladder's rungs: a decision names the precision a
+    layer moved to, not the rung. Global decisions and other layers' are passed over.
+
+    Args:
+        layers: the layers' names, top to bottom in the picture.
+        decisions: :class:`~sage_lightning.policy.Decision` objects (``AdaptivePrecision.history``), or mappings
+            with their fields (a result file's ``decision_log``), in any order.
+        start: the first step of the picture.
+
+    Example::
+
+        history, names = history_from_decisions(["blocks.0.attn"], callback.history)
+        names   # ['base', 'sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k']
+    """
+    history, names, bases = LevelHistory(layers, start), ["base"], {}
+    fields = [d if isinstance(d, Mapping) else dataclasses.asdict(d) for d in decisions]
+    for d in sorted(fields, key=lambda d: d["step"]):
+        if d["lever"] != "precision" or d["layer"] not in history.changes:
+            continue
+        base = bases.setdefault(d["layer"], d["old"])
+        if d["new"] != base and d["new"] not in names:
+            names.append(d["new"])
+        history.record(d["step"], {d["layer"]: 0 if d["new"] == base else names.index(d["new"])})
+    return history, names
+
+
+def save_decisions_picture(
+    path: Path, layers: Sequence[str], decisions: Iterable[Any], last_step: int, levels: int = 7
+) -> list[tuple[str, str]]:
+    """Draw :func:`history_from_decisions`' picture to ``path`` (PNG, Pillow); returns each level's name and
+    colour, for the legend.
+
+    Args:
+        path: the PNG file to write (its folder is made).
+        layers: the layers' names, top to bottom.
+        decisions: as :func:`history_from_decisions` takes them.
+        last_step: the last step drawn (the run's last).
+        levels: the colour scale's levels (the default ladder's six rungs and the base: level 1 lime, 2 yellow).
+
+    Example::
+
+        save_decisions_picture(Path("precision.png"), layers, callback.history, trainer.global_step)
+        # [('base', 'green'), ('sagebwd:int8=qk,pv,dv;fp8=ds;smooth_k', 'lime')]
+    """
+    from PIL import Image
+
+    history, names = history_from_decisions(layers, decisions)
+    levels = max(levels, len(names))
+    image = precision_image(history, last_step, levels)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image.transpose(1, 2, 0)).save(path)
+    return [(name, PALETTE_NAMES[palette_index(level, levels)]) for level, name in enumerate(names)]
 
 
 def legend(rungs: Sequence[str], layers: Sequence[str]) -> str:

@@ -241,6 +241,10 @@ def _combined(tmp_path: Path) -> Path:
                  "threshold": 0.2 if run == "sage-controller" else None, "int8_fraction": None,
                  "noise_readings": readings if run.endswith("-observe") else []}
             )  # fmt: skip
+            if run == "sage-controller":
+                summary[-1].update(
+                    steps=10, final_precisions=dict.fromkeys(("model.blocks.0.attn", "model.blocks.1.attn"))
+                )
     decision = "step 5: model.blocks.1.attn precision: sagebwd:int8=ds -> sagebwd:int8=qk (noise_ratio 0.3 > 0.2)"
     result = {"kind": "training", "device": "NVIDIA H200", "date": "2026-11-27", "commit": "abc", "rows": rows,
               "command": "bash benchmarks/noise_evidence.sh start", "summary": summary,
@@ -268,6 +272,10 @@ def test_a_combined_file_renders_its_groups_and_final_losses(tmp_path: Path) -> 
     assert "The controller closed the gap in this seed." in text
     assert "1 of 1 seed(s)" in text and "Noise ratio of **sage-fixed-seed1235-observe**" in text
     assert "at large tokens per step 0.8500 / 0.8400 (seeds 1234 / 1235), beyond the margin; at small 0.7050" in text
+    if HAS_MATPLOTLIB:  # the decision as a picture, its colours named, then where its data came from
+        image = "precision of sage-controller](../im/training-h200-20261127-noise-evidence-large-qknorm-sage-controller"
+        assert "**sage-controller**, each layer's precision by step; green: `base`; lime: `sagebwd:int8=qk`." in text
+        assert re.search(re.escape(image) + r"-precision\.png\)\n\nData: \[", text)
     for target in re.findall(r"\]\(([^)]+)\)", text):
         assert (doc.parent / target).is_file(), target
 

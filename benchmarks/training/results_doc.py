@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -48,6 +49,7 @@ from benchmarks.training.evidence import (
 )
 from benchmarks.training.summary import plot_group
 from sage_lightning.noise import calibrate_threshold, percentile_95
+from sage_lightning.precision_image import save_decisions_picture
 
 #: The command that regenerates this page, and the one that makes the matrix on a GPU.
 REGENERATE = "python -m benchmarks.training.results_doc"
@@ -226,6 +228,19 @@ def seed_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def precision_figures(group: str, path: Path, result: dict[str, Any], images: Path, doc: Path) -> list[str]:
+    """The precision image of each run that moved a layer (``sage_lightning.precision_image``), with its colours."""
+    lines, drawn = [], importlib.util.find_spec("matplotlib") is not None  # Pillow comes with matplotlib
+    for s in result.get("summary", []):
+        records = [r for r in decision_records(result, s["run"]) if r["lever"] == "precision"]
+        if records and s.get("final_precisions"):
+            image = images / f"{path.stem}{'' if group in path.stem else '-' + group}-{s['run']}-precision.png"
+            key = save_decisions_picture(image, list(s["final_precisions"]), records, s["steps"]) if drawn else []
+            what = f"**{s['run']}**, each layer's precision by step" + "".join(f"; {c}: `{n}`" for n, c in key)
+            lines += [what + ".", "", *_figure(path, result, image, drawn, doc, f"precision of {s['run']}")]
+    return lines
+
+
 def noise_record(result: dict[str, Any]) -> list[str]:
     """The noise ratio (base precision, after step 0) of each run that observed without acting."""
     lines = []
@@ -268,16 +283,12 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
             top, ran = sum(bound), [(n, v) for b, by in runs.items() if b != "full" for n, v in by.values()]
             pairs = [(runs["sage-fixed"].get(seed), c) for seed, c in runs.get("sage-controller", {}).items()]
             pairs = [c for f, c in pairs if f and f[1] > top]
+            closed = f" The controller ended without a gap in {sum(c[1] <= top for c in pairs)} of {len(pairs)} "
+            closed += "seed(s) where SageBwd fixed of the same seed had one."
             lines.append(
                 f"- **{group}** ({result['matrix']['title']}): without a gap (at most {top:.4f}): "
                 f"{', '.join(n for n, v in ran if v <= top) or 'none'}; beyond the margin: "
-                f"{', '.join(n for n, v in ran if v > top) or 'none'}."
-                + (
-                    f" The controller ended without a gap in {sum(c[1] <= top for c in pairs)} of {len(pairs)} "
-                    "seed(s) where SageBwd fixed of the same seed had one."
-                    if pairs
-                    else ""
-                )  # fmt: skip
+                f"{', '.join(n for n, v in ran if v > top) or 'none'}." + (closed if pairs else "")
             )
             readings = [r[2] for v in observed(result).values() for r in v]
             if ends(result, "sage-fixed")[1]:
@@ -384,18 +395,14 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         corpus = first_result.get("corpus", {})
         per_run = first["plan"].get("tokens_per_run", 0)
         passes = per_run / corpus["tokens"] if corpus.get("tokens") else None
+        reads = f"; a training run reads {passes:.0%} of it." if passes and passes < 1 else "."
+        reads = f"; a training run reads it {passes:.1f} times." if passes and passes >= 1 else reads
         lines += [
             f"This run's plan: {_tokens(per_run)} tokens per training run; steps per group "
             f"{json.dumps(first['plan'].get('steps', {}))}; budget {first['plan'].get('budget_minutes')} minutes. "
             f"Corpus: {_tokens(corpus.get('tokens') or 0)} tokens"
             + (f" ({corpus['note']})" if corpus.get("note") else "")
-            + (
-                f"; a training run reads {passes:.0%} of it."
-                if passes and passes < 1
-                else f"; a training run reads it {passes:.1f} times."
-                if passes
-                else "."
-            ),
+            + reads,
             "",
         ]
     elif not loaded["matrix"]:
@@ -406,15 +413,9 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         for path, result in loaded["activations"]:
             markdown = path.with_suffix(".md")
             every = f" Every setting and tensor: {_link(markdown, doc)}." if markdown.is_file() else ""
-            lines += [
-                f"Model {model_source(result)}; SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
-                f"float64 on the captured q, k, v and dO of each attention layer.{every}",
-                "",
-                *attribution_table(result),
-                "",
-                _source(path, result, doc),
-                "",
-            ]
+            what = f"Model {model_source(result)}; SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
+            what += f"float64 on the captured q, k, v and dO of each attention layer.{every}"
+            lines += [what, "", *attribution_table(result), "", _source(path, result, doc), ""]
     else:
         lines += [prose("no-activations"), ""]
 
@@ -439,6 +440,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
             record = controller_record(result) + noise_record(result)
+            record += precision_figures(group, path, result, images, doc)
             if record:
                 any_record = True
                 lines += [f"### {group}", "", *record, _source(path, result, doc), ""]
@@ -483,11 +485,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result JSON")
     parser.add_argument("--doc", type=Path, default=REPO / "docs" / "results.md", help="the page to write")
     parser.add_argument("--images", type=Path, default=REPO / "docs" / "images" / "results", help="figure folder")
-    parser.add_argument(
-        "--tracked-only",
-        action="store_true",
-        help="read only the result files git tracks (not others' files in flight)",
-    )
+    parser.add_argument("--tracked-only", action="store_true", help="only the result files git tracks")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not args.results.is_dir():
         parser.error(f"--results must be a folder of result JSON files; received {str(args.results)!r}.")
