@@ -12,7 +12,11 @@
 #   CORPUS   the corpus file of benchmarks/gpu_evidence.sh's CORPUS=site, built once; CORPUS_NOTE says what it holds
 # and a shell function, train ARGS: `python -m benchmarks.training.pretrain_compare` on CONFIG, the corpus and
 # --out-dir $RESULTS, then ARGS.
-# Each call leaves in $OUT lanes.tar.gz (results, logs) and lanes-summary.md (the training tables). Env: WORK
+# A GPU's queue can wait for kernel work on that GPU first: its first line `0 wait-gpu0 for _ in $(seq 180); do [[ -e
+# /tmp/sage-gpu0-free ]] && break; sleep 5; done`, and the kernel work touches the file when done (device run 25).
+# Each call leaves in $OUT lanes.tar.gz (results, logs) and lanes-summary.md (the training tables; no losses): the
+# archive is the only copy of a run's result file until the next call's, so keep every call's, and call again at
+# once (the machine goes back 30 s after a call, with the queues: run 25 lost two runs so). Env: WORK
 # (/tmp/sage-lanes), PYTHON (python3), FOLLOW_SECONDS (570), CONFIG (examples/configs/small.yaml), GIT_COMMIT
 # (the commit the results name).
 set -uo pipefail
