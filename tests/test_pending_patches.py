@@ -6,9 +6,11 @@ changes under it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,51 @@ def test_parked_patch_applied_passes_the_linter(patch: Path, tmp_path: Path) -> 
         assert done.returncode == 0, (
             f"{patch.name}, applied: ruff {check[0]}:\n{done.stdout[-3000:]}{done.stderr[-1000:]}"
         )
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+echo "GIT_COMMIT=${GIT_COMMIT:-} GPU=${CUDA_VISIBLE_DEVICES:-} $*" >> "$STUB_LOG"
+for ((i = 1; i < $#; i++)); do [[ "${!i}" == --out ]] && { j=$((i + 1)); touch "${!j}"; }; done
+exit 0
+"""
+
+
+@pytest.mark.skipif(not PATCHES or shutil.which("git") is None, reason="needs a parked patch, and git to apply it")
+def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_path: Path) -> None:
+    """DETACH=1 (device run 25's way): the steps run in a copy of the tree, so the next device call may replace the
+    tree; gpu_verify names the commit the patch will land as; the flag the lanes wait for is touched at the end."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("python3", STUB_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100, 1980 MHz'\n")):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_LOG": str(tmp_path / "calls.txt"),
+        "CHECK_DIR": str(tmp_path / "copy"),
+        "GPU_FREE_FLAG": str(tmp_path / "free"),
+        "DETACH": "1",
+        "CHECK_GPU": "3",
+        "VERIFY_COMMIT": "def456",
+        "OUT": str(tmp_path / "out"),
+    }
+    script = ["bash", str(REPO / "benchmarks" / "pending" / "check_patch.sh")]
+    started = subprocess.run([*script, PATCHES[0].name, "abc123"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert started.returncode == 0 and "runs detached" in started.stdout, started.stdout + started.stderr
+    for _ in range(600):
+        if (tmp_path / "free").exists():
+            break
+        time.sleep(0.1)
+    assert (tmp_path / "free").exists(), (tmp_path / "copy-out" / "log.txt").read_text()
+    calls = (tmp_path / "calls.txt").read_text()
+    assert "GIT_COMMIT=abc123 GPU=3 -m benchmarks.kernels.speed" in calls
+    assert f"GIT_COMMIT=abc123+{PATCHES[0].stem} GPU=3 -m benchmarks.kernels.speed" in calls
+    assert "GIT_COMMIT=def456 GPU=3 -m benchmarks.kernels.gpu_verify" in calls and "-m pytest" not in calls
+    # The patch went into the copy, not into this tree.
+    back = subprocess.run(["git", "apply", "--check", "--reverse", str(PATCHES[0])], cwd=tmp_path / "copy")
+    assert back.returncode == 0
+    assert subprocess.run(["git", "apply", "--check", str(PATCHES[0])], cwd=REPO).returncode == 0
+    collected = subprocess.run([*script, "collect"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert collected.returncode == 0 and collected.stdout.rstrip().endswith("done"), collected.stdout
+    assert {p.name for p in (tmp_path / "out" / "check").iterdir()} >= {"log.txt", "after.json", "gpu-verified.json"}
