@@ -17,9 +17,9 @@ REPO = Path(__file__).resolve().parent.parent
 def _speed_file(folder: Path, name: str, date: str, sage_ms: float, **extra: object) -> None:
     rows = []
     for impl, ms in (("sage", sage_ms), ("sdpa_cudnn", 2.0), ("sdpa_flash", 3.0)):
-        for pass_ in ("fwd", "fwd+bwd"):
-            rows.append(dict(impl=impl, **{"pass": pass_}, batch=4, heads=16, kv_heads=16, seq=4096, head_dim=128,
-                             causal=False, ms=ms, tflops=100.0 / ms,
+        for pass_, head_dim in ((p, d) for p in ("fwd", "fwd+bwd") for d in (64, 128)):  # the table's two head dims
+            rows.append(dict(impl=impl, **{"pass": pass_}, batch=4, heads=16, kv_heads=16, seq=4096,
+                             head_dim=head_dim, causal=False, ms=ms, tflops=100.0 / ms,
                              peak_mem_mb=400.0 + 10 * ms if pass_ == "fwd+bwd" else None))  # fmt: skip
     header = dict(kind="speed", device="NVIDIA H200", date=date, commit="0" * 40, command="python x", versions={})
     (folder / name).write_text(json.dumps({**header, **extra, "rows": rows}))

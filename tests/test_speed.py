@@ -95,10 +95,13 @@ def test_table_handles_implementations_absent_from_a_run() -> None:
 
 def test_readme_keeps_to_the_int8_sage_rows(tmp_path: Path) -> None:
     """FP8 rows in a speed result change neither which file the README takes nor its table."""
-    plain = _rows({"sage": 1.0, "sdpa_flash": 3.0, "sdpa_cudnn": 2.0})
+    plain = [*(_rows({"sage": 1.0, "sdpa_flash": 3.0, "sdpa_cudnn": 2.0}, head_dim=d) for d in (64, 128))]
+    plain = plain[0] + plain[1]
     header = {"kind": "speed", "device": "NVIDIA H100", "date": "2026-11-27", "commit": "0" * 40, "command": "x"}
     with_fp8 = {**header, "rows": plain + _rows({"sage_fp8_pv": 0.5, "sage_fp8": 0.25})}
     assert readme_perf.is_speed_run(with_fp8)
+    # A run of one head dim (a kernel's check, device run 25's D=64 one) is not the table's source.
+    assert not readme_perf.is_speed_run({**header, "rows": [r for r in plain if r["head_dim"] == 64]})
     path = tmp_path / "speed-h100-20261127.json"
     assert readme_perf.speed_table(path, with_fp8) == readme_perf.speed_table(path, {**header, "rows": plain})
     assert not readme_perf.is_speed_run({**header, "rows": _rows({"sage_fp8": 1.0, "sdpa_cudnn": 2.0})})

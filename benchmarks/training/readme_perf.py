@@ -56,11 +56,12 @@ def latest(pattern: str, results: Path = RESULTS, keep: object = None) -> tuple[
 
 def is_speed_run(data: dict) -> bool:
     """A ``kernels.speed`` result of main's code: speed rows with ``pass``, SageBwd and SDPA's cuDNN and flash
-    backends all timed (the table's columns), and not marked ``diagnostic`` (a run of code that is not main's, kept
-    for a note)."""
-    rows = data.get("rows", [])
-    impls = {row.get("impl") for row in rows if "pass" in row}
-    return data.get("kind") == "speed" and {"sage", "sdpa_cudnn", "sdpa_flash"} <= impls and not data.get("diagnostic")
+    backends all timed (the table's columns) at heads of 64 and 128 (its rows; a run of one kernel's head dim, kept
+    for a note, is not), and not marked ``diagnostic`` (a run of code that is not main's, kept for a note)."""
+    rows = [row for row in data.get("rows", []) if "pass" in row]
+    impls, dims = {row.get("impl") for row in rows}, {row.get("head_dim") for row in rows}
+    full = {"sage", "sdpa_cudnn", "sdpa_flash"} <= impls and {64, 128} <= dims
+    return data.get("kind") == "speed" and full and not data.get("diagnostic")
 
 
 def speed_table(path: Path, data: dict) -> list[str]:
