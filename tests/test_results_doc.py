@@ -280,6 +280,18 @@ def test_a_combined_file_renders_its_groups_and_final_losses(tmp_path: Path) -> 
         assert (doc.parent / target).is_file(), target
 
 
+def test_the_noise_record_gives_the_gradient_noise_scale_where_the_readings_have_it() -> None:
+    """Readings of 12beba4 on carry the noise scale (sequences) fifth; older ones, four entries, give no such line."""
+    readings = [[step, f"model.blocks.{i}.attn", 0.1, 0.1, 10.0 * step + i] for step in (1, 5, 10) for i in (0, 1)]
+    summary = [{"run": "sage-observe", "noise_readings": readings}]
+    text = " ".join(results_doc.noise_record({"summary": summary}))
+    # Over the last 80% of the run (steps after 2): 50, 51, 100, 101; their median 75.5.
+    assert "Gradient noise scale, median over the last 80%: 75.5 sequences." in text
+    older = [{"run": "sage-observe", "noise_readings": [r[:4] for r in readings]}]
+    assert "Noise ratio of **sage-observe**" in " ".join(results_doc.noise_record({"summary": older}))
+    assert "noise scale" not in " ".join(results_doc.noise_record({"summary": older}))
+
+
 def test_groups_outside_the_matrix_take_their_question_from_their_file(tmp_path: Path) -> None:
     results = _combined(tmp_path / "results")
     result = json.loads((results / "training-h200-20261127-noise-evidence.json").read_text())

@@ -242,7 +242,7 @@ def precision_figures(group: str, path: Path, result: dict[str, Any], images: Pa
 
 
 def noise_record(result: dict[str, Any]) -> list[str]:
-    """The noise ratio (base precision, after step 0) of each run that observed without acting."""
+    """The noise ratio (base precision, after step 0) of each observing run; its gradient noise scale where recorded."""
     lines = []
     for run, readings in observed(result).items():
         late: dict[str, list[float]] = {}
@@ -250,11 +250,13 @@ def noise_record(result: dict[str, Any]) -> list[str]:
             if step > 0.2 * readings[-1][0]:
                 late.setdefault(layer.removeprefix("model.blocks.").removesuffix(".attn"), []).append(base)
         values = [r[2] for r in readings]
+        scales = [r[4] for r in readings if r[4:] and r[4] is not None and r[0] > 0.2 * readings[-1][0]]  # 12beba4 on
+        scale = f" Gradient noise scale, median over the last 80%: {statistics.median(scales or [0]):.1f} sequences."
         lines += [
             f"Noise ratio of **{run}** (the controller measuring, not acting): {len(values)} readings, median "
             f"{statistics.median(values):.3f}, 95th percentile {percentile_95(values):.3f}, max {max(values):.3f}; per "
             f"layer, median over the last 80%: {', '.join(f'{k}: {statistics.median(v):.3f}' for k, v in late.items())}"
-            ".",
+            "." + scale * bool(scales),
             "",
         ]
     return lines
