@@ -251,12 +251,12 @@ def noise_record(result: dict[str, Any]) -> list[str]:
                 late.setdefault(layer.removeprefix("model.blocks.").removesuffix(".attn"), []).append(base)
         values = [r[2] for r in readings]
         scales = [r[4] for r in readings if r[4:] and r[4] is not None and r[0] > 0.2 * readings[-1][0]]  # 12beba4 on
-        scale = f" Gradient noise scale, median over the last 80%: {statistics.median(scales or [0]):.1f} sequences."
+        scale = f"{statistics.median(scales):.1f} sequences" if scales else None
         lines += [
             f"Noise ratio of **{run}** (the controller measuring, not acting): {len(values)} readings, median "
             f"{statistics.median(values):.3f}, 95th percentile {percentile_95(values):.3f}, max {max(values):.3f}; per "
             f"layer, median over the last 80%: {', '.join(f'{k}: {statistics.median(v):.3f}' for k, v in late.items())}"
-            "." + scale * bool(scales),
+            "." + (f" Gradient noise scale, median over the last 80%: {scale}." if scale else ""),
             "",
         ]
     return lines
