@@ -24,11 +24,11 @@ step of ``B`` sequences the step's gradient error is ``bias2 + err_var / B`` and
 It grows like ``sqrt(B)`` where the error is a bias and stays flat where it is noise itself.
 
 The same capture gives the gradient noise scale (McCandlish et al., 2018, "An Empirical Model of Large-Batch
-Training": ``B_simple``), recorded but not acted on: ``mean2 = ||mean G||^2 - var(G) / S`` is the unbiased squared
-norm of the expected per-sequence gradient, and ``noise_scale = grad_var / mean2`` the step size in sequences beyond
-which a larger step averages little noise away. By the study's explanation INT8 dS costs loss where a step's
-sequences are many times that scale (its sampling noise small beside a shared error); this reading is what a
-threshold on ``sequences per step / noise_scale`` would be calibrated from (``docs/controller.md``, Noise ratio).
+Training": ``B_simple``): ``mean2 = ||mean G||^2 - var(G) / S`` is the unbiased squared norm of the expected
+per-sequence gradient, and ``noise_scale = grad_var / mean2`` the step size in sequences beyond which a larger step
+averages little noise away. By the study's explanation INT8 dS costs loss where a step's sequences are many times
+that scale (its sampling noise small beside a shared error): the noise-scale rule acts on ``sequences per step /
+noise_scale`` (``PolicyConfig.noise_scale_ratio_high``; ``docs/controller.md``, Noise scale).
 """
 
 from __future__ import annotations
@@ -201,15 +201,19 @@ def percentile_95(readings: Sequence[float]) -> float:
     return statistics.quantiles(readings, n=20, method="inclusive")[18] if len(readings) > 1 else readings[0]
 
 
-def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]]) -> tuple[float | None, str]:
-    """A ``noise_ratio_high`` from readings taken without acting (``PolicyConfig(noise_ratio_high=1e6)``; the
-    callback's ``policy.noise_readings``): the geometric mean of the 95th percentile of ``quiet`` (a run where
-    low-bit attention costs no loss: the rule must stay quiet there) and the lowest median among ``loud`` (runs where
-    it costs loss: the rule must act).
+def calibrate_threshold(
+    quiet: Sequence[float], loud: Sequence[Sequence[float]], name: str = "noise_ratio_high"
+) -> tuple[float | None, str]:
+    """A threshold from readings taken without acting (``PolicyConfig(noise_ratio_high=1e6)``; the callback's
+    ``policy.noise_readings``): the geometric mean of the 95th percentile of ``quiet`` (a run where low-bit attention
+    costs no loss: the rule must stay quiet there) and the lowest median among ``loud`` (runs where it costs loss:
+    the rule must act). For ``noise_ratio_high`` the readings are the noise ratios (the readings' third entries), for
+    ``noise_scale_ratio_high`` the steps over the noise scale (their sixth).
 
     Args:
-        quiet: the readings of the run(s) with no loss gap.
-        loud: per run with a loss gap, its readings.
+        quiet: the readings of the run(s) with no loss gap (``None`` and non-finite ones are left out).
+        loud: per run with a loss gap, its readings (likewise).
+        name: the setting calibrated, as ``why`` names it.
 
     Returns:
         ``(threshold, why)``; the threshold is ``None`` where the two do not separate (the lowest loud median at or
@@ -219,8 +223,9 @@ def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]])
 
         calibrate_threshold([0.1, 0.1, 0.2], [[0.8, 0.9, 0.8]])   # (0.39, 'noise_ratio_high = sqrt(0.190 x 0.800) ...')
     """
-    quiet = [v for v in quiet if math.isfinite(v)]
-    medians = [statistics.median(run) for run in loud if run]
+    quiet = [v for v in quiet if v is not None and math.isfinite(v)]  # a step without a scale has no reading
+    runs = [[v for v in run if v is not None and math.isfinite(v)] for run in loud]
+    medians = [statistics.median(run) for run in runs if run]
     if not quiet or not medians:
         return None, "needs readings of a run without a loss gap and of one with a gap at least"
     ceiling = percentile_95(quiet)
@@ -228,4 +233,4 @@ def calibrate_threshold(quiet: Sequence[float], loud: Sequence[Sequence[float]])
     if floor <= ceiling:
         return None, f"no separation: the lowest loud median {floor:.3f} <= the quiet 95th percentile {ceiling:.3f}"
     threshold = math.sqrt(ceiling * floor)
-    return threshold, f"noise_ratio_high = sqrt({ceiling:.3f} x {floor:.3f}) = {threshold:.3f} ({floor / ceiling:.2f}x)"
+    return threshold, f"{name} = sqrt({ceiling:.3f} x {floor:.3f}) = {threshold:.3f} ({floor / ceiling:.2f}x)"

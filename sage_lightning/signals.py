@@ -268,7 +268,7 @@ class SignalLayout:
             if row["qk_rows_q"] > 0 and row["qk_rows_k"] > 0:
                 qk_rel_err = math.sqrt(row["qk_rel_q"] / row["qk_rows_q"] + row["qk_rel_k"] / row["qk_rows_k"])
             ratios: dict[str, float | None] = dict.fromkeys(NOISE_ROWS)
-            scale = None
+            scale = scale_ratio = None
             if (ranks := row["ranks_with_noise"]) > 0:
                 # The step's sequences: the measured micro-batches' mean, times every rank's micro-batches.
                 per_step = row["noise_sequences"] / ranks * max(head["micro_batches"], 1.0)
@@ -276,6 +276,7 @@ class SignalLayout:
                     bias2, err_var, grad_var, _ = (row[f"noise_{which}_{field}"] / ranks for field in NOISE_FIELDS)
                     ratios[which] = noise_ratio(bias2, err_var, grad_var, sequences_per_step=per_step)
                 scale = noise_scale(row["noise_base_grad_var"] / ranks, row["noise_base_mean2"] / ranks)
+                scale_ratio = per_step / scale if scale is not None else None
             layers[name] = LayerSignals(
                 ds_rel_err=ds_rel_err,
                 probe=probe,
@@ -284,6 +285,7 @@ class SignalLayout:
                 noise_ratio=ratios["base"],
                 noise_ratio_ran=ratios["ran"],
                 noise_scale=scale,
+                noise_scale_ratio=scale_ratio,
             )
         micro_batches, ranks_with_grads = head["micro_batches"], head["ranks_with_grads"]
         # DDP all-reduces gradients before on_before_optimizer_step, so every rank holds the same norm: the mean

@@ -13,7 +13,8 @@ the flat counters last.
 * per layer: ``sage/ds_rel_err/<layer>``, ``sage/qk_rel_err/<layer>`` (the forward's health),
   ``sage/noise_ratio/<layer>`` (the base precision's gradient error over the gradient noise; ``noise_ratio_ran``
   for the precision that ran, where it differs), ``sage/noise_scale/<layer>`` (the gradient noise scale in
-  sequences, from the same measurement, where it resolves one),
+  sequences, from the same measurement, where it resolves one) and ``sage/noise_scale_ratio/<layer>`` (the step's
+  sequences over it: the noise-scale rule's reading),
   ``sage/probe/<tensor>_cos/<layer>`` and ``sage/probe/<tensor>_rel_l2/<layer>`` (tensor one of O, dQ, dK, dV),
   ``sage/precision_level/<layer>`` (0 at the base, ``i + 1`` on the ladder's rung ``i``: a position on the ladder,
   not a number format, so it means the same whatever the base's formats are; a base with FP8 products is level 0
@@ -71,6 +72,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         "sage: signals": {
             "dS relative error per layer": ["Multiline", [r"sage/ds_rel_err/.*"]],
             "Quantization error over gradient noise per layer": ["Multiline", [r"sage/noise_ratio/.*"]],
+            "step's sequences over the gradient noise scale per layer": ["Multiline", [r"sage/noise_scale_ratio/.*"]],
             "Q'K' INT8 error per layer (forward health)": ["Multiline", [r"sage/qk_rel_err/.*"]],
             "probe cosine per layer": ["Multiline", [r"sage/probe/.*_cos/.*"]],
             "probe relative L2 per layer": ["Multiline", [r"sage/probe/.*_rel_l2/.*"]],
@@ -130,6 +132,8 @@ def step_metrics(
             measured = True
         if layer.noise_scale is not None:
             metrics[f"sage/noise_scale/{name}"] = layer.noise_scale
+        if layer.noise_scale_ratio is not None:
+            metrics[f"sage/noise_scale_ratio/{name}"] = layer.noise_scale_ratio
         if layer.probe is not None:
             for tensor, values in layer.probe.items():
                 metrics[f"sage/probe/{tensor}_cos/{name}"] = values["cos"]

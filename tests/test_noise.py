@@ -146,6 +146,7 @@ def test_the_reading_travels_in_the_packed_vector_and_counts_every_micro_batch()
     # 16 sequences per micro-batch, 4 micro-batches: 64 per step.
     assert layers[LAYER].noise_ratio == pytest.approx(2.0) and layers[LAYER].noise_ratio_ran == pytest.approx(0.5)
     assert layers[LAYER].noise_scale == pytest.approx(32.0)  # 16 / 0.5 sequences
+    assert layers[LAYER].noise_scale_ratio == pytest.approx(2.0)  # the step's 64 sequences over the scale
     assert layers["blocks.1.attn"].noise_ratio is None and layers["blocks.1.attn"].noise_scale is None
 
 

@@ -174,7 +174,7 @@ def ends(result: dict[str, Any], base: str) -> tuple[str, bool | None]:
 
 
 def observed(result: dict[str, Any]) -> dict[str, list[list[Any]]]:
-    """``[step, layer, base, ran, scale]`` noise readings (no scale before 12beba4), after step 0, of observing runs."""
+    """Observing runs' ``[step, layer, base, ran, scale, B/scale]`` noise readings after step 0 (scale: 12beba4 on)."""
     runs = {s["run"]: [r for r in s.get("noise_readings") or [] if r[0] > 0] for s in result.get("summary", [])}
     return {run: readings for run, readings in runs.items() if readings and run.endswith("-observe")}
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from sage_lightning.policy.vocabulary import Rung, check_int, is_number
 
-#: The rung the tokens-per-step rule takes (``PolicyConfig.ds_tokens_per_step_high``), and only that rule: dS in FP8
+#: The rung the tokens-per-step rule takes (``PolicyConfig.ds_tokens_per_step_high``) and the noise-scale rule
+#: (``PolicyConfig.noise_scale_ratio_high``), and only those rules: dS in FP8
 #: e4m3, which closed SageBwd's loss gap at 131K tokens per step in every seed where bf16 dS was tried and runs in the
 #: Hopper kernels (``docs/controller.md``, Tokens per step). A ladder without it gives that rule its first rung that
 #: changes ``ds`` alone; the callback drops it on GPUs without FP8 (compute capability below 8.9).
@@ -15,9 +16,9 @@ TOKENS_RUNG = "ds_fp8"
 
 #: The design's rungs, one per cause and full precision for anything: Q-smoothing, then the scores' product in bf16
 #: for the forward (the latter also for a spoiled Q'/K' block scale, which smoothing cannot remove), dS in FP8 (taken
-#: by the tokens-per-step rule alone), dS in bf16 for dQ and dK, dV's product in bf16 for dV, then full precision. A
-#: layer goes to the first rung, in this order, that fixes what it is blamed for; a catastrophic reading goes straight
-#: to ``full``.
+#: by the tokens-per-step and noise-scale rules alone), dS in bf16 for dQ and dK, dV's product in bf16 for dV, then
+#: full precision. A layer goes to the first rung, in this order, that fixes what it is blamed for; a catastrophic
+#: reading goes straight to ``full``.
 DEFAULT_LADDER: tuple[Rung, ...] = (
     Rung("smooth_q", {"smooth_q": True}, scope="forward", fixes=("forward",)),
     Rung("qk_bf16", {"qk": "bf16"}, scope="forward", fixes=("forward", "qk")),
@@ -37,6 +38,9 @@ NOISE_RATIO_LOW = 0.1
 #: (SageBwd fixed inside full precision's margin in both seeds) and 131K (outside in both seeds, with and without
 #: QK-norm, at heads of 64 and 128; FP8 dS inside in three of four runs), ``docs/controller.md``, Tokens per step.
 DS_TOKENS_PER_STEP_HIGH: int | None = 65_536
+#: The noise-scale rule is off by default: no run has recorded the gradient noise scale to calibrate it on yet
+#: (``docs/controller.md``, Noise scale); the tokens-per-step rule stands in for it.
+NOISE_SCALE_RATIO_HIGH: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,16 @@ class PolicyConfig:
             ``ds_fp8`` rung (else its first rung that changes ``ds`` alone) and stays there while the steps are this
             large: SageBwd's pretraining gap at large tokens per step, which FP8 dS closes (``docs/controller.md``,
             Tokens per step). A rule on the run, not on a measurement. ``None`` turns it off.
+        noise_scale_ratio_high: a layer whose step holds more than this many times its gradient noise scale (the
+            step's sequences over :func:`sage_lightning.noise.noise_scale`, measured with the noise ratio every
+            ``noise_every_n_steps``), ``noise_patience`` measurements in a row, moves its INT8 dS to the ``ds_fp8``
+            rung, as the tokens-per-step rule does, and stays there while the reading is at or over
+            ``noise_scale_ratio_low``: the tokens-per-step rule with a threshold that follows the model, where the
+            step's sampling noise has become small beside INT8 dS's error. ``None`` (the default) turns it off:
+            its threshold is not calibrated yet (``docs/controller.md``, Noise scale).
+        noise_scale_ratio_low: the reading under which the noise-scale rule releases the rung (stepping down then
+            waits for the calm period and a low ``ds_rel_err``, as every ``ds`` rung); ``None``: half of
+            ``noise_scale_ratio_high``.
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
@@ -158,6 +172,8 @@ class PolicyConfig:
     noise_patience: int = 2
     noise_sequences: int = 16
     ds_tokens_per_step_high: int | None = DS_TOKENS_PER_STEP_HIGH
+    noise_scale_ratio_high: float | None = NOISE_SCALE_RATIO_HIGH
+    noise_scale_ratio_low: float | None = None
 
     def __post_init__(self) -> None:
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
@@ -200,6 +216,7 @@ class PolicyConfig:
                     f"PolicyConfig: noise_ratio_low must be below noise_ratio_high ({self.noise_ratio_high}) so "
                     f"decisions do not flap; received {self.noise_ratio_low!r}."
                 )
+        self._check_noise_scale_ratio()
         check_int("max_backoff", self.max_backoff, minimum=0, maximum=30)
         check_int("max_rollbacks", self.max_rollbacks, minimum=0)
         check_int("spike_window", self.spike_window, minimum=3)
@@ -251,3 +268,28 @@ class PolicyConfig:
             )
         if not is_number(self.spike_rel_floor) or not 0 <= self.spike_rel_floor < 1:
             raise ValueError(f"PolicyConfig: spike_rel_floor must be in [0, 1); received {self.spike_rel_floor!r}.")
+
+    def _check_noise_scale_ratio(self) -> None:
+        """Validate the noise-scale rule's thresholds and set the low one's default (half the high one)."""
+        high, low = self.noise_scale_ratio_high, self.noise_scale_ratio_low
+        if high is None:
+            if low is not None:
+                raise ValueError(
+                    f"PolicyConfig: noise_scale_ratio_low ({low!r}) needs noise_scale_ratio_high, which is None (the "
+                    "rule is off); set both, or noise_scale_ratio_high alone (low is then half of it)."
+                )
+            return
+        for name, value in (("noise_scale_ratio_high", high), ("noise_scale_ratio_low", low)):
+            if value is not None and (not is_number(value) or not math.isfinite(value) or value <= 0):
+                raise ValueError(
+                    f"PolicyConfig: {name} must be a positive finite number"
+                    + (" or None (off)" if name == "noise_scale_ratio_high" else " or None (half of the high one)")
+                    + f"; received {value!r}."
+                )
+        if low is None:
+            object.__setattr__(self, "noise_scale_ratio_low", high / 2)
+        elif low >= high:
+            raise ValueError(
+                f"PolicyConfig: noise_scale_ratio_low must be below noise_scale_ratio_high ({high}) so decisions do "
+                f"not flap; received {low!r}."
+            )

@@ -31,6 +31,9 @@ from sage_lightning.policy.vocabulary import (
 STATE_VERSION = 2
 #: How many noise readings :attr:`PrecisionPolicy.noise_readings` keeps.
 NOISE_READINGS_KEPT = 100_000
+#: One entry of :attr:`PrecisionPolicy.noise_readings`: step, layer, noise ratio at the base precision and at the one
+#: that ran, gradient noise scale (sequences), the step's sequences over that scale.
+NoiseReading = tuple[int, str, float | None, float | None, float | None, float | None]
 
 
 @dataclass
@@ -51,6 +54,9 @@ class _LayerState:
     last_noise_ratio: float | None = None
     last_noise_ratio_ran: float | None = None
     last_noise_step: int | None = None
+    # The noise-scale rule's streak over its threshold and its latest reading (None: the scale was not resolved).
+    noise_scale_high_streak: int = 0
+    last_noise_scale_ratio: float | None = None
 
     def state_dict(self, ladder: Sequence[Rung]) -> dict[str, Any]:
         """Every field but the base (the callback keeps the bases), the path by rung name, the backoff's counters."""
@@ -100,8 +106,11 @@ class PrecisionPolicy:
       :mod:`sage_lightning.noise`) ``> noise_ratio_high`` for ``noise_patience`` measurements in a row: the next
       rung that changes ``ds`` alone (``ds_bf16``); where no such rung is left, tokens per step are halved;
     * tokens per step (:attr:`StepSignals.tokens`) at or over ``ds_tokens_per_step_high``: every layer whose dS runs
-      in INT8 takes :data:`~sage_lightning.policy.config.TOKENS_RUNG` (``ds_fp8``; no other rule takes it), held
-      while the steps stay that large.
+      in INT8 takes :data:`~sage_lightning.policy.config.TOKENS_RUNG` (``ds_fp8``; no rule but this one and the
+      next takes it), held while the steps stay that large;
+    * the step's sequences over the layer's gradient noise scale (:attr:`LayerSignals.noise_scale_ratio`) over
+      ``noise_scale_ratio_high`` for ``noise_patience`` measurements in a row, while the layer's dS runs in INT8:
+      the same rung, held while the reading stays at or over ``noise_scale_ratio_low``.
 
     Every escalation arms a probe (and the dS statistics) on the next step: if the new rung did not fix the
     reading, the layer escalates again, and the reason says so.
@@ -179,16 +188,18 @@ class PrecisionPolicy:
         named = [i for i, rung in enumerate(cfg.ladder) if rung.name == TOKENS_RUNG]
         self._reserved_rung = named[0] if named else None
         ds_alone = [i for i, rung in enumerate(cfg.ladder) if set(rung.fields) == {"ds"}]
-        self._tokens_target = None if cfg.ds_tokens_per_step_high is None else (named or ds_alone or [None])[0]
+        fp8_rules = cfg.ds_tokens_per_step_high is not None or cfg.noise_scale_ratio_high is not None
+        self._tokens_target = (named or ds_alone or [None])[0] if fp8_rules else None
+        # Whether the noise measurement runs: either rule on its readings is on.
+        self._noise_on = cfg.noise_ratio_high is not None or cfg.noise_scale_ratio_high is not None
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
         self._rollbacks_without_progress = 0
         self._good_steps = 0
         self._tried: list[str] = []
-        #: Every noise measurement, ``(step, layer, base ratio, ratio of the precision that ran, noise scale)``, oldest
-        #: first (the last ``NOISE_READINGS_KEPT``): what the thresholds are calibrated on. Not checkpointed.
-        self.noise_readings: collections.deque[tuple[int, str, float | None, float | None, float | None]] = (
-            collections.deque(maxlen=NOISE_READINGS_KEPT)
-        )
+        #: Every noise measurement, ``(step, layer, base ratio, ratio of the precision that ran, noise scale, the
+        #: step's sequences over it)``, oldest first (the last ``NOISE_READINGS_KEPT``): what the thresholds are
+        #: calibrated on. Not checkpointed.
+        self.noise_readings: collections.deque[NoiseReading] = collections.deque(maxlen=NOISE_READINGS_KEPT)
         self._loss_detector = SpikeDetector(
             window=cfg.spike_window,
             min_history=cfg.spike_min_history,
@@ -277,7 +288,7 @@ class PrecisionPolicy:
             return signal in self._armed and self._armed[signal] <= step
 
         probe = step % cfg.probe_every_n_steps == 0 or armed("probe")
-        noise = cfg.noise_ratio_high is not None and (step % cfg.noise_every_n_steps == 0 or armed("noise"))
+        noise = self._noise_on and (step % cfg.noise_every_n_steps == 0 or armed("noise"))
         return SignalRequest(
             ds_stats=step % cfg.ds_stats_every_n_steps == 0 or probe or armed("ds_stats"), probe=probe, noise=noise
         )
@@ -321,8 +332,16 @@ class PrecisionPolicy:
             if measured.noise_ratio is not None:
                 state.last_noise_ratio, state.last_noise_step = measured.noise_ratio, step
                 state.last_noise_ratio_ran = measured.noise_ratio_ran
+                state.last_noise_scale_ratio = measured.noise_scale_ratio
                 self.noise_readings.append(
-                    (step, name, measured.noise_ratio, measured.noise_ratio_ran, measured.noise_scale)
+                    (
+                        step,
+                        name,
+                        measured.noise_ratio,
+                        measured.noise_ratio_ran,
+                        measured.noise_scale,
+                        measured.noise_scale_ratio,
+                    )
                 )
 
         decisions: list[Decision] = []
@@ -400,6 +419,7 @@ class PrecisionPolicy:
             self._count_progress()
             decisions += self._layer_rules(layers, step)
             decisions += self._noise_rules(layers, step, decisions)
+            decisions += self._noise_scale_rule(layers, step, decisions)
             decisions += self._tokens_rule(step, decisions)
             if not self._noise_holds_tokens():
                 decisions += self._tokens.raise_after_calm(step)
@@ -544,6 +564,45 @@ class PrecisionPolicy:
             more = f" (and {len(stuck) - 1} more)" if len(stuck) > 1 else ""
             decisions += self._tokens.lower(step, stuck[0] + more)
         return decisions
+
+    def _noise_scale_rule(
+        self, layers: Mapping[str, LayerSignals], step: int, taken: Sequence[Decision]
+    ) -> list[Decision]:
+        """The step's sequences over the layer's gradient noise scale above ``noise_scale_ratio_high`` for
+        ``noise_patience`` measurements in a row: the layer's INT8 dS takes the FP8 rung (``_tokens_target``), which
+        :meth:`_step_down` holds while the reading stays at or over ``noise_scale_ratio_low``. A measurement that
+        resolved no scale (the mean gradient lost in the noise: a scale beyond what the capture can tell) counts as
+        a reading under the threshold."""
+        cfg = self.config
+        target = self._tokens_target
+        if cfg.noise_scale_ratio_high is None or target is None:
+            return []
+        moved = {d.layer for d in taken}
+        decisions = []
+        for name, measured in layers.items():
+            if measured.noise_ratio is None or name in moved:  # not measured this step (or already moved)
+                continue
+            state, ratio = self._layers[name], measured.noise_scale_ratio
+            if ratio is None or not math.isfinite(ratio):  # no scale resolved: under the threshold
+                state.noise_scale_high_streak = 0
+                continue
+            scale = "" if measured.noise_scale is None else f" (noise scale {measured.noise_scale:.4g} sequences)"
+            note = f"{scale}: the step's sampling noise is small beside INT8 dS's error"
+            high, patience = cfg.noise_scale_ratio_high, cfg.noise_patience
+            reason = _streak(state, "noise_scale", ratio, high, patience, note, "noise_scale_ratio")
+            current = self.precision(name)
+            if not reason or target in state.path or current.mode != "sagebwd" or current.ds != "int8":
+                continue
+            decision = self._escalate(name, "ds", step, reason, target=target)
+            if decision is not None:
+                decisions.append(decision)
+        return decisions
+
+    def _scale_holds(self, state: _LayerState) -> bool:
+        """Whether the layer's latest noise-scale reading is at or over ``noise_scale_ratio_low`` (its FP8 rung
+        stays)."""
+        low, ratio = self.config.noise_scale_ratio_low, state.last_noise_scale_ratio
+        return self.config.noise_scale_ratio_high is not None and ratio is not None and ratio >= low
 
     def _tokens_rule(self, step: int, taken: Sequence[Decision]) -> list[Decision]:
         """Tokens per step at or over ``ds_tokens_per_step_high``: every layer whose dS runs in INT8 takes the
@@ -716,7 +775,7 @@ class PrecisionPolicy:
         state.ds_high_streak = state.qk_high_streak = state.noise_high_streak = 0
         state.unverified_since = step
         # Check the new rung on the next step: if it did not help, the probe escalates again.
-        self._arm(step + 1, "ds_stats", "probe", *(("noise",) if self.config.noise_ratio_high is not None else ()))
+        self._arm(step + 1, "ds_stats", "probe", *(("noise",) if self._noise_on else ()))
         new = self._precision_of(state.base, state.path)
         return Decision(step, name, "precision", current.short_name, new.short_name, reason)
 
@@ -725,8 +784,8 @@ class PrecisionPolicy:
         if not state.path or not state.backoff.ready(step):
             return None
         top = self.config.ladder[state.path[-1]]
-        if state.path[-1] == self._tokens_target and self._tokens_hold():
-            return None  # the tokens-per-step rule would take it again at once
+        if state.path[-1] == self._tokens_target and (self._tokens_hold() or self._scale_holds(state)):
+            return None  # the tokens-per-step or the noise-scale rule would take it again at once
         reason = f"calm for {state.backoff.calm_for(step)} steps >= {state.backoff.period}"
         if "ds" in top.fields:
             measured_since = state.last_ds_step is not None and state.last_ds_step > state.backoff.last_change

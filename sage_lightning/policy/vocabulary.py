@@ -119,7 +119,10 @@ class LayerSignals:
         noise_ratio_ran: the same for the precision the layer ran in during the step (``noise_ratio`` where that
             is the base).
         noise_scale: the gradient noise scale of the layer's gradients in sequences, from the same measurement
-            (:func:`sage_lightning.noise.noise_scale`; recorded, not acted on), or ``None``.
+            (:func:`sage_lightning.noise.noise_scale`), or ``None`` where the measurement did not resolve one.
+        noise_scale_ratio: the step's sequences (every micro-batch, every rank) over ``noise_scale``: how many noise
+            scales one step averages, what ``PolicyConfig.noise_scale_ratio_high`` is compared with; ``None`` where
+            there is no scale.
     """
 
     ds_rel_err: float | None = None
@@ -129,6 +132,7 @@ class LayerSignals:
     noise_ratio: float | None = None
     noise_ratio_ran: float | None = None
     noise_scale: float | None = None
+    noise_scale_ratio: float | None = None
 
 
 @dataclass(frozen=True)
