@@ -189,7 +189,7 @@ class PrecisionPolicy:
         self._reserved_rung = named[0] if named else None
         ds_alone = [i for i, rung in enumerate(cfg.ladder) if set(rung.fields) == {"ds"}]
         fp8_rules = cfg.ds_tokens_per_step_high is not None or cfg.noise_scale_ratio_high is not None
-        self._tokens_target = (named or ds_alone or [None])[0] if fp8_rules else None
+        self._fp8_target = (named or ds_alone or [None])[0] if fp8_rules else None  # the two FP8 rules' rung
         # Whether the noise measurement runs: either rule on its readings is on.
         self._noise_on = cfg.noise_ratio_high is not None or cfg.noise_scale_ratio_high is not None
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
@@ -569,13 +569,12 @@ class PrecisionPolicy:
         self, layers: Mapping[str, LayerSignals], step: int, taken: Sequence[Decision]
     ) -> list[Decision]:
         """The step's sequences over the layer's gradient noise scale above ``noise_scale_ratio_high`` for
-        ``noise_patience`` measurements in a row: the layer's INT8 dS takes the FP8 rung (``_tokens_target``), which
+        ``noise_patience`` measurements in a row: the layer's INT8 dS takes the FP8 rung (``_fp8_target``), which
         :meth:`_step_down` holds while the reading stays at or over ``noise_scale_ratio_low``. A measurement that
         resolved no scale (the mean gradient lost in the noise: a scale beyond what the capture can tell) counts as
         a reading under the threshold."""
         cfg = self.config
-        target = self._tokens_target
-        if cfg.noise_scale_ratio_high is None or target is None:
+        if cfg.noise_scale_ratio_high is None or self._fp8_target is None:
             return []
         moved = {d.layer for d in taken}
         decisions = []
@@ -590,10 +589,7 @@ class PrecisionPolicy:
             note = f"{scale}: the step's sampling noise is small beside INT8 dS's error"
             high, patience = cfg.noise_scale_ratio_high, cfg.noise_patience
             reason = _streak(state, "noise_scale", ratio, high, patience, note, "noise_scale_ratio")
-            current = self.precision(name)
-            if not reason or target in state.path or current.mode != "sagebwd" or current.ds != "int8":
-                continue
-            decision = self._escalate(name, "ds", step, reason, target=target)
+            decision = self._to_fp8(name, step, reason) if reason else None
             if decision is not None:
                 decisions.append(decision)
         return decisions
@@ -606,26 +602,24 @@ class PrecisionPolicy:
 
     def _tokens_rule(self, step: int, taken: Sequence[Decision]) -> list[Decision]:
         """Tokens per step at or over ``ds_tokens_per_step_high``: every layer whose dS runs in INT8 takes the
-        tokens rung (``_tokens_target``), which :meth:`_step_down` then holds while the steps stay that large."""
-        target = self._tokens_target
-        if target is None or not self._tokens_hold():
+        tokens rung (``_fp8_target``), which :meth:`_step_down` then holds while the steps stay that large."""
+        if self._fp8_target is None or not self._tokens_hold():
             return []
         moved = {d.layer for d in taken}
         reason = (
             f"{self._last_tokens:,} tokens per step >= ds_tokens_per_step_high {self.config.ds_tokens_per_step_high:,}"
             ": at this many tokens per step INT8 dS costs validation loss that FP8 or bf16 dS does not"
         )
-        decisions = []
-        for name, state in self._layers.items():
-            if name in moved or target in state.path:  # on it already: no precision to rebuild, each step
-                continue
-            current = self.precision(name)
-            if current.mode != "sagebwd" or current.ds != "int8":
-                continue
-            decision = self._escalate(name, "ds", step, reason, target=target)
-            if decision is not None:
-                decisions.append(decision)
-        return decisions
+        decisions = [self._to_fp8(name, step, reason) for name in self._layers if name not in moved]
+        return [decision for decision in decisions if decision is not None]
+
+    def _to_fp8(self, name: str, step: int, reason: str) -> Decision | None:
+        """Move ``name`` to the FP8 rules' rung (``_fp8_target``) where its dS runs in INT8 (SageBwd) and it is not
+        on that rung already (no precision to rebuild, each step); ``None`` where it does not move."""
+        state, current = self._layers[name], self.precision(name)
+        if self._fp8_target in state.path or current.mode != "sagebwd" or current.ds != "int8":
+            return None
+        return self._escalate(name, "ds", step, reason, target=self._fp8_target)
 
     def _tokens_hold(self) -> bool:
         """Whether the latest step had ``ds_tokens_per_step_high`` tokens or more (the rule is on)."""
@@ -784,7 +778,7 @@ class PrecisionPolicy:
         if not state.path or not state.backoff.ready(step):
             return None
         top = self.config.ladder[state.path[-1]]
-        if state.path[-1] == self._tokens_target and (self._tokens_hold() or self._scale_holds(state)):
+        if state.path[-1] == self._fp8_target and (self._tokens_hold() or self._scale_holds(state)):
             return None  # the tokens-per-step or the noise-scale rule would take it again at once
         reason = f"calm for {state.backoff.calm_for(step)} steps >= {state.backoff.period}"
         if "ds" in top.fields:
