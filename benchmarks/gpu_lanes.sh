@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_lanes.sh start benchmarks/lanes/<name>.lanes   # copy, install, start; follow FOLLOW_SECONDS
 #   bash benchmarks/gpu_lanes.sh wait                                  # follow again; repeat until "finished"
 # A lanes file holds one command a line, "GPU<space>NAME<space>command" ('#' starts a comment); each GPU's lines run
-# in order, the GPUs side by side. A command runs in bash from an empty folder with CUDA_VISIBLE_DEVICES set to its
+# in order, the GPUs side by side. GPU may be "G.K": a second queue K on GPU G, beside G's own (a small, host-bound
+# run sharing a GPU with a large one; the large run's tokens/s then read low). A command runs in bash from an empty folder with CUDA_VISIBLE_DEVICES set to its
 # GPU, PYTHONPATH the installed copy, the copy's sources and what PYTHONPATH held, and these variables:
 #   SRC      the copy of the tree (its examples/configs, benchmarks/... scripts)
 #   RESULTS  the folder whose files come back (results, JSON and tables)
@@ -38,10 +39,10 @@ lane() {  # GPU: that GPU's commands, in order
   local gpu=$1 name cmd status
   while read -r _ name cmd; do
     echo "--- gpu $gpu: $name started $(date -u +%T)" >>"$WORK/lanes.log"
-    (cd "$WORK/run" && CUDA_VISIBLE_DEVICES=$gpu bash -c "$cmd") >"$WORK/results/log-$name.txt" 2>&1
+    (cd "$WORK/run" && CUDA_VISIBLE_DEVICES=${gpu%%.*} bash -c "$cmd") >"$WORK/results/log-$name.txt" 2>&1
     status=$?
     echo "--- gpu $gpu: $name finished $(date -u +%T), exit status $status" >>"$WORK/lanes.log"
-  done < <(grep -v '^\s*#' "$WORK/lanes" | awk -v g="$gpu" 'NF >= 3 && $1 == g')
+  done < <(grep -v '^\s*#' "$WORK/lanes" | awk -v g="$gpu" 'NF >= 3 && $1 "" == g')
 }
 
 detached() {

@@ -7,6 +7,7 @@ argument, the model's, the data module's, a model-shape field or a ``PolicyConfi
 from __future__ import annotations
 
 import inspect
+import re
 import shlex
 from pathlib import Path
 
@@ -68,7 +69,10 @@ def test_every_line_of_a_lanes_file_would_start(path: Path) -> None:
     names = [name for _, name, _ in found]
     assert len(names) == len(set(names)), f"{path.name}: a run name twice: {names}"
     for gpu, name, command in found:
-        assert gpu.isdigit(), f"{path.name}: {name}: the first column must be a GPU index; received {gpu!r}"
+        assert re.fullmatch(r"\d+(\.\d+)?", gpu), (
+            f"{path.name}: {name}: the first column must be a GPU index, or G.K for a second queue on GPU G; "
+            f"received {gpu!r}"
+        )
         words = shlex.split(command)
         if words[0] != "train":  # a shell line (the GPU hold of check_patch.sh's lanes, a kernel check)
             continue
