@@ -5,7 +5,9 @@ callback on a tiny model."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -50,6 +52,14 @@ def test_two_readings_over_the_threshold_move_int8_ds_to_fp8() -> None:
     assert policy.rung(LAYER) == TOKENS_RUNG
     wanted = policy.signals_wanted(26)
     assert wanted.noise and wanted.probe and wanted.ds_stats  # the new rung is checked on the next step
+
+
+def test_readings_before_noise_scale_from_step_do_not_count() -> None:
+    policy = make(noise_scale_from_step=50)
+    for step in (0, 25):  # the warm-up: a scale of a few sequences, every step reads as large
+        assert policy.decide(reading(step, 60.0)).decisions == ()
+    assert policy.decide(reading(50, 5.0)).decisions == ()  # the first that counts: one in the streak
+    assert len(policy.decide(reading(75, 5.0)).decisions) == 1
 
 
 @pytest.mark.parametrize(
@@ -119,6 +129,8 @@ def test_the_measurement_runs_when_the_rule_is_on_and_not_by_default() -> None:
         ({"noise_scale_ratio_high": 4.0, "noise_scale_ratio_low": -1}, r"noise_scale_ratio_low must be a positive"),
         ({"noise_scale_ratio_high": 4.0, "noise_scale_ratio_low": 4.0}, r"noise_scale_ratio_low must be below "),
         ({"noise_scale_ratio_low": 1.0}, r"noise_scale_ratio_low \(1.0\) needs noise_scale_ratio_high, which is None"),
+        ({"noise_scale_from_step": -1}, r"noise_scale_from_step must be an int >= 0; received -1"),
+        ({"noise_scale_from_step": 7.5}, r"noise_scale_from_step must be an int >= 0; received 7.5"),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings: dict, message: str) -> None:
@@ -175,3 +187,39 @@ def test_the_threshold_is_calibrated_from_the_readings_sixth_entries() -> None:
     assert threshold == pytest.approx(math.sqrt(1.925 * 12.0))
     assert why.startswith("noise_scale_ratio_high = sqrt(1.925 x 12.000)")
     assert calibrate_threshold([None], [[None]], name="noise_scale_ratio_high")[0] is None
+
+
+def replay(readings: list[list], **config) -> dict[str, int]:
+    """Feed an observing run's noise readings (``[step, layer, base, ran, scale, B/scale]``) to a policy with the rule
+    on; ``{layer: step it moved to FP8 dS}``."""
+    layers = sorted({r[1] for r in readings})
+    policy = PrecisionPolicy(dict.fromkeys(layers, BASE), config=PolicyConfig(ds_tokens_per_step_high=None, **config))
+    moved: dict[str, int] = {}
+    for step in sorted({r[0] for r in readings}):
+        signals = {
+            r[1]: LayerSignals(noise_ratio=r[2], noise_ratio_ran=r[3], noise_scale=r[4], noise_scale_ratio=r[5])
+            for r in readings
+            if r[0] == step
+        }
+        for decision in policy.decide(StepSignals(step=step, loss=2.0, grad_norm=1.0, layers=signals)).decisions:
+            moved.setdefault(decision.layer, step)
+    return moved
+
+
+def test_device_run_27s_readings_calibrate_the_rule_and_it_separates_them() -> None:
+    """The calibration docs/controller.md reports, from the committed observing runs: readings from twice the
+    warm-up on (131K: 39 steps, 16K: 312), 16K's 95th percentile against 131K's median. With that threshold the
+    rule moves every layer at 131K tokens per step (where INT8 dS has a loss gap) and none at 16K (where it has
+    none); counted from step 0 instead, it would move 16K's layers in the warm-up."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks/results/training-h200-20261127-noise-scale.json"
+    runs = {s["group"]: s["noise_readings"] for s in json.loads(path.read_text())["summary"]}
+    large, small = runs["noise-scale-large"], runs["noise-scale-small"]
+    threshold, why = calibrate_threshold(
+        [r[5] for r in small if r[0] >= 624], [[r[5] for r in large if r[0] >= 78]], name="noise_scale_ratio_high"
+    )
+    assert why == "noise_scale_ratio_high = sqrt(0.224 x 0.862) = 0.440 (3.84x)"
+    rule = {"noise_scale_ratio_high": round(threshold, 2)}
+    loud = replay(large, **rule, noise_scale_from_step=78)
+    assert len(loud) == 8 and set(loud.values()) == {125}
+    assert replay(small, **rule, noise_scale_from_step=624) == {}
+    assert len(replay(small, **rule)) == 8  # the warm-up's readings would move every layer at 16K

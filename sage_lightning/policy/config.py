@@ -38,8 +38,9 @@ NOISE_RATIO_LOW = 0.1
 #: (SageBwd fixed inside full precision's margin in both seeds) and 131K (outside in both seeds, with and without
 #: QK-norm, at heads of 64 and 128; FP8 dS inside in three of four runs), ``docs/controller.md``, Tokens per step.
 DS_TOKENS_PER_STEP_HIGH: int | None = 65_536
-#: The noise-scale rule is off by default: no run has recorded the gradient noise scale to calibrate it on yet
-#: (``docs/controller.md``, Noise scale); the tokens-per-step rule stands in for it.
+#: The noise-scale rule is off by default: calibrated on one observing run per side (device run 27,
+#: ``docs/controller.md``, Noise scale: 0.44 with ``noise_scale_from_step`` at twice the warm-up), not yet trained
+#: with; the tokens-per-step rule stands in for it.
 NOISE_SCALE_RATIO_HIGH: float | None = None
 
 
@@ -127,6 +128,10 @@ class PolicyConfig:
         noise_scale_ratio_low: the reading under which the noise-scale rule releases the rung (stepping down then
             waits for the calm period and a low ``ds_rel_err``, as every ``ds`` rung); ``None``: half of
             ``noise_scale_ratio_high``.
+        noise_scale_from_step: the first optimizer step whose reading counts toward the noise-scale rule. Early in
+            training the noise scale is a few sequences (the gradient is mostly signal), so every step reads as
+            large, at 16K tokens per step as at 131K: start it after the learning-rate warm-up (the calibration
+            used twice the warm-up). Readings before it are still recorded.
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
@@ -174,6 +179,7 @@ class PolicyConfig:
     ds_tokens_per_step_high: int | None = DS_TOKENS_PER_STEP_HIGH
     noise_scale_ratio_high: float | None = NOISE_SCALE_RATIO_HIGH
     noise_scale_ratio_low: float | None = None
+    noise_scale_from_step: int = 0
 
     def __post_init__(self) -> None:
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
@@ -197,6 +203,7 @@ class PolicyConfig:
         ):
             check_int(name, getattr(self, name), minimum=1)
         check_int("noise_sequences", self.noise_sequences, minimum=2)
+        check_int("noise_scale_from_step", self.noise_scale_from_step, minimum=0)
         tokens = self.ds_tokens_per_step_high
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(

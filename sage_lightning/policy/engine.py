@@ -109,7 +109,8 @@ class PrecisionPolicy:
       in INT8 takes :data:`~sage_lightning.policy.config.TOKENS_RUNG` (``ds_fp8``; no rule but this one and the
       next takes it), held while the steps stay that large;
     * the step's sequences over the layer's gradient noise scale (:attr:`LayerSignals.noise_scale_ratio`) over
-      ``noise_scale_ratio_high`` for ``noise_patience`` measurements in a row, while the layer's dS runs in INT8:
+      ``noise_scale_ratio_high`` for ``noise_patience`` measurements in a row from ``noise_scale_from_step`` on,
+      while the layer's dS runs in INT8:
       the same rung, held while the reading stays at or over ``noise_scale_ratio_low``.
 
     Every escalation arms a probe (and the dS statistics) on the next step: if the new rung did not fix the
@@ -572,9 +573,9 @@ class PrecisionPolicy:
         ``noise_patience`` measurements in a row: the layer's INT8 dS takes the FP8 rung (``_fp8_target``), which
         :meth:`_step_down` holds while the reading stays at or over ``noise_scale_ratio_low``. A measurement that
         resolved no scale (the mean gradient lost in the noise: a scale beyond what the capture can tell) counts as
-        a reading under the threshold."""
+        a reading under the threshold; one before ``noise_scale_from_step`` does not count."""
         cfg = self.config
-        if cfg.noise_scale_ratio_high is None or self._fp8_target is None:
+        if cfg.noise_scale_ratio_high is None or self._fp8_target is None or step < cfg.noise_scale_from_step:
             return []
         moved = {d.layer for d in taken}
         decisions = []
