@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -18,7 +19,7 @@ from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
 from sage_lightning.noise import calibrate_threshold
-from sage_lightning.policy import TOKENS_RUNG, LayerSignals, PrecisionPolicy, StepSignals
+from sage_lightning.policy import TOKENS_RUNG, LayerSignals, PrecisionPolicy, StepSignals, replay_noise_readings
 
 BASE = AttentionPrecision()
 LAYER = "blocks.0.attn"
@@ -189,23 +190,6 @@ def test_the_threshold_is_calibrated_from_the_readings_sixth_entries() -> None:
     assert calibrate_threshold([None], [[None]], name="noise_scale_ratio_high")[0] is None
 
 
-def replay(readings: list[list], **config) -> dict[str, int]:
-    """Feed an observing run's noise readings (``[step, layer, base, ran, scale, B/scale]``) to a policy with the rule
-    on; ``{layer: step it moved to FP8 dS}``."""
-    layers = sorted({r[1] for r in readings})
-    policy = PrecisionPolicy(dict.fromkeys(layers, BASE), config=PolicyConfig(ds_tokens_per_step_high=None, **config))
-    moved: dict[str, int] = {}
-    for step in sorted({r[0] for r in readings}):
-        signals = {
-            r[1]: LayerSignals(noise_ratio=r[2], noise_ratio_ran=r[3], noise_scale=r[4], noise_scale_ratio=r[5])
-            for r in readings
-            if r[0] == step
-        }
-        for decision in policy.decide(StepSignals(step=step, loss=2.0, grad_norm=1.0, layers=signals)).decisions:
-            moved.setdefault(decision.layer, step)
-    return moved
-
-
 def test_device_run_27s_readings_calibrate_the_rule_and_it_separates_them() -> None:
     """The calibration docs/controller.md reports, from the committed observing runs: readings from twice the
     warm-up on (131K: 39 steps, 16K: 312), 16K's 95th percentile against 131K's median. With that threshold the
@@ -218,8 +202,46 @@ def test_device_run_27s_readings_calibrate_the_rule_and_it_separates_them() -> N
         [r[5] for r in small if r[0] >= 624], [[r[5] for r in large if r[0] >= 78]], name="noise_scale_ratio_high"
     )
     assert why == "noise_scale_ratio_high = sqrt(0.224 x 0.862) = 0.440 (3.84x)"
-    rule = {"noise_scale_ratio_high": round(threshold, 2)}
-    loud = replay(large, **rule, noise_scale_from_step=78)
-    assert len(loud) == 8 and set(loud.values()) == {125}
-    assert replay(small, **rule, noise_scale_from_step=624) == {}
-    assert len(replay(small, **rule)) == 8  # the warm-up's readings would move every layer at 16K
+    rule = {"noise_scale_ratio_high": round(threshold, 2), "ds_tokens_per_step_high": None}
+    loud = replay_noise_readings(large, PolicyConfig(**rule, noise_scale_from_step=78))
+    assert len({d.layer for d in loud}) == len(loud) == 8 and {d.step for d in loud} == {125}
+    assert all(d.new == FP8_DS and d.reason.startswith("noise_scale_ratio ") for d in loud)
+    assert replay_noise_readings(small, PolicyConfig(**rule, noise_scale_from_step=624)) == []
+    early = replay_noise_readings(small, PolicyConfig(**rule))  # the warm-up's readings move every layer at 16K
+    assert len(early) == 8 and max(d.step for d in early) <= 100
+
+
+def test_a_replay_takes_older_readings_and_the_noise_ratio_rule() -> None:
+    older = [(0, LAYER, 0.9, 0.9), (25, LAYER, 1.2, 1.2), (50, LAYER, 1.3, 1.3)]  # no scale recorded
+    (moved,) = replay_noise_readings(older, PolicyConfig(noise_ratio_high=1.0, ds_tokens_per_step_high=None))
+    assert (moved.step, moved.new) == (50, BASE.replace(ds="bf16").short_name)
+    assert replay_noise_readings(older, PolicyConfig(noise_scale_ratio_high=4.0, ds_tokens_per_step_high=None)) == []
+
+
+@pytest.mark.parametrize(
+    ("readings", "config", "message"),
+    [
+        ([], {"noise_scale_ratio_high": 1.0}, "readings is empty"),
+        ([(0, LAYER, 0.1)], {"noise_scale_ratio_high": 1.0}, r"readings\[0\] is \(0, 'blocks.0.attn', 0.1\)"),
+        ([(0, LAYER, "x", 0.1)], {"noise_scale_ratio_high": 1.0}, r"readings\[0\] must hold an int step and numbers"),
+        ([(0, LAYER, 0.1, 0.1)], {"noise_ratio_high": None}, "config turns no noise rule on"),
+    ],
+)
+def test_a_replay_refuses_what_it_cannot_read(readings: list, config: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replay_noise_readings(readings, PolicyConfig(**config))
+    with pytest.raises(ValueError, match="precisions lacks layers the readings name"):
+        replay_noise_readings([(0, LAYER, 0.1, 0.1)], PolicyConfig(noise_ratio_high=1.0), {"other": BASE})
+
+
+def test_controller_md_calibration_recipe_runs_on_device_run_27s_readings(capsys: pytest.CaptureFixture) -> None:
+    """docs/controller.md's recipe for calibrating the rule on one's own model, on the committed observing runs."""
+    repo = Path(__file__).resolve().parent.parent
+    page = (repo / "docs/controller.md").read_text()
+    (recipe,) = re.findall(r"```python\n(from sage_lightning.noise import calibrate_threshold.*?)```", page, re.S)
+    path = repo / "benchmarks/results/training-h200-20261127-noise-scale.json"
+    runs = {s["group"]: s["noise_readings"] for s in json.loads(path.read_text())["summary"]}
+    scope = {"quiet_run": runs["noise-scale-small"], "loud_run": runs["noise-scale-large"]}
+    exec(compile(recipe, "docs/controller.md", "exec"), {**scope, "quiet_warmup": 312, "loud_warmup": 39})
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 8 and all(line.startswith("125 model.blocks.") for line in printed)

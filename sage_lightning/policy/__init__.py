@@ -8,13 +8,15 @@ reduced numbers takes the same decisions.
 
 The package: :mod:`~sage_lightning.policy.vocabulary` (signals, rungs, decisions), :mod:`~.config` (thresholds,
 budgets, the default ladder), :mod:`~.backoff` (the calm periods every lever shares), :mod:`~.tokens` (tokens
-per step), :mod:`~.engine` (the decisions), :mod:`~.share` (the low-bit share). Thresholds and their measurements:
+per step), :mod:`~.engine` (the decisions), :mod:`~.share` (the low-bit share), :mod:`~.replay` (recorded noise
+readings through the rules). Thresholds and their measurements:
 ``docs/controller.md``.
 """
 
 from sage_lightning.policy.backoff import Backoff
 from sage_lightning.policy.config import DEFAULT_LADDER, TOKENS_RUNG, PolicyConfig
 from sage_lightning.policy.engine import PrecisionPolicy
+from sage_lightning.policy.replay import replay_noise_readings
 from sage_lightning.policy.share import LowBitShare, runs_low_bit
 from sage_lightning.policy.tokens import TokensLever
 from sage_lightning.policy.vocabulary import (
@@ -52,5 +54,6 @@ __all__ = [
     "StepOutcome",
     "StepSignals",
     "TokensLever",
+    "replay_noise_readings",
     "runs_low_bit",
 ]
