@@ -35,8 +35,8 @@ def replay_noise_readings(
             precision, at the precision that ran, noise scale, steps' sequences over it)``; readings of four
             entries (recorded before the noise scale) read as having no scale.
         config: the settings to try; a noise rule must be on (``noise_scale_ratio_high`` or
-            ``noise_ratio_high``). Set ``ds_tokens_per_step_high=None`` to see the noise rules alone (the readings
-            carry no tokens per step, so the tokens rule never acts in a replay either way).
+            ``noise_ratio_high``). The tokens-per-step rule never acts in a replay (the readings carry no tokens
+            per step), whatever ``ds_tokens_per_step_high`` says.
         precisions: each layer's base precision; ``None``: SageBwd's default (``AttentionPrecision()``) for every
             layer the readings name.
 
