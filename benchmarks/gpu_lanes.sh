@@ -92,7 +92,7 @@ case "$MODE" in
     rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
     cp "$2" "$WORK/lanes"
     # The copy before anything else: the calling command may change the tree as soon as this returns.
-    mkdir -p "$WORK/src" && tar --exclude=./.git --exclude='./.venv*' --exclude=./.whl --exclude=./.dev --exclude=./build -cf - . | tar -xf - -C "$WORK/src"
+    bash "$(dirname "$0")/copy_tree.sh" "$WORK/src"
     setsid nohup bash "$0" _detached >"$WORK/driver.log" 2>&1 </dev/null &
     for _ in $(seq 50); do [[ -f "$WORK/pid" ]] && break; sleep 0.2; done
     follow

@@ -126,7 +126,7 @@ queue() {  # the runs of GPU $1: the observing runs first (the calibration waits
 
 setup() {
   mkdir -p "$WORK/src" "$WORK/results" "$WORK/run"
-  tar --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$WORK/src"
+  bash "$(dirname "$0")/copy_tree.sh" "$WORK/src"
   "$PYTHON" -m pip install --no-deps --no-build-isolation --target "$WORK/site" "$WORK/src" >"$WORK/install.log" 2>&1 ||
     { tail -5 "$WORK/install.log"; return 1; }
   WORK=$WORK CORPUS_MAX_MB=${CORPUS_MAX_MB:-256} bash benchmarks/gpu_evidence.sh corpus >"$WORK/corpus-note" || return 1

@@ -26,8 +26,7 @@ patch="${1:?the file name of the patch in benchmarks/pending}"
 sha="${2:?the commit of main, for the result files}"
 if [[ "${DETACH:-0}" == 1 ]]; then
   rm -rf "$dir" "$dir-out" "$flag" && mkdir -p "$dir" "$dir-out"
-  (cd "$(dirname "$0")/../.." && tar --exclude=./.git --exclude='./.venv*' --exclude=./.whl --exclude=./.dev \
-    --exclude=./build -cf - .) | tar -xf - -C "$dir"
+  bash "$(dirname "$0")/../copy_tree.sh" "$dir"
   OUT="$dir-out" DETACH=0 FLAG="$flag" CUDA_VISIBLE_DEVICES="${CHECK_GPU:-0}" setsid nohup \
     bash "$dir/benchmarks/pending/check_patch.sh" "$patch" "$sha" >/dev/null 2>&1 </dev/null &
   echo "check_patch.sh runs detached in $dir on GPU ${CHECK_GPU:-0}: 'bash $0 collect' for its files"
