@@ -225,7 +225,8 @@ def _combined(tmp_path: Path) -> Path:
     finals = {  # group -> run -> (seed, final val loss)
         "large-qknorm": {"full": (1234, 0.80), "full-seed1235": (1235, 0.81), "sage-fixed": (1234, 0.85),
                          "sage-fixed-seed1235-observe": (1235, 0.84), "sage-controller": (1234, 0.815)},
-        "small-qknorm": {"full": (1234, 0.70), "full-seed1235": (1235, 0.702), "sage-fixed": (1234, 0.705)},
+        "small-qknorm": {"full": (1234, 0.70), "full-seed1235": (1235, 0.702), "sage-fixed": (1234, 0.705),
+                         "sage-controller": (1234, 0.704)},
     }  # fmt: skip
     rows, summary = [], []
     for group, runs in finals.items():
@@ -271,6 +272,8 @@ def test_a_combined_file_renders_its_groups_and_final_losses(tmp_path: Path) -> 
     assert "| 5 | model.blocks.1.attn | precision | sagebwd:int8=ds | sagebwd:int8=qk | noise_ratio 0.3 > 0.2 |" in text
     assert "The controller closed the gap in this seed." in text
     assert "1 of 1 seed(s)" in text and "Noise ratio of **sage-fixed-seed1235-observe**" in text
+    # Where SageBwd fixed had no gap, whether the controller decided anything all the same.
+    assert "beyond the margin: none. Controller decisions in 1 of 1 seed(s) with no gap." in text
     assert "at large tokens per step 0.8500 / 0.8400 (seeds 1234 / 1235), beyond the margin; at small 0.7050" in text
     if HAS_MATPLOTLIB:  # the decision as a picture, its colours named, then where its data came from
         image = "precision of sage-controller](../im/training-h200-20261127-noise-evidence-large-qknorm-sage-controller"

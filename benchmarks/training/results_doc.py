@@ -99,16 +99,14 @@ def group_table(result: dict[str, Any]) -> list[str]:
     """Final validation loss of each run against full precision, with the noise floor, and each run's speed."""
     found, summaries = roles(result), summaries_by_run(result)
     role_of = {name: role for role, name in found.items()}
-    floor = noise_floor(result)
-    full = found.get("full")
+    floor, full = noise_floor(result), found.get("full")
     lines = [
         "| run | what | steps | tokens | final val loss | vs full precision | vs noise floor | tokens/s | "
         "peak GPU GB | INT8 share of layer-steps |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for spec in result.get("runs", []):
-        name = spec["name"]
-        s = summaries.get(name, {})
+        name, s = spec["name"], summaries.get(spec["name"], {})
         what = ROLES.get(role_of.get(name, ""), spec.get("attention", ""))
         if s.get("error"):
             lines.append(f"| {name} | {what} | failed: {s['error'][:160]} | | | | | | | |")
@@ -284,13 +282,15 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
                 continue
             top, ran = sum(bound), [(n, v) for b, by in runs.items() if b != "full" for n, v in by.values()]
             pairs = [(runs["sage-fixed"].get(seed), c) for seed, c in runs.get("sage-controller", {}).items()]
-            pairs = [c for f, c in pairs if f and f[1] > top]
-            closed = f" The controller ended without a gap in {sum(c[1] <= top for c in pairs)} of {len(pairs)} "
-            closed += "seed(s) where SageBwd fixed of the same seed had one."
+            gapped = [c for f, c in pairs if f and f[1] > top]
+            calm = [bool(summaries_by_run(result)[c[0]].get("decisions")) for f, c in pairs if f and f[1] <= top]
+            closed = f" The controller ended without a gap in {sum(c[1] <= top for c in gapped)} of {len(gapped)} "
+            closed = closed + "seed(s) where SageBwd fixed of the same seed had one." if gapped else ""
+            closed += f" Controller decisions in {sum(calm)} of {len(calm)} seed(s) with no gap." if calm else ""
             lines.append(
                 f"- **{group}** ({result['matrix']['title']}): without a gap (at most {top:.4f}): "
                 f"{', '.join(n for n, v in ran if v <= top) or 'none'}; beyond the margin: "
-                f"{', '.join(n for n, v in ran if v > top) or 'none'}." + (closed if pairs else "")
+                f"{', '.join(n for n, v in ran if v > top) or 'none'}." + closed
             )
             readings = [r[2] for v in observed(result).values() for r in v]
             if ends(result, "sage-fixed")[1]:
