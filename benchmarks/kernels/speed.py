@@ -35,11 +35,13 @@ from benchmarks.result_file import default_path, device_name, header, write
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
 #: ``sage`` dispatches as a user's call does (the Hopper path where it applies); ``sage_portable`` keeps the
 #: portable kernels (``SAGE_LIGHTNING_HOPPER=off`` around the call), to set the two side by side.
-#: SageBwd with products in FP8 (e4m3): the INT8 default with pv, ds or both in FP8, and every product in FP8. Each
-#: dispatches as ``sage`` does (the Hopper forward takes an FP8 pv; see ``plan_attention``).
+#: SageBwd with products in FP8 (e4m3): the INT8 default with pv, ds or both in FP8, and every product in FP8; and
+#: dS in bf16 (the controller's other dS rung). Each dispatches as ``sage`` does (the Hopper forward takes an FP8
+#: pv; see ``plan_attention``).
 FP8_IMPLS: dict[str, AttentionPrecision] = {
     "sage_fp8_pv": AttentionPrecision(pv="fp8"),
     "sage_fp8_ds": AttentionPrecision(ds="fp8"),
+    "sage_bf16_ds": AttentionPrecision(ds="bf16"),
     "sage_fp8_pv_ds": AttentionPrecision(pv="fp8", ds="fp8"),
     "sage_fp8": AttentionPrecision.all_fp8(),
 }
