@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_lanes.sh wait                                  # follow again; repeat until "finished"
 # A lanes file holds one command a line, "GPU<space>NAME<space>command" ('#' starts a comment); each GPU's lines run
 # in order, the GPUs side by side. GPU may be "G.K": a second queue K on GPU G, beside G's own (a small, host-bound
-# run sharing a GPU with a large one; the large run's tokens/s then read low). A command runs in bash from an empty folder with CUDA_VISIBLE_DEVICES set to its
-# GPU, PYTHONPATH the installed copy, the copy's sources and what PYTHONPATH held, and these variables:
+# run sharing a GPU with a large one; the large run's tokens/s then read low). A command runs in bash from an empty
+# folder with CUDA_VISIBLE_DEVICES set to its GPU, PYTHONPATH the installed copy, the copy's sources and what PYTHONPATH held, and these variables:
 #   SRC      the copy of the tree (its examples/configs, benchmarks/... scripts)
 #   RESULTS  the folder whose files come back (results, JSON and tables)
 #   CORPUS   the corpus file of benchmarks/gpu_evidence.sh's CORPUS=site, built once; CORPUS_NOTE says what it holds

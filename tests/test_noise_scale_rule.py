@@ -21,6 +21,7 @@ from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, 
 from sage_lightning.noise import calibrate_threshold
 from sage_lightning.policy import TOKENS_RUNG, LayerSignals, PrecisionPolicy, StepSignals, replay_noise_readings
 
+REPO = Path(__file__).resolve().parent.parent
 BASE = AttentionPrecision()
 LAYER = "blocks.0.attn"
 FP8_DS = BASE.replace(ds="fp8").short_name
@@ -190,13 +191,19 @@ def test_the_threshold_is_calibrated_from_the_readings_sixth_entries() -> None:
     assert calibrate_threshold([None], [[None]], name="noise_scale_ratio_high")[0] is None
 
 
+def run_27_readings() -> dict[str, list[list]]:
+    """Device run 27's observing runs' noise readings, by group (``noise-scale-large``: 131K tokens per step;
+    ``noise-scale-small``: 16K), from the committed result file."""
+    path = REPO / "benchmarks/results/training-h200-20261127-noise-scale.json"
+    return {s["group"]: s["noise_readings"] for s in json.loads(path.read_text())["summary"]}
+
+
 def test_device_run_27s_readings_calibrate_the_rule_and_it_separates_them() -> None:
     """The calibration docs/controller.md reports, from the committed observing runs: readings from twice the
     warm-up on (131K: 39 steps, 16K: 312), 16K's 95th percentile against 131K's median. With that threshold the
     rule moves every layer at 131K tokens per step (where INT8 dS has a loss gap) and none at 16K (where it has
     none); counted from step 0 instead, it would move 16K's layers in the warm-up."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks/results/training-h200-20261127-noise-scale.json"
-    runs = {s["group"]: s["noise_readings"] for s in json.loads(path.read_text())["summary"]}
+    runs = run_27_readings()
     large, small = runs["noise-scale-large"], runs["noise-scale-small"]
     threshold, why = calibrate_threshold(
         [r[5] for r in small if r[0] >= 624], [[r[5] for r in large if r[0] >= 78]], name="noise_scale_ratio_high"
@@ -230,17 +237,18 @@ def test_a_replay_takes_older_readings_and_the_noise_ratio_rule() -> None:
 def test_a_replay_refuses_what_it_cannot_read(readings: list, config: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         replay_noise_readings(readings, PolicyConfig(**config))
+
+
+def test_a_replay_refuses_precisions_without_a_layer_the_readings_name() -> None:
     with pytest.raises(ValueError, match="precisions lacks layers the readings name"):
         replay_noise_readings([(0, LAYER, 0.1, 0.1)], PolicyConfig(noise_ratio_high=1.0), {"other": BASE})
 
 
 def test_controller_md_calibration_recipe_runs_on_device_run_27s_readings(capsys: pytest.CaptureFixture) -> None:
     """docs/controller.md's recipe for calibrating the rule on one's own model, on the committed observing runs."""
-    repo = Path(__file__).resolve().parent.parent
-    page = (repo / "docs/controller.md").read_text()
+    page = (REPO / "docs/controller.md").read_text()
     (recipe,) = re.findall(r"```python\n(from sage_lightning.noise import calibrate_threshold.*?)```", page, re.S)
-    path = repo / "benchmarks/results/training-h200-20261127-noise-scale.json"
-    runs = {s["group"]: s["noise_readings"] for s in json.loads(path.read_text())["summary"]}
+    runs = run_27_readings()
     scope = {"quiet_run": runs["noise-scale-small"], "loud_run": runs["noise-scale-large"]}
     exec(compile(recipe, "docs/controller.md", "exec"), {**scope, "quiet_warmup": 312, "loud_warmup": 39})
     printed = capsys.readouterr().out.splitlines()

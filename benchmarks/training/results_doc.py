@@ -277,13 +277,13 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
         quiet: list[float] = []
         loud: list[list[float]] = []
         for group, result in groups:
-            bound, runs = margin(result), by_seed(result)
+            bound, runs, summaries = margin(result), by_seed(result), summaries_by_run(result)
             if bound is None:
                 continue
             top, ran = sum(bound), [(n, v) for b, by in runs.items() if b != "full" for n, v in by.values()]
             pairs = [(runs["sage-fixed"].get(seed), c) for seed, c in runs.get("sage-controller", {}).items()]
             gapped = [c for f, c in pairs if f and f[1] > top]
-            calm = [bool(summaries_by_run(result)[c[0]].get("decisions")) for f, c in pairs if f and f[1] <= top]
+            calm = [bool(summaries[c[0]].get("decisions")) for f, c in pairs if f and f[1] <= top]
             closed = f" The controller ended without a gap in {sum(c[1] <= top for c in gapped)} of {len(gapped)} "
             closed = closed + "seed(s) where SageBwd fixed of the same seed had one." if gapped else ""
             closed += f" Controller decisions in {sum(calm)} of {len(calm)} seed(s) with no gap." if calm else ""
