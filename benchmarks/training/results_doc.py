@@ -202,8 +202,9 @@ def seed_table(result: dict[str, Any]) -> list[str]:
         what = "full precision" if first.get("attention") == "full" else f"`{first.get('precision')}`"
         what = "cuDNN's FP8 attention" if first.get("sdpa_backend") == "cudnn_fp8" else what
         acting = first.get("controller") and not first["run"].endswith("-observe")
-        what += f", controller at noise_ratio_high {first['threshold']}" if first.get("threshold") else ""
-        what += ", with the controller" if acting and not first.get("threshold") else ""
+        rule = first.get("controller_config") or {"noise_ratio_high": first.get("threshold")}  # pretrain_compare's
+        what += f", controller at {', '.join(f'{k} {v}' for k, v in rule.items())}" if any(rule.values()) else ""
+        what += ", with the controller" if acting and not any(rule.values()) else ""
         what += "".join(
             f"; seed {seed}: the controller observing only" for seed, (n, _) in by.items() if "observe" in n
         )
@@ -448,7 +449,6 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
                 lines += [f"### {group}", "", *record, _source(path, result, doc), ""]
     if not any_record:
         lines += ["Not measured yet.", ""]
-
     # Speed groups by their flag: the group is named after its sequence length (e2e-seq4096 for small.yaml).
     speed_groups = [group for group, (_, result) in loaded["matrix"].items() if result["matrix"].get("speed")]
     lines += ["## 4. Speed at sequence 4096 (issue #4)", ""]
