@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.kernels import AttentionPrecision
-from sage_lightning.kernels.plan import FP8_CAPABILITY, device_capability
+from sage_lightning.kernels.plan import FP8_CAPABILITY, device_capability, verified_here
 from sage_lightning.layer import AttentionLayerState, attention_layers
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import PolicyConfig
@@ -124,35 +124,46 @@ def check_fit(
             "tokens-per-step lever is off for this run (precision levers still work)."
         )
         config = dataclasses.replace(config, min_accumulate_grad_batches=None)
-    return layers, without_fp8_rungs(config, trainer.strategy.root_device)
+    return layers, for_device(config, trainer.strategy.root_device)
 
 
-def without_fp8_rungs(config: PolicyConfig, device: torch.device) -> PolicyConfig:
-    """``config`` with the ladder's rungs that set a product to FP8 (``ds_fp8``) left out where ``device`` has no
-    FP8 tensor cores (a CUDA GPU below compute capability 8.9): the tokens-per-step rule then takes the first rung
-    that changes ``ds`` alone, ``ds_bf16``.
+def for_device(config: PolicyConfig, device: torch.device) -> PolicyConfig:
+    """``config`` as a fit on ``device`` runs it. Where the device has no FP8 tensor cores (a CUDA GPU below compute
+    capability 8.9) the ladder's rungs that set a product to FP8 (``ds_fp8``) are left out, and the two large-step
+    rules take the first rung that changes ``ds`` alone, ``ds_bf16``. Where ``large_step_rung`` is ``None`` and the
+    Hopper kernels run (:func:`~sage_lightning.kernels.plan.verified_here`), it becomes the ladder's bf16 dS rung:
+    there bf16 dS's backward runs 1.20-1.29x as fast as FP8 dS's (``docs/controller.md``, Which dS rung).
 
     Example::
 
-        without_fp8_rungs(PolicyConfig(), torch.device("cpu")).ladder   # unchanged: the reference runs FP8
+        for_device(PolicyConfig(), torch.device("cpu")).large_step_rung   # None: the reference's FP8 rung
     """
     capability = device_capability(device)
-    if capability is None or capability >= FP8_CAPABILITY:
+    if capability is None:
         return config
-    ladder = tuple(rung for rung in config.ladder if "fp8" not in rung.fields.values())
-    return config if len(ladder) == len(config.ladder) else dataclasses.replace(config, ladder=ladder)
+    if capability < FP8_CAPABILITY:
+        ladder = tuple(rung for rung in config.ladder if "fp8" not in rung.fields.values())
+        if len(ladder) == len(config.ladder):
+            return config
+        kept = config.large_step_rung in {rung.name for rung in ladder}
+        return dataclasses.replace(config, ladder=ladder, large_step_rung=config.large_step_rung if kept else None)
+    bf16 = [rung.name for rung in config.ladder if rung.fields == {"ds": "bf16"}]
+    if config.large_step_rung is None and bf16 and verified_here(device):
+        return dataclasses.replace(config, large_step_rung=bf16[0])
+    return config
 
 
 def fit_hparams(hparams: dict[str, Any], config: PolicyConfig, device: torch.device) -> dict[str, Any]:
-    """The callback's ``hparams`` with the ladder a fit on ``device`` runs (:func:`without_fp8_rungs`), as the loggers
-    get them: an A100's HParams show no ``ds_fp8`` rung.
+    """The callback's ``hparams`` with the ladder and the large-step rung a fit on ``device`` runs
+    (:func:`for_device`), as the loggers get them: an A100's HParams show no ``ds_fp8`` rung.
 
     Example::
 
         fit_hparams({"config": {"ladder": []}}, PolicyConfig(), torch.device("cpu"))["config"]["ladder"][2]  # 'ds_fp8'
     """
-    ladder = [rung.name for rung in without_fp8_rungs(config, device).ladder]
-    return {**hparams, "config": {**hparams["config"], "ladder": ladder}}
+    fitted = for_device(config, device)
+    ladder = [rung.name for rung in fitted.ladder]
+    return {**hparams, "config": {**hparams["config"], "ladder": ladder, "large_step_rung": fitted.large_step_rung}}
 
 
 def checkpoint_bases(

@@ -1,8 +1,11 @@
-"""The tokens-per-step rule: at ``ds_tokens_per_step_high`` tokens per optimizer step or more, INT8 dS moves to FP8
-(the ``ds_fp8`` rung, which no other rule takes) and stays there while the steps are that large. The policy on plain
-numbers, the device's ladder, and a Trainer with the callback on a tiny model, resumed from its checkpoint."""
+"""The tokens-per-step rule: at ``ds_tokens_per_step_high`` tokens per optimizer step or more, INT8 dS moves to the
+large-step rung (FP8 dS, the ``ds_fp8`` rung, which no other rule takes; bf16 dS on Hopper) and stays there while the
+steps are that large. The policy on plain numbers, the device's ladder and rung, and a Trainer with the callback on a
+tiny model, resumed from its checkpoint."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import lightning as L
 import pytest
@@ -11,7 +14,7 @@ from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 import sage_lightning.checks
 from sage_lightning import AdaptivePrecision, AttentionPrecision, PolicyConfig, attention_layers
-from sage_lightning.checks import without_fp8_rungs
+from sage_lightning.checks import for_device
 from sage_lightning.policy import DEFAULT_LADDER, TOKENS_RUNG, LayerSignals, PrecisionPolicy, StepSignals
 
 BASE = AttentionPrecision()
@@ -85,13 +88,62 @@ def test_a_ladder_without_fp8_gives_the_rule_bf16_ds() -> None:
     assert policy.rung(NAMES[0]) == "ds_bf16" and policy.precision(NAMES[0]).ds == "bf16"
 
 
-def test_gpus_without_fp8_lose_the_fp8_rung(monkeypatch: pytest.MonkeyPatch) -> None:
-    config = PolicyConfig()
-    assert without_fp8_rungs(config, torch.device("cpu")) is config  # the reference runs FP8 on the CPU
-    for capability, kept in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
-        monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device, c=capability: c)
-        names = [rung.name for rung in without_fp8_rungs(config, torch.device("cuda", 0)).ladder]
-        assert (TOKENS_RUNG in names) is kept and "ds_bf16" in names
+@pytest.mark.parametrize(
+    ("capability", "hopper_kernels", "given", "ladder_has_fp8", "rung"),
+    [
+        ((8, 0), False, None, False, None),  # an A100: no FP8, so the rules take ds_bf16 (the first ds-alone rung)
+        ((8, 0), False, "ds_fp8", False, None),  # a rung the GPU cannot run is let go, not refused
+        ((8, 9), False, None, True, None),  # FP8 on the portable kernels: ds_fp8
+        ((9, 0), True, None, True, "ds_bf16"),  # the Hopper kernels, where bf16 dS is the faster
+        ((9, 0), False, None, True, None),  # an H100 under an unverified Triton runs the portable kernels
+        ((9, 0), True, "ds_fp8", True, "ds_fp8"),  # the user's choice stands
+    ],
+)
+def test_the_device_sets_the_ladder_and_the_large_step_rung(
+    monkeypatch: pytest.MonkeyPatch, capability, hopper_kernels, given, ladder_has_fp8, rung
+) -> None:
+    config = PolicyConfig(large_step_rung=given)
+    assert for_device(config, torch.device("cpu")) is config  # the reference runs FP8 on the CPU
+    monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device: capability)
+    monkeypatch.setattr(sage_lightning.checks, "verified_here", lambda device: hopper_kernels)
+    fitted = for_device(config, torch.device("cuda", 0))
+    names = [r.name for r in fitted.ladder]
+    assert (TOKENS_RUNG in names) is ladder_has_fp8 and "ds_bf16" in names and fitted.large_step_rung == rung
+    # What the policy then moves INT8 dS to at large steps.
+    policy = PrecisionPolicy(dict.fromkeys(NAMES, BASE), config=dataclasses.replace(fitted, ds_tokens_per_step_high=10))
+    step(policy, 0, 4096)
+    assert policy.rung(NAMES[0]) == (rung or ("ds_fp8" if ladder_has_fp8 else "ds_bf16"))
+
+
+def test_on_the_bf16_rung_the_rules_hold_it_and_the_fp8_rung_stays_reserved() -> None:
+    policy = make(large_step_rung="ds_bf16", ds_rel_err_patience=1)
+    (decision, _) = step(policy, 0, 4096).decisions
+    assert decision.new == BASE.replace(ds="bf16").short_name and policy.rung(NAMES[0]) == "ds_bf16"
+    for index in range(1, 60):  # held while the steps are large, whatever the calm
+        assert step(policy, index, 4096, ds_rel_err=0.01).decisions == ()
+    downs = [d for index in range(60, 80) for d in step(policy, index, 512, ds_rel_err=0.01).decisions]
+    assert [d.new for d in downs] == [BASE.short_name] * 2
+    # A high dS error, the steps small: ds_bf16 as before; ds_fp8 is no rung of that rule.
+    step(policy, 80, 512, ds_rel_err=0.5)
+    assert policy.rung(NAMES[0]) == "ds_bf16"
+
+
+def test_a_layer_on_fp8_ds_from_an_earlier_checkpoint_stays_until_calm() -> None:
+    """A run saved when the rules took ``ds_fp8`` on Hopper resumes under ``ds_bf16`` (the ladder still has both):
+    the layer keeps FP8 dS, the rule does not move it again, and it steps down after its calm period."""
+    saved = make()
+    step(saved, 0, 4096)
+    policy = make(large_step_rung="ds_bf16")
+    policy.load_state_dict(saved.state_dict())
+    assert policy.rung(NAMES[0]) == TOKENS_RUNG and step(policy, 1, 4096).decisions == ()
+    downs = [d for index in range(2, 40) for d in step(policy, index, 4096, ds_rel_err=0.01).decisions]
+    assert [d.old for d in downs[:1]] == [BASE.replace(ds="fp8").short_name]
+
+
+@pytest.mark.parametrize("value", ["dv_bf16", "ds_int4", "", 3])
+def test_a_large_step_rung_that_is_not_a_ds_rung_is_refused(value: object) -> None:
+    with pytest.raises(ValueError, match=r"large_step_rung must name a rung of the ladder that changes ds alone"):
+        PolicyConfig(large_step_rung=value)
 
 
 @pytest.mark.parametrize("value", [0, -5, 1.5, True, "64k"])
@@ -137,18 +189,25 @@ def test_the_default_leaves_small_steps_alone_and_a_resumed_run_keeps_fp8_ds(tmp
     assert {s.precision.ds for s in attention_layers(model).values()} == {"fp8"}
 
 
-def test_the_logged_ladder_is_the_one_the_gpu_runs(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("capability", "rung"), [((8, 0), None), ((9, 0), "ds_bf16")])
+def test_the_logged_ladder_is_the_one_the_gpu_runs(tmp_path, monkeypatch: pytest.MonkeyPatch, capability, rung) -> None:
     """On a GPU without FP8 (an A100: capability 8.0) hparams.yaml and TensorBoard's HParams show the ladder the
-    controller runs there, without ``ds_fp8``; the callback's own settings keep the ladder it was given."""
+    controller runs there, without ``ds_fp8``; on Hopper, the large-step rules' ``ds_bf16``. The callback's own
+    settings keep what it was given."""
     import yaml
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device: (8, 0))
+    monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device: capability)
+    monkeypatch.setattr(sage_lightning.checks, "verified_here", lambda device: capability == (9, 0))
     controller = AdaptivePrecision(verbose=False)
     logger = TensorBoardLogger(tmp_path, name="tb")
     trainer = L.Trainer(**trainer_kwargs(tmp_path, max_steps=1, logger=logger), callbacks=[controller])
     trainer.fit(TinyLM(), token_loader(1))
     logged = yaml.safe_load((tmp_path / "tb" / "version_0" / "hparams.yaml").read_text())
-    assert logged["adaptive_precision"]["config"]["ladder"] == ["smooth_q", "qk_bf16", "ds_bf16", "dv_bf16", "full"]
-    assert TOKENS_RUNG in controller.hparams["config"]["ladder"]
-    assert TOKENS_RUNG not in [rung.name for rung in controller._policy.config.ladder]
+    fitted = logged["adaptive_precision"]["config"]
+    assert (TOKENS_RUNG in fitted["ladder"]) is (capability == (9, 0)) and fitted["large_step_rung"] == rung
+    assert (
+        TOKENS_RUNG in controller.hparams["config"]["ladder"]
+        and controller.hparams["config"]["large_step_rung"] is None
+    )
+    assert controller._policy.config.large_step_rung == rung

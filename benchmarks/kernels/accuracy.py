@@ -31,7 +31,7 @@ TENSORS: tuple[str, ...] = ("O", "lse", "delta", "P", "dP", "dS", "dQ", "dK", "d
 OUTPUT_TENSORS: tuple[str, ...] = ("O", "lse", "dQ", "dK", "dV")
 #: The bar of issue #3 on N(0,1) inputs with the default setting: (O, dV) and (dQ, dK) cosines.
 BAR_COS = {"O": 0.999, "dV": 0.999, "dQ": 0.997, "dK": 0.997}
-SIGMAS: tuple[float, ...] = (1.0, 4.0, 10.0)
+SIGMAS: tuple[float, ...] = (1.0, 3.0, 4.0, 10.0)
 OUTLIER_CHANNELS = 4
 OUTLIER_OFFSET = 10.0
 OUTLIER_SCALE = 3.0
@@ -75,8 +75,8 @@ def settings(smooth_k: bool, mode: str = "sagebwd") -> list[tuple[str, Attention
 
 def fp8_settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
     """The FP8 settings of ``--mode formats``, as ``(label, precision)`` pairs: each product alone in FP8 (the
-    rest bf16), then the mixes worth running (the INT8 default with pv, ds or both in FP8; the forward in FP8 with
-    the default's backward; every product in FP8).
+    rest bf16), then the mixes worth running (the INT8 default with pv, ds or both in FP8, or ds in bf16; the
+    forward in FP8 with the default's backward; every product in FP8).
     """
     bf16 = AttentionPrecision.all_bf16(smooth_k=smooth_k)
     default = AttentionPrecision(smooth_k=smooth_k)
@@ -84,6 +84,7 @@ def fp8_settings(smooth_k: bool) -> list[tuple[str, AttentionPrecision]]:
     return pairs + [
         ("default, pv fp8", default.replace(pv="fp8")),
         ("default, ds fp8", default.replace(ds="fp8")),
+        ("default, ds bf16", default.replace(ds="bf16")),
         ("default, pv+ds fp8", default.replace(pv="fp8", ds="fp8")),
         ("fp8 fwd, int8 bwd", default.replace(qk="fp8", pv="fp8")),
         ("all fp8", AttentionPrecision.all_fp8(smooth_k=smooth_k)),

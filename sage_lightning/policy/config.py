@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 from sage_lightning.policy.vocabulary import Rung, check_int, is_number
 
-#: The rung the tokens-per-step rule takes (``PolicyConfig.ds_tokens_per_step_high``) and the noise-scale rule
-#: (``PolicyConfig.noise_scale_ratio_high``), and only those rules: dS in FP8
-#: e4m3, which closed SageBwd's loss gap at 131K tokens per step in every seed where bf16 dS was tried and runs in the
-#: Hopper kernels (``docs/controller.md``, Tokens per step). A ladder without it gives that rule its first rung that
-#: changes ``ds`` alone; the callback drops it on GPUs without FP8 (compute capability below 8.9).
+#: The rung reserved for the tokens-per-step rule (``PolicyConfig.ds_tokens_per_step_high``) and the noise-scale rule
+#: (``PolicyConfig.noise_scale_ratio_high``), which the other rules pass over: dS in FP8 e4m3, which closed SageBwd's
+#: loss gap at 131K tokens per step (``docs/controller.md``, Tokens per step). The two rules take it where
+#: ``PolicyConfig.large_step_rung`` is ``None`` and the ladder has it (else their first rung that changes ``ds``
+#: alone); the callback drops it on GPUs without FP8 (compute capability below 8.9) and gives the rules ``ds_bf16`` on
+#: Hopper, where bf16 dS runs faster.
 TOKENS_RUNG = "ds_fp8"
 
 #: The design's rungs, one per cause and full precision for anything: Q-smoothing, then the scores' product in bf16
@@ -114,14 +115,14 @@ class PolicyConfig:
         noise_sequences: the most sequences of one micro-batch the noise measurement keeps (at least 2; it needs
             micro-batches of two sequences or more).
         ds_tokens_per_step_high: from this many tokens per optimizer step (every rank's micro-batches, as the
-            callback's ``tokens_fn`` counts them), every layer whose dS runs in INT8 moves to the ladder's
-            ``ds_fp8`` rung (else its first rung that changes ``ds`` alone) and stays there while the steps are this
-            large: SageBwd's pretraining gap at large tokens per step, which FP8 dS closes (``docs/controller.md``,
-            Tokens per step). A rule on the run, not on a measurement. ``None`` turns it off.
+            callback's ``tokens_fn`` counts them), every layer whose dS runs in INT8 moves to ``large_step_rung``
+            and stays there while the steps are this large: SageBwd's pretraining gap at large tokens per step,
+            which FP8 and bf16 dS close (``docs/controller.md``, Tokens per step). A rule on the run, not on a
+            measurement. ``None`` turns it off.
         noise_scale_ratio_high: a layer whose step holds more than this many times its gradient noise scale (the
             step's sequences over :func:`sage_lightning.noise.noise_scale`, measured with the noise ratio every
-            ``noise_every_n_steps``), ``noise_patience`` measurements in a row, moves its INT8 dS to the ``ds_fp8``
-            rung, as the tokens-per-step rule does, and stays there while the reading is at or over
+            ``noise_every_n_steps``), ``noise_patience`` measurements in a row, moves its INT8 dS to
+            ``large_step_rung``, as the tokens-per-step rule does, and stays there while the reading is at or over
             ``noise_scale_ratio_low``: the tokens-per-step rule with a threshold that follows the model, where the
             step's sampling noise has become small beside INT8 dS's error. ``None`` (the default) turns it off:
             its threshold is not calibrated yet (``docs/controller.md``, Noise scale).
@@ -132,6 +133,11 @@ class PolicyConfig:
             training the noise scale is a few sequences (the gradient is mostly signal), so every step reads as
             large, at 16K tokens per step as at 131K: start it after the learning-rate warm-up (the calibration
             used twice the warm-up). Readings before it are still recorded.
+        large_step_rung: the rung the tokens-per-step and noise-scale rules take, by name: a rung of the ladder
+            that changes ``ds`` alone. ``None`` (the default): the cheapest measured on the fit's device, which the
+            callback picks (:func:`sage_lightning.checks.for_device`): ``ds_bf16`` on Hopper, whose kernels run bf16
+            dS's backward 1.20-1.29x as fast as FP8 dS's and 0.97-1.10x INT8's (``docs/controller.md``, Which dS
+            rung); ``ds_fp8`` on other GPUs with FP8 and on the CPU; ``ds_bf16`` without FP8.
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
@@ -180,6 +186,7 @@ class PolicyConfig:
     noise_scale_ratio_high: float | None = NOISE_SCALE_RATIO_HIGH
     noise_scale_ratio_low: float | None = None
     noise_scale_from_step: int = 0
+    large_step_rung: str | None = None
 
     def __post_init__(self) -> None:
         ladder = tuple(self.ladder) if isinstance(self.ladder, (list, tuple)) else self.ladder
@@ -224,6 +231,12 @@ class PolicyConfig:
                     f"decisions do not flap; received {self.noise_ratio_low!r}."
                 )
         self._check_noise_scale_ratio()
+        ds_alone = [rung.name for rung in ladder if set(rung.fields) == {"ds"}]
+        if self.large_step_rung is not None and self.large_step_rung not in ds_alone:
+            raise ValueError(
+                f"PolicyConfig: large_step_rung must name a rung of the ladder that changes ds alone ({ds_alone}) "
+                f"or be None (the cheapest on the fit's device); received {self.large_step_rung!r}."
+            )
         check_int("max_backoff", self.max_backoff, minimum=0, maximum=30)
         check_int("max_rollbacks", self.max_rollbacks, minimum=0)
         check_int("spike_window", self.spike_window, minimum=3)

@@ -106,8 +106,8 @@ class PrecisionPolicy:
       :mod:`sage_lightning.noise`) ``> noise_ratio_high`` for ``noise_patience`` measurements in a row: the next
       rung that changes ``ds`` alone (``ds_bf16``); where no such rung is left, tokens per step are halved;
     * tokens per step (:attr:`StepSignals.tokens`) at or over ``ds_tokens_per_step_high``: every layer whose dS runs
-      in INT8 takes :data:`~sage_lightning.policy.config.TOKENS_RUNG` (``ds_fp8``; no rule but this one and the
-      next takes it), held while the steps stay that large;
+      in INT8 takes ``large_step_rung`` (where ``None``, :data:`~sage_lightning.policy.config.TOKENS_RUNG`,
+      ``ds_fp8``, which no rule but this one and the next takes), held while the steps stay that large;
     * the step's sequences over the layer's gradient noise scale (:attr:`LayerSignals.noise_scale_ratio`) over
       ``noise_scale_ratio_high`` for ``noise_patience`` measurements in a row from ``noise_scale_from_step`` on,
       while the layer's dS runs in INT8:
@@ -184,13 +184,15 @@ class PrecisionPolicy:
         # The latest step's tokens (every rank's): the tokens-per-step rule's reading, not checkpointed (every
         # verdict brings it again before a rung could step down).
         self._last_tokens: int | None = None
-        # The tokens rule's rung (TOKENS_RUNG where the ladder has it, which the other rules pass over; else its first
-        # rung that changes ds alone), fixed with the config: None where the rule is off or the ladder has neither.
+        # TOKENS_RUNG, which the rules but the two large-step ones pass over.
         named = [i for i, rung in enumerate(cfg.ladder) if rung.name == TOKENS_RUNG]
         self._reserved_rung = named[0] if named else None
         ds_alone = [i for i, rung in enumerate(cfg.ladder) if set(rung.fields) == {"ds"}]
-        fp8_rules = cfg.ds_tokens_per_step_high is not None or cfg.noise_scale_ratio_high is not None
-        self._fp8_target = (named or ds_alone or [None])[0] if fp8_rules else None  # the two FP8 rules' rung
+        chosen = [i for i, rung in enumerate(cfg.ladder) if rung.name == cfg.large_step_rung]
+        large_rules = cfg.ds_tokens_per_step_high is not None or cfg.noise_scale_ratio_high is not None
+        # The two large-step rules' rung: large_step_rung, else TOKENS_RUNG, else the first that changes ds alone;
+        # fixed with the config, None where both rules are off or the ladder has no such rung.
+        self._large_step_target = (chosen or named or ds_alone or [None])[0] if large_rules else None
         # Whether the noise measurement runs: either rule on its readings is on.
         self._noise_on = cfg.noise_ratio_high is not None or cfg.noise_scale_ratio_high is not None
         # The rollback budget: rollbacks since the last stretch of progress_steps good steps, and what they tried.
@@ -570,12 +572,13 @@ class PrecisionPolicy:
         self, layers: Mapping[str, LayerSignals], step: int, taken: Sequence[Decision]
     ) -> list[Decision]:
         """The step's sequences over the layer's gradient noise scale above ``noise_scale_ratio_high`` for
-        ``noise_patience`` measurements in a row: the layer's INT8 dS takes the FP8 rung (``_fp8_target``), which
-        :meth:`_step_down` holds while the reading stays at or over ``noise_scale_ratio_low``. A measurement that
-        resolved no scale (the mean gradient lost in the noise: a scale beyond what the capture can tell) counts as
-        a reading under the threshold; one before ``noise_scale_from_step`` does not count."""
+        ``noise_patience`` measurements in a row: the layer's INT8 dS takes the large-step rung
+        (``_large_step_target``), which :meth:`_step_down` holds while the reading stays at or over
+        ``noise_scale_ratio_low``. A measurement that resolved no scale (the mean gradient lost in the noise: a scale
+        beyond what the capture can tell) counts as a reading under the threshold; one before
+        ``noise_scale_from_step`` does not count."""
         cfg = self.config
-        if cfg.noise_scale_ratio_high is None or self._fp8_target is None or step < cfg.noise_scale_from_step:
+        if cfg.noise_scale_ratio_high is None or self._large_step_target is None or step < cfg.noise_scale_from_step:
             return []
         moved = {d.layer for d in taken}
         decisions = []
@@ -590,37 +593,38 @@ class PrecisionPolicy:
             note = f"{scale}: the step's sampling noise is small beside INT8 dS's error"
             high, patience = cfg.noise_scale_ratio_high, cfg.noise_patience
             reason = _streak(state, "noise_scale", ratio, high, patience, note, "noise_scale_ratio")
-            decision = self._to_fp8(name, step, reason) if reason else None
+            decision = self._to_large_step_rung(name, step, reason) if reason else None
             if decision is not None:
                 decisions.append(decision)
         return decisions
 
     def _scale_holds(self, state: _LayerState) -> bool:
-        """Whether the layer's latest noise-scale reading is at or over ``noise_scale_ratio_low`` (its FP8 rung
-        stays)."""
+        """Whether the layer's latest noise-scale reading is at or over ``noise_scale_ratio_low`` (its large-step
+        rung stays)."""
         low, ratio = self.config.noise_scale_ratio_low, state.last_noise_scale_ratio
         return self.config.noise_scale_ratio_high is not None and ratio is not None and ratio >= low
 
     def _tokens_rule(self, step: int, taken: Sequence[Decision]) -> list[Decision]:
         """Tokens per step at or over ``ds_tokens_per_step_high``: every layer whose dS runs in INT8 takes the
-        tokens rung (``_fp8_target``), which :meth:`_step_down` then holds while the steps stay that large."""
-        if self._fp8_target is None or not self._tokens_hold():
+        large-step rung (``_large_step_target``), which :meth:`_step_down` then holds while the steps stay that
+        large."""
+        if self._large_step_target is None or not self._tokens_hold():
             return []
         moved = {d.layer for d in taken}
         reason = (
             f"{self._last_tokens:,} tokens per step >= ds_tokens_per_step_high {self.config.ds_tokens_per_step_high:,}"
             ": at this many tokens per step INT8 dS costs validation loss that FP8 or bf16 dS does not"
         )
-        decisions = [self._to_fp8(name, step, reason) for name in self._layers if name not in moved]
+        decisions = [self._to_large_step_rung(name, step, reason) for name in self._layers if name not in moved]
         return [decision for decision in decisions if decision is not None]
 
-    def _to_fp8(self, name: str, step: int, reason: str) -> Decision | None:
-        """Move ``name`` to the FP8 rules' rung (``_fp8_target``) where its dS runs in INT8 (SageBwd) and it is not
-        on that rung already (no precision to rebuild, each step); ``None`` where it does not move."""
+    def _to_large_step_rung(self, name: str, step: int, reason: str) -> Decision | None:
+        """Move ``name`` to the large-step rules' rung (``_large_step_target``) where its dS runs in INT8 (SageBwd)
+        and it is not on that rung already (no precision to rebuild, each step); ``None`` where it does not move."""
         state, current = self._layers[name], self.precision(name)
-        if self._fp8_target in state.path or current.mode != "sagebwd" or current.ds != "int8":
+        if self._large_step_target in state.path or current.mode != "sagebwd" or current.ds != "int8":
             return None
-        return self._escalate(name, "ds", step, reason, target=self._fp8_target)
+        return self._escalate(name, "ds", step, reason, target=self._large_step_target)
 
     def _tokens_hold(self) -> bool:
         """Whether the latest step had ``ds_tokens_per_step_high`` tokens or more (the rule is on)."""
@@ -738,8 +742,8 @@ class PrecisionPolicy:
     ) -> Decision | None:
         """Move ``name`` to the first rung, in ladder order, not taken yet, that changes what runs and fixes
         ``cause`` (``"top"``: the rung that fixes every cause, else the last; ``alone``: only a rung that changes
-        that product's field and nothing else, as the noise rule wants; ``target``: that rung only, the one rule
-        that takes :data:`TOKENS_RUNG`, which the others pass over); ``None`` when there is none."""
+        that product's field and nothing else, as the noise rule wants; ``target``: that rung only, as the two
+        large-step rules want; the others pass over :data:`TOKENS_RUNG`); ``None`` when there is none."""
         state = self._layers[name]
         ladder = self.config.ladder
         current = self._precision_of(state.base, state.path)
@@ -779,7 +783,7 @@ class PrecisionPolicy:
         if not state.path or not state.backoff.ready(step):
             return None
         top = self.config.ladder[state.path[-1]]
-        if state.path[-1] == self._fp8_target and (self._tokens_hold() or self._scale_holds(state)):
+        if state.path[-1] == self._large_step_target and (self._tokens_hold() or self._scale_holds(state)):
             return None  # the tokens-per-step or the noise-scale rule would take it again at once
         reason = f"calm for {state.backoff.calm_for(step)} steps >= {state.backoff.period}"
         if "ds" in top.fields:
