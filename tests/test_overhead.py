@@ -82,6 +82,15 @@ def test_the_hook_clock_charges_each_hook_to_its_optimizer_step() -> None:
     }
 
 
+def test_the_tokens_rule_is_off_in_every_setting() -> None:
+    """At 131K tokens per step the tokens-per-step rule would change dS's format at step 0: every setting turns it
+    off, so the settings differ from the baseline by the hooks alone (the rule's own price: docs/controller.md)."""
+    for label, (factory, _) in overhead.SETTINGS.items():
+        if factory is not None:
+            config = factory().config
+            assert config.ds_tokens_per_step_high is None and config.noise_scale_ratio_high is None, label
+
+
 def test_overhead_records_each_round_s_median_step_and_decisions(tmp_path, monkeypatch) -> None:
     """A run that escalates is not a calm run: its decisions are in the row, as is each round's median step."""
     from sage_lightning import AdaptivePrecision, PolicyConfig

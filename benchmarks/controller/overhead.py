@@ -128,10 +128,11 @@ def _callback(
     noise: int | None = None,
 ) -> Callable[[], AdaptivePrecision]:
     """A factory of the callback with some periods changed (``None``: the default; ``noise``: the noise ratio measured
-    every ``noise`` steps and never acted on, so the run stays calm)."""
+    every ``noise`` steps and never acted on, so the run stays calm). The tokens-per-step rule is off: at 131K tokens
+    it changes dS's format at step 0, a precision priced in docs/controller.md (Which dS rung), not the hooks' cost."""
     changes = {"ds_stats_every_n_steps": ds_stats, "probe_every_n_steps": probe, "noise_every_n_steps": noise}
     changes["noise_ratio_high"] = None if noise is None else 1e9
-    config = PolicyConfig(**{name: value for name, value in changes.items() if value is not None})
+    config = PolicyConfig(ds_tokens_per_step_high=None, **{k: v for k, v in changes.items() if v is not None})
     return lambda: AdaptivePrecision(
         config,
         snapshot_every_n_steps=snapshot,
