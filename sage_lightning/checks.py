@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from sage_lightning.kernels import AttentionPrecision
 from sage_lightning.kernels.plan import FP8_CAPABILITY, device_capability, verified_here
+from sage_lightning.kernels.plan import settings as kernel_settings
 from sage_lightning.layer import AttentionLayerState, attention_layers
 from sage_lightning.mixin import SageAttentionMixin
 from sage_lightning.policy import PolicyConfig
@@ -131,7 +132,8 @@ def for_device(config: PolicyConfig, device: torch.device) -> PolicyConfig:
     """``config`` as a fit on ``device`` runs it. Where the device has no FP8 tensor cores (a CUDA GPU below compute
     capability 8.9) the ladder's rungs that set a product to FP8 (``ds_fp8``) are left out, and the two large-step
     rules take the first rung that changes ``ds`` alone, ``ds_bf16``. Where ``large_step_rung`` is ``None`` and the
-    Hopper kernels run (:func:`~sage_lightning.kernels.plan.verified_here`), it becomes the ladder's bf16 dS rung:
+    Hopper kernels run (:func:`~sage_lightning.kernels.plan.verified_here`, ``SAGE_LIGHTNING_HOPPER`` not ``off``), it
+    becomes the ladder's bf16 dS rung:
     there bf16 dS's backward runs 1.20-1.29x as fast as FP8 dS's (``docs/controller.md``, Which dS rung).
 
     Example::
@@ -148,7 +150,7 @@ def for_device(config: PolicyConfig, device: torch.device) -> PolicyConfig:
         kept = config.large_step_rung in {rung.name for rung in ladder}
         return dataclasses.replace(config, ladder=ladder, large_step_rung=config.large_step_rung if kept else None)
     bf16 = [rung.name for rung in config.ladder if rung.fields == {"ds": "bf16"}]
-    if config.large_step_rung is None and bf16 and verified_here(device):
+    if config.large_step_rung is None and bf16 and verified_here(device) and kernel_settings().hopper != "off":
         return dataclasses.replace(config, large_step_rung=bf16[0])
     return config
 

@@ -10,6 +10,7 @@ import dataclasses
 import lightning as L
 import pytest
 import torch
+from sage_lightning.kernels.plan import KernelSettings
 from tiny_lightning import TinyLM, token_loader, trainer_kwargs
 
 import sage_lightning.checks
@@ -97,6 +98,7 @@ def test_a_ladder_without_fp8_gives_the_rule_bf16_ds() -> None:
         ((9, 0), True, None, True, "ds_bf16"),  # the Hopper kernels, where bf16 dS is the faster
         ((9, 0), False, None, True, None),  # an H100 under an unverified Triton runs the portable kernels
         ((9, 0), True, "ds_fp8", True, "ds_fp8"),  # the user's choice stands
+        ((9, 0), "off", None, True, None),  # SAGE_LIGHTNING_HOPPER=off: the portable kernels
     ],
 )
 def test_the_device_sets_the_ladder_and_the_large_step_rung(
@@ -105,7 +107,9 @@ def test_the_device_sets_the_ladder_and_the_large_step_rung(
     config = PolicyConfig(large_step_rung=given)
     assert for_device(config, torch.device("cpu")) is config  # the reference runs FP8 on the CPU
     monkeypatch.setattr(sage_lightning.checks, "device_capability", lambda device: capability)
-    monkeypatch.setattr(sage_lightning.checks, "verified_here", lambda device: hopper_kernels)
+    monkeypatch.setattr(sage_lightning.checks, "verified_here", lambda device: bool(hopper_kernels))
+    switch = KernelSettings.from_environment({"SAGE_LIGHTNING_HOPPER": "off" if hopper_kernels == "off" else "auto"})
+    monkeypatch.setattr(sage_lightning.checks, "kernel_settings", lambda: switch)
     fitted = for_device(config, torch.device("cuda", 0))
     names = [r.name for r in fitted.ladder]
     assert (TOKENS_RUNG in names) is ladder_has_fp8 and "ds_bf16" in names and fitted.large_step_rung == rung
