@@ -133,8 +133,8 @@ def for_device(config: PolicyConfig, device: torch.device) -> PolicyConfig:
     capability 8.9) the ladder's rungs that set a product to FP8 (``ds_fp8``) are left out, and the two large-step
     rules take the first rung that changes ``ds`` alone, ``ds_bf16``. Where ``large_step_rung`` is ``None`` and the
     Hopper kernels run (:func:`~sage_lightning.kernels.plan.verified_here`, ``SAGE_LIGHTNING_HOPPER`` not ``off``), it
-    becomes the ladder's bf16 dS rung:
-    there bf16 dS's backward runs 1.20-1.29x as fast as FP8 dS's (``docs/controller.md``, Which dS rung).
+    becomes the ladder's bf16 dS rung: there bf16 dS's backward runs 1.20-1.29x as fast as FP8 dS's
+    (``docs/controller.md``, Which dS rung).
 
     Example::
 

@@ -203,8 +203,8 @@ def seed_table(result: dict[str, Any]) -> list[str]:
         what = "cuDNN's FP8 attention" if first.get("sdpa_backend") == "cudnn_fp8" else what
         acting = first.get("controller") and not first["run"].endswith("-observe")
         rule = first.get("controller_config") or {"noise_ratio_high": first.get("threshold")}  # pretrain_compare's
-        what += f", controller at {', '.join(f'{k} {v}' for k, v in rule.items())}" if any(rule.values()) else ""
-        what += ", with the controller" if acting and not any(rule.values()) else ""
+        ruled = ", controller at " + ", ".join(f"{k} {v}" for k, v in rule.items()) if any(rule.values()) else ""
+        what += ruled or (", with the controller" if acting else "")
         what += "".join(
             f"; seed {seed}: the controller observing only" for seed, (n, _) in by.items() if "observe" in n
         )

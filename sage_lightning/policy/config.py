@@ -39,9 +39,9 @@ NOISE_RATIO_LOW = 0.1
 #: (SageBwd fixed inside full precision's margin in both seeds) and 131K (outside in both seeds, with and without
 #: QK-norm, at heads of 64 and 128; FP8 dS inside in three of four runs), ``docs/controller.md``, Tokens per step.
 DS_TOKENS_PER_STEP_HIGH: int | None = 65_536
-#: The noise-scale rule is off by default: calibrated on one observing run per side (device run 27,
-#: ``docs/controller.md``, Noise scale: 0.44 with ``noise_scale_from_step`` at twice the warm-up), not yet trained
-#: with; the tokens-per-step rule stands in for it.
+#: The noise-scale rule is off by default: calibrated on one observing run per side (device run 27: 0.44 with
+#: ``noise_scale_from_step`` at twice the warm-up) and trained with in run 28, where it decided as the tokens-per-step
+#: rule does and needed the run's warm-up, which the callback cannot read (``docs/controller.md``, Noise scale).
 NOISE_SCALE_RATIO_HIGH: float | None = None
 
 
@@ -125,7 +125,7 @@ class PolicyConfig:
             ``large_step_rung``, as the tokens-per-step rule does, and stays there while the reading is at or over
             ``noise_scale_ratio_low``: the tokens-per-step rule with a threshold that follows the model, where the
             step's sampling noise has become small beside INT8 dS's error. ``None`` (the default) turns it off:
-            its threshold is not calibrated yet (``docs/controller.md``, Noise scale).
+            its threshold is this model's (0.44, ``docs/controller.md``, Noise scale, with how to calibrate yours).
         noise_scale_ratio_low: the reading under which the noise-scale rule releases the rung (stepping down then
             waits for the calm period and a low ``ds_rel_err``, as every ``ds`` rung); ``None``: half of
             ``noise_scale_ratio_high``.
