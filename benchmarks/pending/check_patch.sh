@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/pending/check_patch.sh issue-14-dq-tile-scales-and-peak-memory.patch <sha of main>
 #
-# HEAD_DIM (128) and IMPLS ("--impl sage") choose what the speed steps time, beside SDPA's backends.
+# HEAD_DIM (128) and IMPLS ("--impl sage") choose what the speed steps time, beside SDPA's backends; BEFORE_LIMIT
+# (150) and AFTER_LIMIT (260) their limits in seconds (a fresh machine compiles every kernel in the first).
 # About 8 minutes on an H100 (run it with the device tool's timeout_s at 590): speed before ~70 s, after ~200 s
 # (speed.py prints only its final table), the tests ~250 s. Limits per step keep one slow step from eating the
 # others; rc 124 on a step means its limit, not a failure of the code.
@@ -43,14 +44,14 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 install
 step "speed of main (${sha})"
 # shellcheck disable=SC2086  # IMPLS is word-split on purpose
-GIT_COMMIT="${sha}" timeout 150 python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn --head-dim "${HEAD_DIM:-128}" \
+GIT_COMMIT="${sha}" timeout "${BEFORE_LIMIT:-150}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn --head-dim "${HEAD_DIM:-128}" \
     --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
 step "git apply ${patch}"
 git apply "benchmarks/pending/${patch}" || exit 3
 install
 step "speed with ${patch}"
 # shellcheck disable=SC2086
-GIT_COMMIT="${sha}+${patch%.patch}" timeout 260 python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
+GIT_COMMIT="${sha}+${patch%.patch}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
     --impl sdpa_flash --head-dim "${HEAD_DIM:-128}" --seq 4096 --seq 8192 --no-breakdown --out "${out}/after.json" 2>&1 \
     | grep -v Warning | grep -E "^\||^check|FAIL|Error"
 if [[ -n "${VERIFY_COMMIT:-}" ]]; then
