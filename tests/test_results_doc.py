@@ -22,6 +22,7 @@ from benchmarks.training.evidence import (
     decision_records,
     difference,
     final_val,
+    qk_pv_dv_share,
     rows_by_run,
     verdict,
 )
@@ -346,6 +347,32 @@ def test_older_files_and_decisions_written_as_text_are_read() -> None:
     assert verdict(0.001, 0.004) == "+0.0010, within the noise floor (0.0040)"
     assert verdict(-0.02, 0.004) == "-0.0200, 5.0x the noise floor (0.0040)"
     assert verdict(None, 0.004) == "not measured yet"
+
+
+def test_issue_41s_share_counts_layer_steps_with_qk_pv_and_dv_low_bit_whatever_ds_runs() -> None:
+    base, bf16_ds, fp8_ds = "sagebwd:int8=qk,pv,dv,ds;smooth_k", "sagebwd:int8=qk,pv,dv;smooth_k", "sagebwd:int8=pv,dv"
+    layers = {"a": bf16_ds, "b": fp8_ds}
+    log = [
+        {"step": 0, "layer": "a", "lever": "precision", "old": base, "new": bf16_ds, "reason": ""},
+        {
+            "step": 30,
+            "layer": "b",
+            "lever": "precision",
+            "old": base,
+            "new": "sagebwd:int8=qk,pv,dv;fp8=ds",
+            "reason": "",
+        },
+        {"step": 60, "layer": "b", "lever": "precision", "old": "", "new": fp8_ds, "reason": "QK to bf16"},
+        {"step": 70, "layer": None, "lever": "tokens", "old": "", "new": "", "reason": ""},
+    ]
+    run = {"run": "c", "controller": True, "steps": 100, "precision": base, "final_precisions": layers}
+    result = {"summary": [run], "decision_log": {"c": log}}
+    assert qk_pv_dv_share(result, "c") == pytest.approx((100 + 60) / 200)  # b left at step 60, when QK left INT8
+    result["decision_log"]["c"] = []
+    assert qk_pv_dv_share(result, "c") == 1.0
+    result["summary"] = [{**run, "precision": "attn_qat"}]
+    assert qk_pv_dv_share(result, "c") is None  # no INT8 or FP8 QK, PV and dV to keep
+    assert qk_pv_dv_share(result, "nobody") is None
 
 
 def test_a_missing_results_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

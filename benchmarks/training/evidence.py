@@ -3,6 +3,7 @@ run, group and role, and the numbers taken from them (validation-loss difference
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -195,6 +196,23 @@ def decision_records(result: dict[str, Any], run: str) -> list[dict[str, Any]]:
     return records
 
 
+def qk_pv_dv_share(result: dict[str, Any], run: str) -> float | None:
+    """Issue 41's low-bit share: the layer-steps whose QK, PV and dV all ran INT8 or FP8 (None if they did not start
+    so), from the starting precision and the decisions. The callback's share also asks it of dS (0 for bf16 dS)."""
+    s = summaries_by_run(result).get(run, {})
+    steps, layers, start = s.get("steps") or 0, s.get("final_precisions") or {}, s.get("precision", "")
+    changes = [(r["step"], r["layer"], r["new"]) for r in decision_records(result, run) if r["lever"] == "precision"]
+    count = 0
+    for layer in layers:
+        marks = [(0, start), *sorted((t, new) for t, at, new in changes if at == layer and t is not None), (steps, "")]
+        count += sum(min(b, steps) - a for (a, name), (b, _) in itertools.pairwise(marks) if _qk_pv_dv_low(name))
+    return count / (steps * len(layers)) if steps and layers and _qk_pv_dv_low(start) else None
+
+
+def _qk_pv_dv_low(name: str) -> bool:
+    return {"qk", "pv", "dv"} <= set(",".join(re.findall(r"(?:int8|fp8)=([\w,]+)", name)).split(","))
+
+
 def tracked_files(folder: Path) -> set[str]:
     """Names of the files in ``folder`` that git tracks (committed or staged)."""
     done = subprocess.run(["git", "ls-files", "-z", "."], cwd=folder, capture_output=True, text=True)
@@ -235,7 +253,10 @@ def load(folder: Path, only: set[str] | None = None) -> dict[str, Any]:
             found["activations"].append((path, result))
         elif any(r.get("label") == "smooth_q" for r in rows):
             found["smoothing"].append((path, result))
-        elif any(r.get("path") == "triton" and r.get("setting") == "sagebwd:int8=ds;smooth_k" for r in rows):
+        elif any(r.get("path") == "triton" and r.get("setting") == "sagebwd:int8=ds;smooth_k" for r in rows) and any(
+            str(r.get("inputs", "")).startswith("outliers")
+            for r in rows  # the findings need the outlier inputs
+        ):
             found["synthetic"].append((path, result))
     # The current kernels' file last: ``-triton`` before superseded ``-triton-v1``-style files of the same date.
     found["synthetic"].sort(key=lambda item: (item[1].get("date", ""), item[0].stem.endswith("-triton")))

@@ -24,29 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.result_file import REPO, RESULTS
-from benchmarks.training.evidence import (
-    EVIDENCE_GROUPS,
-    MIN_MARGIN,
-    ROLES,
-    by_seed,
-    decision_records,
-    difference,
-    dq_error_shares,
-    ends,
-    final_val,
-    findings,
-    group_questions,
-    load,
-    margin,
-    model_source,
-    noise_floor,
-    observed,
-    roles,
-    rows_by_run,
-    summaries_by_run,
-    tracked_files,
-    val_points,
-)
+from benchmarks.training import evidence as ev
 from benchmarks.training.summary import plot_group
 from sage_lightning.noise import calibrate_threshold, percentile_95
 from sage_lightning.precision_image import save_decisions_picture
@@ -97,9 +75,9 @@ def _figure(path: Path, result: dict[str, Any], image: Path, drawn: bool, doc: P
 
 def group_table(result: dict[str, Any]) -> list[str]:
     """Final validation loss of each run against full precision, with the noise floor, and each run's speed."""
-    found, summaries = roles(result), summaries_by_run(result)
+    found, summaries = ev.roles(result), ev.summaries_by_run(result)
     role_of = {name: role for role, name in found.items()}
-    floor, full = noise_floor(result), found.get("full")
+    floor, full = ev.noise_floor(result), found.get("full")
     lines = [
         "| run | what | steps | tokens | final val loss | vs full precision | vs noise floor | tokens/s | "
         "peak GPU GB | INT8 share of layer-steps |",
@@ -107,12 +85,12 @@ def group_table(result: dict[str, Any]) -> list[str]:
     ]
     for spec in result.get("runs", []):
         name, s = spec["name"], summaries.get(spec["name"], {})
-        what = ROLES.get(role_of.get(name, ""), spec.get("attention", ""))
+        what = ev.ROLES.get(role_of.get(name, ""), spec.get("attention", ""))
         if s.get("error"):
             lines.append(f"| {name} | {what} | failed: {s['error'][:160]} | | | | | | | |")
             continue
-        point = final_val(result, name)
-        delta = difference(result, name, full) if full and name != full else None
+        point = ev.final_val(result, name)
+        delta = ev.difference(result, name, full) if full and name != full else None
         ratio = ""
         if delta is not None and floor is not None and floor[1] > 0:
             ratio = f"{abs(delta[1]) / floor[1]:.1f}x"
@@ -139,20 +117,21 @@ def group_table(result: dict[str, Any]) -> list[str]:
 
 def controller_record(result: dict[str, Any]) -> list[str]:
     """The controller's decisions, its INT8 share, skips, rollbacks and its cost in tokens/s, per controlled run."""
-    summaries, found = summaries_by_run(result), roles(result)
+    summaries, found = ev.summaries_by_run(result), ev.roles(result)
     lines: list[str] = []
     for s in result.get("summary", []):
         name = s.get("run", s.get("attention"))
         if not s.get("controller") or s.get("error") or s.get("attention") == "full" or name.endswith("-observe"):
             continue
-        records = decision_records(result, name)
+        records = ev.decision_records(result, name)
         share = s.get("int8_fraction")
         fixed = summaries.get(found.get("sage_fixed", ""), {})
         cost = ""
         if fixed.get("tokens_per_s") and s.get("tokens_per_s") and not result.get("matrix", {}).get("combined"):
             cost = f"; tokens/s {s['tokens_per_s'] / fixed['tokens_per_s']:.3f}x SageBwd fixed's"
         lines.append(
-            f"**{name}**: {len(records)} decision(s); low-bit (INT8 or FP8) share of layer-steps {_f(share, 3)}; "
+            f"**{name}**: {len(records)} decision(s); low-bit (INT8 or FP8) share of layer-steps {_f(share, 3)}, "
+            f"with QK, PV and dV low-bit {_f(ev.qk_pv_dv_share(result, name), 3)}; "
             f"skipped steps {s.get('skipped_steps', 0)}, rollbacks {s.get('rollbacks', 0)}, accumulate_grad_batches at "
             f"the end {s.get('accumulate_grad_batches', '')}{cost}."
         )
@@ -171,8 +150,8 @@ def controller_record(result: dict[str, Any]) -> list[str]:
 
 def gap_closed(result: dict[str, Any], run: str) -> list[str]:
     """Whether the controlled run ended without a gap where SageBwd fixed of the same seed had one (the margin)."""
-    bound, point = margin(result), final_val(result, run)
-    fixed = by_seed(result).get("sage-fixed", {}).get(summaries_by_run(result).get(run, {}).get("seed") or 0)
+    bound, point = ev.margin(result), ev.final_val(result, run)
+    fixed = ev.by_seed(result).get("sage-fixed", {}).get(ev.summaries_by_run(result).get(run, {}).get("seed") or 0)
     if bound is None or point is None or fixed is None:
         return []
     top = sum(bound)
@@ -191,7 +170,7 @@ def gap_closed(result: dict[str, Any], run: str) -> list[str]:
 
 def seed_table(result: dict[str, Any]) -> list[str]:
     """A combined group's runs, seeds side by side: final validation loss and whether it ends without a gap."""
-    bound, runs, summaries = margin(result), by_seed(result), summaries_by_run(result)
+    bound, runs, summaries = ev.margin(result), ev.by_seed(result), ev.summaries_by_run(result)
     seeds = sorted({seed for by in runs.values() for seed in by})
     lines = [
         f"| run | what | {' | '.join(f'val loss, seed {seed}' for seed in seeds)} | no gap |",
@@ -220,8 +199,8 @@ def seed_table(result: dict[str, Any]) -> list[str]:
         ]
         lines += [
             "",
-            f"Margin: full precision's mean {bound[0]:.4f}, margin {bound[1]:.4f} (the seeds' spread or {MIN_MARGIN}, "
-            f"whichever is larger): no gap at most {sum(bound):.4f}."
+            f"Margin: full precision's mean {bound[0]:.4f}, margin {bound[1]:.4f} (the seeds' spread or "
+            f"{ev.MIN_MARGIN}, whichever is larger): no gap at most {sum(bound):.4f}."
             + (f" Low-bit runs' spread between seeds: {', '.join(spread)}." if spread else ""),
         ]
     return lines
@@ -231,7 +210,7 @@ def precision_figures(group: str, path: Path, result: dict[str, Any], images: Pa
     """The precision image of each run that moved a layer (``sage_lightning.precision_image``), with its colours."""
     lines, drawn = [], importlib.util.find_spec("matplotlib") is not None  # Pillow comes with matplotlib
     for s in result.get("summary", []):
-        records = [r for r in decision_records(result, s["run"]) if r["lever"] == "precision"]
+        records = [r for r in ev.decision_records(result, s["run"]) if r["lever"] == "precision"]
         if records and s.get("final_precisions"):
             image = images / f"{path.stem}{'' if group in path.stem else '-' + group}-{s['run']}-precision.png"
             key = save_decisions_picture(image, list(s["final_precisions"]), records, s["steps"]) if drawn else []
@@ -243,7 +222,7 @@ def precision_figures(group: str, path: Path, result: dict[str, Any], images: Pa
 def noise_record(result: dict[str, Any]) -> list[str]:
     """The noise ratio (base precision, after step 0) of each observing run; its gradient noise scale where recorded."""
     lines = []
-    for run, readings in observed(result).items():
+    for run, readings in ev.observed(result).items():
         late: dict[str, list[float]] = {}
         for step, layer, base, *_ in readings:
             if step > 0.2 * readings[-1][0]:
@@ -266,7 +245,7 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
     noise ratio's calibration (``sage_lightning.noise.calibrate_threshold``'s rule on the observing runs)."""
     lines: list[str] = []
     for path in sorted({p for p, r in loaded["matrix"].values() if r["matrix"].get("combined")}):
-        ordered = [(g, loaded["matrix"].get(g)) for g in group_questions(loaded["matrix"])]
+        ordered = [(g, loaded["matrix"].get(g)) for g in ev.group_questions(loaded["matrix"])]
         groups = [(g, found[1]) for g, found in ordered if found and found[0] == path]
         first, human = groups[0][1], path.with_suffix(".md")
         lines += [
@@ -278,7 +257,7 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
         quiet: list[float] = []
         loud: list[list[float]] = []
         for group, result in groups:
-            bound, runs, summaries = margin(result), by_seed(result), summaries_by_run(result)
+            bound, runs, summaries = ev.margin(result), ev.by_seed(result), ev.summaries_by_run(result)
             if bound is None:
                 continue
             top, ran = sum(bound), [(n, v) for b, by in runs.items() if b != "full" for n, v in by.values()]
@@ -293,8 +272,8 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
                 f"{', '.join(n for n, v in ran if v <= top) or 'none'}; beyond the margin: "
                 f"{', '.join(n for n, v in ran if v > top) or 'none'}." + closed
             )
-            readings = [r[2] for v in observed(result).values() for r in v]
-            if ends(result, "sage-fixed")[1]:
+            readings = [r[2] for v in ev.observed(result).values() for r in v]
+            if ev.ends(result, "sage-fixed")[1]:
                 quiet += readings
             elif readings:
                 loud.append(readings)
@@ -321,7 +300,7 @@ def data_says(loaded: dict[str, Any], doc: Path) -> list[str]:
 
 def speed_table(result: dict[str, Any]) -> list[str]:
     """Tokens/s and peak memory of each run of a speed group, against the cuDNN run of the same file."""
-    found, summaries = roles(result), summaries_by_run(result)
+    found, summaries = ev.roles(result), ev.summaries_by_run(result)
     reference = summaries.get(found.get("full_cudnn", ""), {}).get("tokens_per_s")
     lines = [
         "| run | SDPA backend | steps | tokens/s (steady) | vs SDPA cuDNN | peak GPU GB |",
@@ -343,7 +322,7 @@ def speed_table(result: dict[str, Any]) -> list[str]:
 
 def earlier_table(result: dict[str, Any]) -> list[str]:
     """A pre-matrix comparison: each run's final validation loss against the full-precision run of the same file."""
-    runs, summaries = rows_by_run(result), summaries_by_run(result)
+    runs, summaries = ev.rows_by_run(result), ev.summaries_by_run(result)
     full = "full" if "full" in runs else None
     lines = [
         "| run | steps | final val loss | best val loss (step) | vs full precision, final | tokens/s | INT8 share | "
@@ -352,10 +331,10 @@ def earlier_table(result: dict[str, Any]) -> list[str]:
     ]
     for name, rows in runs.items():
         s = summaries.get(name, {})
-        points = val_points(rows)
-        point = final_val(result, name)
+        points = ev.val_points(rows)
+        point = ev.final_val(result, name)
         best = min(points.items(), key=lambda item: item[1]) if points else None
-        delta = difference(result, name, full) if full and name != full else None
+        delta = ev.difference(result, name, full) if full and name != full else None
         int8 = "" if s.get("attention") == "full" or s.get("int8_fraction") is None else f"{s['int8_fraction']:.3f}"
         lines.append(
             f"| {name} | {s.get('steps', '')} | {_f(point[1]) if point else 'n/a'} | "
@@ -381,7 +360,7 @@ def attribution_table(result: dict[str, Any]) -> list[str]:
         "|---|" + "---:|" * len(tensors) + "---|",
     ]
     for layer, values in layers.items():
-        shares = dq_error_shares(result, lambda kind, inputs=values["inputs"]: kind == inputs)
+        shares = ev.dq_error_shares(result, lambda kind, inputs=values["inputs"]: kind == inputs)
         share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda item: -item[1]))
         lines.append(f"| {layer} | " + " | ".join(_f(values.get(t), 5) for t in tensors) + f" | {share} |")
     return lines
@@ -389,7 +368,7 @@ def attribution_table(result: dict[str, Any]) -> list[str]:
 
 def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False) -> str:
     """Draw the figures and write the page; returns its text."""
-    loaded = load(results, tracked_files(results) if tracked_only else None)
+    loaded = ev.load(results, ev.tracked_files(results) if tracked_only else None)
     lines = [prose("intro"), ""]
     planned = [result for _, result in loaded["matrix"].values() if "plan" in result["matrix"]]
     lines += data_says(loaded, doc)
@@ -416,15 +395,15 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         for path, result in loaded["activations"]:
             markdown = path.with_suffix(".md")
             every = f" Every setting and tensor: {_link(markdown, doc)}." if markdown.is_file() else ""
-            what = f"Model {model_source(result)}; SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
+            what = f"Model {ev.model_source(result)}; SageBwd defaults (INT8 QK^T, PV, dV, dS; K-smoothing) against "
             what += f"float64 on the captured q, k, v and dO of each attention layer.{every}"
             lines += [what, "", *attribution_table(result), "", _source(path, result, doc), ""]
     else:
         lines += [prose("no-activations"), ""]
 
     lines += ["## 2. Training: loss curves and final validation loss", ""]
-    for group, question in group_questions(loaded["matrix"]).items():
-        if group.startswith("e2e-") or (group not in EVIDENCE_GROUPS and group not in loaded["matrix"]):
+    for group, question in ev.group_questions(loaded["matrix"]).items():
+        if group.startswith("e2e-") or (group not in ev.EVIDENCE_GROUPS and group not in loaded["matrix"]):
             continue
         lines += [f"### {group}: {question}", ""]
         if group not in loaded["matrix"]:
@@ -439,7 +418,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
 
     lines += ["## 3. The controller's record", ""]
     any_record = False
-    for group in group_questions(loaded["matrix"]):
+    for group in ev.group_questions(loaded["matrix"]):
         if group in loaded["matrix"]:
             path, result = loaded["matrix"][group]
             record = controller_record(result) + noise_record(result)
@@ -458,7 +437,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         path, result = loaded["matrix"][group]
         lines += [f"{result['matrix']['title']}.", "", *speed_table(result), "", _source(path, result, doc), ""]
 
-    lines += ["## 5. Findings against the study's", "", *findings(loaded)]
+    lines += ["## 5. Findings against the study's", "", *ev.findings(loaded)]
 
     lines += [prose("earlier"), ""]
     if not loaded["earlier"]:
@@ -467,7 +446,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         image = images / f"{path.stem}.png"
         drawn = plot_group(result, image)
         lines += [f"### {path.stem}", "", *earlier_table(result), ""]
-        records = [(name, r) for name in summaries_by_run(result) for r in decision_records(result, name)]
+        records = [(name, r) for name in ev.summaries_by_run(result) for r in ev.decision_records(result, name)]
         if records:
             lines += ["| run | step | layer | from | to | reason |", "|---|---:|---|---|---|---|"]
             lines += [
