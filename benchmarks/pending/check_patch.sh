@@ -6,7 +6,8 @@
 #   bash benchmarks/pending/check_patch.sh issue-14-dq-tile-scales-and-peak-memory.patch <sha of main>
 #
 # HEAD_DIM (128) and IMPLS ("--impl sage") choose what the speed steps time, beside SDPA's backends; BEFORE_LIMIT
-# (150) and AFTER_LIMIT (260) their limits in seconds (a fresh machine compiles every kernel in the first).
+# (150) and AFTER_LIMIT (260) their limits in seconds (a fresh machine compiles every kernel in the first); SPEED=0
+# skips both (a patch that needs only its record, e.g. a preset), applying the patch at once.
 # About 8 minutes on an H100 (run it with the device tool's timeout_s at 590): speed before ~70 s, after ~200 s
 # (speed.py prints only its final table), the tests ~250 s. Limits per step keep one slow step from eating the
 # others; rc 124 on a step means its limit, not a failure of the code.
@@ -42,18 +43,22 @@ step() { echo "== $(date -u +%T) $*"; }
 install() { python3 -m pip install --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 install
-step "speed of main (${sha})"
-# shellcheck disable=SC2086  # IMPLS is word-split on purpose
-GIT_COMMIT="${sha}" timeout "${BEFORE_LIMIT:-150}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn --head-dim "${HEAD_DIM:-128}" \
-    --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
-step "git apply ${patch}"
-git apply "benchmarks/pending/${patch}" || exit 3
-install
-step "speed with ${patch}"
-# shellcheck disable=SC2086
-GIT_COMMIT="${sha}+${patch%.patch}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
-    --impl sdpa_flash --head-dim "${HEAD_DIM:-128}" --seq 4096 --seq 8192 --no-breakdown --out "${out}/after.json" 2>&1 \
-    | grep -v Warning | grep -E "^\||^check|FAIL|Error"
+if [[ "${SPEED:-1}" == 0 ]]; then  # a change that needs only its record (no kernel code): no timings
+  step "git apply ${patch}" && { git apply "benchmarks/pending/${patch}" || exit 3; } && install
+else
+  step "speed of main (${sha})"
+  # shellcheck disable=SC2086  # IMPLS is word-split on purpose
+  GIT_COMMIT="${sha}" timeout "${BEFORE_LIMIT:-150}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn --head-dim "${HEAD_DIM:-128}" \
+      --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
+  step "git apply ${patch}"
+  git apply "benchmarks/pending/${patch}" || exit 3
+  install
+  step "speed with ${patch}"
+  # shellcheck disable=SC2086
+  GIT_COMMIT="${sha}+${patch%.patch}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
+      --impl sdpa_flash --head-dim "${HEAD_DIM:-128}" --seq 4096 --seq 8192 --no-breakdown --out "${out}/after.json" 2>&1 \
+      | grep -v Warning | grep -E "^\||^check|FAIL|Error"
+fi
 if [[ -n "${VERIFY_COMMIT:-}" ]]; then
   step "gpu_verify with ${patch} as ${VERIFY_COMMIT}"
   GIT_COMMIT="${VERIFY_COMMIT}" timeout 900 python3 -m benchmarks.kernels.gpu_verify --out "${out}/gpu-verified.json" \
