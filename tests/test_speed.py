@@ -3,6 +3,7 @@ table built from synthetic rows (the timings themselves need CUDA)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from benchmarks.kernels import speed
 from benchmarks.training import readme_perf
 
 REPO = Path(__file__).resolve().parent.parent
+HOPPER = speed.HOPPER_ENV
 
 
 SHAPE = {"batch": 4, "heads": 16, "kv_heads": 16, "seq": 4096, "head_dim": 128, "causal": False}
@@ -106,3 +108,27 @@ def test_readme_keeps_to_the_int8_sage_rows(tmp_path: Path) -> None:
     path = tmp_path / "speed-h100-20261127.json"
     assert readme_perf.speed_table(path, with_fp8) == readme_perf.speed_table(path, {**header, "rows": plain})
     assert not readme_perf.is_speed_run({**header, "rows": _rows({"sage_fp8": 1.0, "sdpa_cudnn": 2.0})})
+
+
+def test_cudnn_fp8_is_an_impl_with_rows_beside_sages_and_refuses_what_cudnn_cannot_run() -> None:
+    assert speed.parse_args(["--impl", "sage", "--impl", "sdpa_cudnn_fp8"]).impl == ["sage", speed.CUDNN_FP8]
+    rows = _rows({"sage": 1.0, "sdpa_cudnn": 2.0, "sdpa_cudnn_fp8": 1.5, "sage_bf16_ds": 1.0})
+    text = speed.table(rows)
+    assert "sage_bf16_ds: `sagebwd:int8=qk,pv,dv;smooth_k`; sdpa_cudnn_fp8: cuDNN's FP8):" in text
+    assert "| 128 | 4096 | no | fwd+bwd | sdpa_cudnn_fp8 | 67 | - | 1.33 | 0.67 | 415 |" in text
+    q = torch.zeros(1, 1, 4, 128)
+    with pytest.raises(ValueError, match="CUDA tensors"):  # main() reports it and goes on to the next shape
+        speed._attention(speed.CUDNN_FP8)(q, q, q, False)
+
+
+@pytest.mark.parametrize("before", [None, "force"])
+def test_sage_portable_turns_the_hopper_kernels_off_for_its_call_only(monkeypatch: pytest.MonkeyPatch, before) -> None:
+    seen = []
+    monkeypatch.setattr(speed, "sage_attention_triton", lambda q, *a, **k: (seen.append(os.environ[HOPPER]), (q,))[1])
+    if before is None:
+        monkeypatch.delenv(HOPPER, raising=False)
+    else:
+        monkeypatch.setenv(HOPPER, before)
+    q = torch.zeros(1, 1, 4, 8)
+    assert speed._attention("sage_portable")(q, q, q, True) is q
+    assert seen == ["off"] and os.environ.get(HOPPER) == before

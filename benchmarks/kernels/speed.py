@@ -2,7 +2,7 @@
 
 After a check against the reference (``--no-check`` skips it), ``triton.testing.do_bench`` medians of forward,
 backward and both per implementation (bf16, ``B x N = --tokens``, heads ``2048 / D``), TFLOPS, peak memory and our
-ratio to each backend; ``--impl`` also takes :data:`FP8_IMPLS`. Writes ``speed-<device>-<date>.json`` and ``.md``.
+ratio to each backend; ``--impl`` also takes :data:`FP8_IMPLS` and :data:`CUDNN_FP8`. Writes ``speed-*.json``, ``.md``.
 
 Example::
 
@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +34,11 @@ from benchmarks.kernels.profiling import kernel_ms
 from benchmarks.result_file import default_path, device_name, header, write
 
 BACKENDS = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-#: ``sage`` dispatches as a user's call does (the Hopper path where it applies); ``sage_portable`` keeps the
-#: portable kernels (``SAGE_LIGHTNING_HOPPER=off`` around the call), to set the two side by side.
-#: SageBwd with products in FP8 (e4m3): the INT8 default with pv, ds or both in FP8, and every product in FP8; and
-#: dS in bf16 (the controller's other dS rung). Each dispatches as ``sage`` does (the Hopper forward takes an FP8
-#: pv; see ``plan_attention``).
+#: cuDNN's FP8 attention as the training baseline runs it (``benchmarks.training.cudnn_fp8``: the amaxes and casts of
+#: delayed scaling in every call; head dim 128 on Hopper; needs ``nvidia-cudnn-frontend``).
+CUDNN_FP8 = "sdpa_cudnn_fp8"
+#: ``sage`` dispatches as a user's call does; ``sage_portable`` the portable kernels (``SAGE_LIGHTNING_HOPPER=off``
+#: around the call). SageBwd with products in FP8 (e4m3), or dS in bf16, each dispatched as ``sage`` is.
 FP8_IMPLS: dict[str, AttentionPrecision] = {
     "sage_fp8_pv": AttentionPrecision(pv="fp8"),
     "sage_fp8_ds": AttentionPrecision(ds="fp8"),
@@ -109,20 +110,20 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
         return lambda q, k, v, causal: sage_attention_triton(
             q, k, v, is_causal=causal, **precision, with_lse=False, **tiles
         )[0]
+    if impl == CUDNN_FP8:
+        from benchmarks.training.cudnn_fp8 import DelayedScaling, cudnn_fp8_attention
+
+        scaling = DelayedScaling()  # one layer's amax history across the timed calls, as in training
+        return lambda q, k, v, causal: cudnn_fp8_attention(q, k, v, scaling=scaling, is_causal=causal)
     if impl == "sage_portable":
 
         def portable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-            previous = os.environ.get(HOPPER_ENV)
-            os.environ[HOPPER_ENV] = "off"
-            refresh_settings()
             try:
-                return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
+                with mock.patch.dict(os.environ, {HOPPER_ENV: "off"}):
+                    refresh_settings()
+                    return sage_attention_triton(q, k, v, is_causal=causal, with_lse=False, **tiles)[0]
             finally:
-                if previous is None:
-                    del os.environ[HOPPER_ENV]
-                else:
-                    os.environ[HOPPER_ENV] = previous
-                refresh_settings()
+                refresh_settings()  # the environment as it was
 
         return portable
 
@@ -161,10 +162,8 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     from triton.testing import do_bench
 
     passes = pass_calls(impl, batch, heads, seq, head_dim, causal)
-    fwd, bwd, fwd_bwd = passes["fwd"], passes["bwd"], passes["fwd+bwd"]
-    times = {"fwd": do_bench(fwd, return_mode="median"), "bwd": do_bench(bwd, return_mode="median")}
-    times["fwd+bwd"] = do_bench(fwd_bwd, return_mode="median")
-    passes = bwd = None  # free the retained graph before measuring memory
+    times = {which: do_bench(call, return_mode="median") for which, call in passes.items()}
+    fwd_bwd, passes = passes["fwd+bwd"], None  # free the retained graph before measuring memory
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -255,11 +254,12 @@ def fp8_table(rows: list[dict]) -> str:
     the INT8 ``sage`` of the same run, and its peak memory (forward+backward); empty when no FP8 implementation ran.
     """
     index = {(r["impl"], r["pass"], r["seq"], r["head_dim"], r["causal"]): r for r in rows}
-    impls = [impl for impl in FP8_IMPLS if any(r["impl"] == impl for r in rows)]
+    impls = [impl for impl in (*FP8_IMPLS, CUDNN_FP8) if any(r["impl"] == impl for r in rows)]
     if not impls:
         return ""
+    legend = (f"{i}: `{PRECISIONS[i].short_name}`" if i in PRECISIONS else f"{i}: cuDNN's FP8" for i in impls)
     lines = [
-        "FP8 mixes (" + "; ".join(f"{impl}: `{FP8_IMPLS[impl].short_name}`" for impl in impls) + "):",
+        f"FP8 mixes ({'; '.join(legend)}):",
         "",
         "| D | N | causal | pass | impl | TFLOPS | /flash | /cuDNN | /sage (INT8) | mem MiB |",
         "|---:|---:|:---:|---|---|---:|---:|---:|---:|---:|",
@@ -321,10 +321,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, action="append", help="repeatable; default 64 128")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument(
-        "--impl", action="append", choices=(*SAGE_IMPLS, *BACKENDS),
+        "--impl", action="append", choices=(*SAGE_IMPLS, *BACKENDS, CUDNN_FP8),
         help="repeatable; default sage and the SDPA backends (sage_portable: the portable kernels on Hopper too; "
         "sage_fp8_pv, sage_fp8_ds, sage_fp8_pv_ds, sage_fp8: SageBwd with those products in FP8 e4m3, all of them "
-        "for sage_fp8)",
+        "for sage_fp8; sdpa_cudnn_fp8: cuDNN's FP8 attention as the training baseline runs it)",
     )  # fmt: skip
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--breakdown", action=argparse.BooleanOptionalAction, default=True)
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for impl in impls:
                     try:
                         rows += time_one(impl, args.tokens // seq, 2048 // head_dim, seq, head_dim, causal)
-                    except RuntimeError as error:  # a backend that refuses a shape: say so, keep going
+                    except (RuntimeError, ValueError, ImportError) as error:  # a refused shape: say so, go on
                         print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
     parts = []
     if args.breakdown:
