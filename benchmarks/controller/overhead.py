@@ -134,11 +134,7 @@ def _callback(
     changes["noise_ratio_high"] = None if noise is None else 1e9
     config = PolicyConfig(ds_tokens_per_step_high=None, **{k: v for k, v in changes.items() if v is not None})
     return lambda: AdaptivePrecision(
-        config,
-        snapshot_every_n_steps=snapshot,
-        check_before_step=check_before_step,
-        progress_bar=False,
-        verbose=False,
+        config, snapshot_every_n_steps=snapshot, check_before_step=check_before_step, progress_bar=False, verbose=False
     )
 
 

@@ -7,7 +7,7 @@
 #
 # HEAD_DIM (128) and IMPLS ("--impl sage") choose what the speed steps time, beside SDPA's backends; BEFORE_LIMIT
 # (150) and AFTER_LIMIT (260) their limits in seconds (a fresh machine compiles every kernel in the first); SPEED=0
-# skips both (a patch that needs only its record, e.g. a preset), applying the patch at once.
+# skips both (a patch that needs only its record, e.g. a preset).
 # About 8 minutes on an H100 (run it with the device tool's timeout_s at 590): speed before ~70 s, after ~200 s
 # (speed.py prints only its final table), the tests ~250 s. Limits per step keep one slow step from eating the
 # others; rc 124 on a step means its limit, not a failure of the code.
@@ -43,16 +43,16 @@ step() { echo "== $(date -u +%T) $*"; }
 install() { python3 -m pip install --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 || { tail -20 /tmp/install.log; exit 1; }; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 install
-if [[ "${SPEED:-1}" == 0 ]]; then  # a change that needs only its record (no kernel code): no timings
-  step "git apply ${patch}" && { git apply "benchmarks/pending/${patch}" || exit 3; } && install
-else
+if [[ "${SPEED:-1}" != 0 ]]; then  # SPEED=0: a change that needs only its record (no kernel code), no timings
   step "speed of main (${sha})"
   # shellcheck disable=SC2086  # IMPLS is word-split on purpose
   GIT_COMMIT="${sha}" timeout "${BEFORE_LIMIT:-150}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn --head-dim "${HEAD_DIM:-128}" \
       --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
-  step "git apply ${patch}"
-  git apply "benchmarks/pending/${patch}" || exit 3
-  install
+fi
+step "git apply ${patch}"
+git apply "benchmarks/pending/${patch}" || exit 3
+install
+if [[ "${SPEED:-1}" != 0 ]]; then
   step "speed with ${patch}"
   # shellcheck disable=SC2086
   GIT_COMMIT="${sha}+${patch%.patch}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
