@@ -105,3 +105,51 @@ def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_
     collected = subprocess.run([*script, "collect"], cwd=REPO, env=env, capture_output=True, text=True)
     assert collected.returncode == 0 and collected.stdout.rstrip().endswith("done"), collected.stdout
     assert {p.name for p in (tmp_path / "out" / "check").iterdir()} >= {"log.txt", "after.json", "gpu-verified.json"}
+
+
+@pytest.mark.skipif(len(PATCHES) < 2 or shutil.which("git") is None, reason="needs two parked patches, and git")
+def test_the_device_script_applies_several_patches_in_order_for_one_record(tmp_path: Path) -> None:
+    """Patches that land together get one record (device run 30): a comma-separated list, applied in order in the
+    copy; SPEED=0 times nothing, and gpu_verify names the commit they will land as."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("python3", STUB_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H200, 1980 MHz'\n")):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{stubs}:{os.environ['PATH']}",
+        "STUB_LOG": str(tmp_path / "calls.txt"),
+        "CHECK_DIR": str(tmp_path / "copy"),
+        "GPU_FREE_FLAG": str(tmp_path / "free"),
+        "DETACH": "1",
+        "SPEED": "0",
+        "VERIFY_COMMIT": "def456",
+        "OUT": str(tmp_path / "out"),
+    }
+    both = f"{PATCHES[0].name},{PATCHES[1].name}"
+    script = ["bash", str(REPO / "benchmarks" / "pending" / "check_patch.sh")]
+    started = subprocess.run([*script, both, "abc123"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stdout + started.stderr
+    for _ in range(600):
+        if (tmp_path / "free").exists():
+            break
+        time.sleep(0.1)
+    calls = (tmp_path / "calls.txt").read_text()
+    assert (
+        "-m benchmarks.kernels.speed" not in calls
+        and "GIT_COMMIT=def456 GPU=0 -m benchmarks.kernels.gpu_verify" in calls
+    )
+    for patch in PATCHES[:2]:  # both went into the copy
+        back = subprocess.run(["git", "apply", "--check", "--reverse", str(patch)], cwd=tmp_path / "copy")
+        assert back.returncode == 0, patch.name
+    (tmp_path / "bad").mkdir()
+    in_copy = ["bash", str(tmp_path / "copy" / "benchmarks" / "pending" / "check_patch.sh")]  # it works in the copy
+    bad = subprocess.run(
+        [*in_copy, f"{PATCHES[0].name},no-such.patch", "abc123"],
+        cwd=tmp_path / "copy",
+        env={**env, "DETACH": "0", "OUT": str(tmp_path / "bad")},
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 3, (tmp_path / "bad" / "log.txt").read_text()  # the first is applied already: it fails

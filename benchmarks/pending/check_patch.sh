@@ -25,7 +25,7 @@ if [[ "${1:-}" == collect ]]; then
   mkdir -p "${OUT:-/tmp}/check" && cp -r "$dir-out/." "${OUT:-/tmp}/check/" && tail -n 30 "$dir-out/log.txt"
   exit
 fi
-patch="${1:?the file name of the patch in benchmarks/pending}"
+patch="${1:?the file name of the patch in benchmarks/pending (several: comma-separated, applied in order)}"
 sha="${2:?the commit of main, for the result files}"
 if [[ "${DETACH:-0}" == 1 ]]; then
   rm -rf "$dir" "$dir-out" "$flag" && mkdir -p "$dir" "$dir-out"
@@ -51,13 +51,13 @@ if [[ "${SPEED:-1}" != 0 ]]; then  # SPEED=0: a change that needs only its recor
       --seq 4096 --seq 8192 --no-check --no-breakdown --out "${out}/before.json" 2>&1 | grep -v Warning | grep "^|"
 fi
 step "git apply ${patch}"
-git apply "benchmarks/pending/${patch}" || exit 3
+for one in ${patch//,/ }; do git apply "benchmarks/pending/${one}" || exit 3; done
 install
 check_flag=(); [[ "${AFTER_CHECK:-1}" == 0 ]] && check_flag=(--no-check)
 if [[ "${SPEED:-1}" != 0 ]]; then
   step "speed with ${patch}"
   # shellcheck disable=SC2086
-  GIT_COMMIT="${sha}+${patch%.patch}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
+  GIT_COMMIT="${sha}+${patch//.patch/}" timeout "${AFTER_LIMIT:-260}" python3 -m benchmarks.kernels.speed ${IMPLS:---impl sage} --impl sdpa_cudnn \
       --impl sdpa_flash --head-dim "${HEAD_DIM:-128}" --seq 4096 --seq 8192 --no-breakdown "${check_flag[@]}" --out "${out}/after.json" 2>&1 \
       | grep -v Warning | grep -E "^\||^check|FAIL|Error"
 fi
