@@ -64,12 +64,12 @@ echo "GIT_COMMIT=${GIT_COMMIT:-} GPU=${CUDA_VISIBLE_DEVICES:-} $*" >> "$STUB_LOG
 for ((i = 1; i < $#; i++)); do [[ "${!i}" == --out ]] && { j=$((i + 1)); touch "${!j}"; }; done
 exit 0
 """
+SCRIPT = ["bash", str(REPO / "benchmarks" / "pending" / "check_patch.sh")]
 
 
-@pytest.mark.skipif(not PATCHES or shutil.which("git") is None, reason="needs a parked patch, and git to apply it")
-def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_path: Path) -> None:
-    """DETACH=1 (device run 25's way): the steps run in a copy of the tree, so the next device call may replace the
-    tree; gpu_verify names the commit the patch will land as; the flag the lanes wait for is touched at the end."""
+def run_detached(tmp_path: Path, patches: str, **settings: str) -> dict[str, str]:
+    """check_patch.sh with DETACH=1 on ``patches`` against main "abc123", its python3 and nvidia-smi stubbed (each
+    python3 call logged to calls.txt), the record named "def456"; returns its environment once the GPU is free."""
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, text in (("python3", STUB_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H100, 1980 MHz'\n")):
@@ -82,18 +82,25 @@ def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_
         "CHECK_DIR": str(tmp_path / "copy"),
         "GPU_FREE_FLAG": str(tmp_path / "free"),
         "DETACH": "1",
-        "CHECK_GPU": "3",
         "VERIFY_COMMIT": "def456",
         "OUT": str(tmp_path / "out"),
+        **settings,
     }
-    script = ["bash", str(REPO / "benchmarks" / "pending" / "check_patch.sh")]
-    started = subprocess.run([*script, PATCHES[0].name, "abc123"], cwd=REPO, env=env, capture_output=True, text=True)
+    started = subprocess.run([*SCRIPT, patches, "abc123"], cwd=REPO, env=env, capture_output=True, text=True)
     assert started.returncode == 0 and "runs detached" in started.stdout, started.stdout + started.stderr
     for _ in range(600):
         if (tmp_path / "free").exists():
             break
         time.sleep(0.1)
     assert (tmp_path / "free").exists(), (tmp_path / "copy-out" / "log.txt").read_text()
+    return env
+
+
+@pytest.mark.skipif(not PATCHES or shutil.which("git") is None, reason="needs a parked patch, and git to apply it")
+def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_path: Path) -> None:
+    """DETACH=1 (device run 25's way): the steps run in a copy of the tree, so the next device call may replace the
+    tree; gpu_verify names the commit the patch will land as; the flag the lanes wait for is touched at the end."""
+    env = run_detached(tmp_path, PATCHES[0].name, CHECK_GPU="3")
     calls = (tmp_path / "calls.txt").read_text()
     assert "GIT_COMMIT=abc123 GPU=3 -m benchmarks.kernels.speed" in calls
     assert f"GIT_COMMIT=abc123+{PATCHES[0].stem} GPU=3 -m benchmarks.kernels.speed" in calls
@@ -102,7 +109,7 @@ def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_
     back = subprocess.run(["git", "apply", "--check", "--reverse", str(PATCHES[0])], cwd=tmp_path / "copy")
     assert back.returncode == 0
     assert subprocess.run(["git", "apply", "--check", str(PATCHES[0])], cwd=REPO).returncode == 0
-    collected = subprocess.run([*script, "collect"], cwd=REPO, env=env, capture_output=True, text=True)
+    collected = subprocess.run([*SCRIPT, "collect"], cwd=REPO, env=env, capture_output=True, text=True)
     assert collected.returncode == 0 and collected.stdout.rstrip().endswith("done"), collected.stdout
     assert {p.name for p in (tmp_path / "out" / "check").iterdir()} >= {"log.txt", "after.json", "gpu-verified.json"}
 
@@ -111,30 +118,7 @@ def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_
 def test_the_device_script_applies_several_patches_in_order_for_one_record(tmp_path: Path) -> None:
     """Patches that land together get one record (device run 30): a comma-separated list, applied in order in the
     copy; SPEED=0 times nothing, and gpu_verify names the commit they will land as."""
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    for name, text in (("python3", STUB_PYTHON), ("nvidia-smi", "#!/usr/bin/env bash\necho 'NVIDIA H200, 1980 MHz'\n")):
-        (stubs / name).write_text(text)
-        (stubs / name).chmod(0o755)
-    env = {
-        **os.environ,
-        "PATH": f"{stubs}:{os.environ['PATH']}",
-        "STUB_LOG": str(tmp_path / "calls.txt"),
-        "CHECK_DIR": str(tmp_path / "copy"),
-        "GPU_FREE_FLAG": str(tmp_path / "free"),
-        "DETACH": "1",
-        "SPEED": "0",
-        "VERIFY_COMMIT": "def456",
-        "OUT": str(tmp_path / "out"),
-    }
-    both = f"{PATCHES[0].name},{PATCHES[1].name}"
-    script = ["bash", str(REPO / "benchmarks" / "pending" / "check_patch.sh")]
-    started = subprocess.run([*script, both, "abc123"], cwd=REPO, env=env, capture_output=True, text=True)
-    assert started.returncode == 0, started.stdout + started.stderr
-    for _ in range(600):
-        if (tmp_path / "free").exists():
-            break
-        time.sleep(0.1)
+    env = run_detached(tmp_path, f"{PATCHES[0].name},{PATCHES[1].name}", SPEED="0")
     calls = (tmp_path / "calls.txt").read_text()
     assert (
         "-m benchmarks.kernels.speed" not in calls
