@@ -24,10 +24,40 @@ def test_every_parked_patch_is_listed_in_the_pending_readme() -> None:
     assert [p.name for p in PATCHES if f"`{p.name}`" not in readme] == []
 
 
+def prerequisites(patch: Path) -> list[Path]:
+    """The parked patches ``patch`` is stacked on, in order: its header's ``Applies after: a.patch, b.patch`` line
+    (``git apply`` skips the text before the first diff)."""
+    for line in patch.read_text().splitlines():
+        if line.startswith("diff --git"):
+            break
+        if line.startswith("Applies after:"):
+            return [patch.parent / name.strip() for name in line.partition(":")[2].split(",")]
+    return []
+
+
+def applied_copy(patch: Path, dest: Path, check_only: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Copies into ``dest`` the files ``patch`` and its prerequisites touch, applies the prerequisites, then ``patch``
+    (only checked with ``check_only``); returns that last ``git apply`` and the files ``patch`` touches."""
+    dest.mkdir(parents=True, exist_ok=True)
+    touched: dict[Path, list[str]] = {}
+    for one in [*prerequisites(patch), patch]:
+        numstat = subprocess.run(["git", "apply", "--numstat", str(one)], cwd=REPO, capture_output=True, text=True)
+        touched[one] = [line.split("\t")[-1] for line in numstat.stdout.splitlines()]
+    for name in {name for names in touched.values() for name in names}:
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / name, dest / name)
+    for one in prerequisites(patch):
+        subprocess.run(["git", "apply", str(one)], cwd=dest, check=True, capture_output=True)
+    last = ["git", "apply", *(["--check"] if check_only else []), str(patch)]
+    return subprocess.run(last, cwd=dest, capture_output=True, text=True), touched[patch]
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patches")
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
-def test_parked_patch_applies_to_this_tree(patch: Path) -> None:
-    done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=REPO, capture_output=True, text=True)
+def test_parked_patch_applies_to_this_tree(patch: Path, tmp_path: Path) -> None:
+    """To main, or to main with the parked patches it names as applied before it."""
+    done, _ = applied_copy(patch, tmp_path, check_only=True)
     assert done.returncode == 0, f"{patch.name} no longer applies: {done.stderr}"
 
 
@@ -38,16 +68,11 @@ def test_the_device_script_parses() -> None:
 @pytest.mark.skipif(shutil.which("git") is None, reason="git applies the patches")
 @pytest.mark.parametrize("patch", PATCHES, ids=[p.name for p in PATCHES])
 def test_parked_patch_applied_passes_the_linter(patch: Path, tmp_path: Path) -> None:
-    """CI lints the tree: a parked patch, once applied, must not be what fails it (the files it touches, patched in a
-    copy, under the repository's ruff settings)."""
+    """CI lints the tree: a parked patch, once applied (after its prerequisites), must not be what fails it (the files
+    it touches, patched in a copy, under the repository's ruff settings)."""
     pytest.importorskip("ruff")  # the linter CI runs, from the dev extra
-    numstat = subprocess.run(["git", "apply", "--numstat", str(patch)], cwd=REPO, capture_output=True, text=True)
-    files = [line.split("\t")[-1] for line in numstat.stdout.splitlines()]
-    for name in files:
-        if (REPO / name).is_file():
-            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(REPO / name, tmp_path / name)
-    subprocess.run(["git", "apply", str(patch)], cwd=tmp_path, check=True, capture_output=True)
+    done, files = applied_copy(patch, tmp_path)
+    assert done.returncode == 0, done.stderr
     python = [p for p in files if p.endswith(".py") and (tmp_path / p).is_file()]
     config = ["--config", str(REPO / "pyproject.toml")]
     for check in (["check", *config], ["format", "--check", *config]):
@@ -137,3 +162,22 @@ def test_the_device_script_applies_several_patches_in_order_for_one_record(tmp_p
         text=True,
     )
     assert bad.returncode == 3, (tmp_path / "bad" / "log.txt").read_text()  # the first is applied already: it fails
+
+
+def test_a_stacked_patch_applies_after_the_patches_it_names(tmp_path: Path) -> None:
+    """A patch written on top of other parked patches (the dK/dV merge on the D=64 patch) names them in its header."""
+    first = tmp_path / "pending" / "first.patch"
+    first.parent.mkdir()
+    first.write_text(
+        "diff --git a/notes/a.txt b/notes/a.txt\nnew file mode 100644\n--- /dev/null\n+++ b/notes/a.txt\n"
+        "@@ -0,0 +1 @@\n+one\n"
+    )
+    body = "diff --git a/notes/a.txt b/notes/a.txt\n--- a/notes/a.txt\n+++ b/notes/a.txt\n@@ -1 +1 @@\n-one\n+two\n"
+    stacked, alone = tmp_path / "pending" / "second.patch", tmp_path / "pending" / "alone.patch"
+    stacked.write_text("Applies after: first.patch\n\n" + body)
+    alone.write_text(body)
+    assert prerequisites(stacked) == [first] and prerequisites(alone) == []
+    done, files = applied_copy(stacked, tmp_path / "a")
+    assert done.returncode == 0 and files == ["notes/a.txt"], done.stderr
+    assert (tmp_path / "a" / "notes" / "a.txt").read_text() == "two\n"
+    assert applied_copy(alone, tmp_path / "b", check_only=True)[0].returncode != 0
