@@ -35,6 +35,11 @@ def prerequisites(patch: Path) -> list[Path]:
     return []
 
 
+def standalone() -> list[Path]:
+    """The parked patches that apply to main by themselves (the device script's tests use them)."""
+    return [patch for patch in PATCHES if not prerequisites(patch)]
+
+
 def applied_copy(patch: Path, dest: Path, check_only: bool = False) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Copies into ``dest`` the files ``patch`` and its prerequisites touch, applies the prerequisites, then ``patch``
     (only checked with ``check_only``); returns that last ``git apply`` and the files ``patch`` touches."""
@@ -121,41 +126,41 @@ def run_detached(tmp_path: Path, patches: str, **settings: str) -> dict[str, str
     return env
 
 
-@pytest.mark.skipif(not PATCHES or shutil.which("git") is None, reason="needs a parked patch, and git to apply it")
+@pytest.mark.skipif(not standalone() or shutil.which("git") is None, reason="needs a parked patch, and git to apply it")
 def test_the_device_script_runs_detached_beside_the_lanes_and_frees_the_gpu(tmp_path: Path) -> None:
     """DETACH=1 (device run 25's way): the steps run in a copy of the tree, so the next device call may replace the
     tree; gpu_verify names the commit the patch will land as; the flag the lanes wait for is touched at the end."""
-    env = run_detached(tmp_path, PATCHES[0].name, CHECK_GPU="3")
+    env = run_detached(tmp_path, standalone()[0].name, CHECK_GPU="3")
     calls = (tmp_path / "calls.txt").read_text()
     assert "GIT_COMMIT=abc123 GPU=3 -m benchmarks.kernels.speed" in calls
-    assert f"GIT_COMMIT=abc123+{PATCHES[0].stem} GPU=3 -m benchmarks.kernels.speed" in calls
+    assert f"GIT_COMMIT=abc123+{standalone()[0].stem} GPU=3 -m benchmarks.kernels.speed" in calls
     assert "GIT_COMMIT=def456 GPU=3 -m benchmarks.kernels.gpu_verify" in calls and "-m pytest" not in calls
     # The patch went into the copy, not into this tree.
-    back = subprocess.run(["git", "apply", "--check", "--reverse", str(PATCHES[0])], cwd=tmp_path / "copy")
+    back = subprocess.run(["git", "apply", "--check", "--reverse", str(standalone()[0])], cwd=tmp_path / "copy")
     assert back.returncode == 0
-    assert subprocess.run(["git", "apply", "--check", str(PATCHES[0])], cwd=REPO).returncode == 0
+    assert subprocess.run(["git", "apply", "--check", str(standalone()[0])], cwd=REPO).returncode == 0
     collected = subprocess.run([*SCRIPT, "collect"], cwd=REPO, env=env, capture_output=True, text=True)
     assert collected.returncode == 0 and collected.stdout.rstrip().endswith("done"), collected.stdout
     assert {p.name for p in (tmp_path / "out" / "check").iterdir()} >= {"log.txt", "after.json", "gpu-verified.json"}
 
 
-@pytest.mark.skipif(len(PATCHES) < 2 or shutil.which("git") is None, reason="needs two parked patches, and git")
+@pytest.mark.skipif(len(standalone()) < 2 or shutil.which("git") is None, reason="needs two parked patches, and git")
 def test_the_device_script_applies_several_patches_in_order_for_one_record(tmp_path: Path) -> None:
     """Patches that land together get one record (device run 30): a comma-separated list, applied in order in the
     copy; SPEED=0 times nothing, and gpu_verify names the commit they will land as."""
-    env = run_detached(tmp_path, f"{PATCHES[0].name},{PATCHES[1].name}", SPEED="0")
+    env = run_detached(tmp_path, f"{standalone()[0].name},{standalone()[1].name}", SPEED="0")
     calls = (tmp_path / "calls.txt").read_text()
     assert (
         "-m benchmarks.kernels.speed" not in calls
         and "GIT_COMMIT=def456 GPU=0 -m benchmarks.kernels.gpu_verify" in calls
     )
-    for patch in PATCHES[:2]:  # both went into the copy
+    for patch in standalone()[:2]:  # both went into the copy
         back = subprocess.run(["git", "apply", "--check", "--reverse", str(patch)], cwd=tmp_path / "copy")
         assert back.returncode == 0, patch.name
     (tmp_path / "bad").mkdir()
     in_copy = ["bash", str(tmp_path / "copy" / "benchmarks" / "pending" / "check_patch.sh")]  # it works in the copy
     bad = subprocess.run(
-        [*in_copy, f"{PATCHES[0].name},no-such.patch", "abc123"],
+        [*in_copy, f"{standalone()[0].name},no-such.patch", "abc123"],
         cwd=tmp_path / "copy",
         env={**env, "DETACH": "0", "OUT": str(tmp_path / "bad")},
         capture_output=True,
