@@ -76,11 +76,11 @@ out, cap = Path(sys.argv[1]), int(sys.argv[2]) * 2**20
 stdlib, site = (Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib"))
 roots = [stdlib] + ([] if site.is_relative_to(stdlib) else [site])  # a folder listed twice would repeat its text
 written = files = 0
+# Our own editable install (its finder, .pth and dist-info) is left out: device runs 17 and 30 read three more files
+# when it preceded the corpus, so the corpus would depend on the order of a call's steps.
+ours = lambda p: p.name.startswith("__editable__") or any(q.startswith("sage_lightning-") for q in p.parts)
 with out.open("wb") as sink:
     for root in roots:
-        # Our own editable install (its finder, .pth and dist-info) is left out: device runs 17 and 30 read three
-        # more files when it preceded the corpus, so the corpus would depend on the order of a call's steps.
-        ours = lambda p: p.name.startswith("__editable__") or any(q.startswith("sage_lightning-") for q in p.parts)
         for path in sorted(
             p for p in root.rglob("*") if p.suffix in (".py", ".txt", ".md", ".rst") and p.is_file() and not ours(p)
         ):
