@@ -75,3 +75,16 @@ def test_a_missing_or_unreadable_record_is_named(tmp_path):
     assert "no GPU-verification record" in check_record(tmp_path / "none.json")[0]
     (tmp_path / "bad.json").write_text("{")
     assert "unreadable" in check_record(tmp_path / "bad.json")[0]
+
+
+def test_gpu_verify_refuses_bad_limits_by_name(capsys):
+    import pytest
+
+    from benchmarks.kernels.gpu_verify import TIME_LIMIT_S, parse_args
+
+    assert parse_args([]).time_limit == TIME_LIMIT_S
+    assert parse_args(["--time-limit", "800"]).time_limit == 800
+    for argv in (["--time-limit", "30"], ["--test-workers", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--time-limit (>= 60 s)" in capsys.readouterr().err

@@ -69,7 +69,7 @@ ACCURACY_INPUTS = "normal sigma=1"
 #: 0.002 to 0.014 apart in three runs with the kernels right, and 0.73 apart with the broken dV of 0fd6d4e
 #: (results/training-h100-20261123-parity-broken-dv-0fd6d4e.json).
 PARITY_TOLERANCE = 0.05
-#: Wall-clock cap of the whole call, seconds (each part is stopped there and counts as failed).
+#: Wall-clock cap of the whole call, seconds (each part is stopped there and counts as failed); ``--time-limit``.
 TIME_LIMIT_S = 470
 
 
@@ -232,13 +232,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, default=None, help="the parts' files (default: beside --out)")
     parser.add_argument("--parity-steps", type=int, default=300, help="optimizer steps of each parity run")
     parser.add_argument("--test-workers", type=int, default=6, help="pytest-xdist workers for kernel_tests")
+    parser.add_argument("--time-limit", type=int, default=TIME_LIMIT_S, help="seconds for the four checks together")
     parser.add_argument("--agreement", choices=sorted(PRECISIONS), help=argparse.SUPPRESS)  # one worker's part
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.parity_steps < 100 or args.parity_steps % 100:
         parser.error(f"--parity-steps must be a multiple of 100 (a validation every 100); received {args.parity_steps}")
-    if args.test_workers < 1:
-        parser.error(f"--test-workers must be at least 1; received {args.test_workers}")
+    if args.test_workers < 1 or args.time_limit < 60:
+        parser.error(f"--test-workers (>= 1), --time-limit (>= 60 s); received {args.test_workers}, {args.time_limit}")
     return args
 
 
@@ -277,13 +278,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts[f"agreement:{name}"] = _spawn(argv_one, work / f"agreement-{name}.log", env)
     codes: dict[str, int | None] = {}
     for name, process in parts.items():
-        left = TIME_LIMIT_S - (time.perf_counter() - start)
+        left = args.time_limit - (time.perf_counter() - start)
         try:
             codes[name] = process.wait(timeout=max(left, 1))
         except subprocess.TimeoutExpired:
             process.kill()
             codes[name] = None
-            print(f"{name}: stopped at the time limit ({TIME_LIMIT_S} s)", flush=True)
+            print(f"{name}: stopped at the time limit ({args.time_limit} s)", flush=True)
     rows, missing = [], []
     for name in PRECISIONS:
         try:

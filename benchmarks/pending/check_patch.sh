@@ -16,7 +16,8 @@
 # Beside training lanes (benchmarks/gpu_lanes.sh; device run 25's way): DETACH=1 copies the tree to CHECK_DIR
 # (/tmp/check-patch) and runs the steps there in the background on GPU CHECK_GPU (0), writing to CHECK_DIR-out, so
 # later calls may replace the tree. With VERIFY_COMMIT=<the sha the patch will be committed as>, the last step is
-# gpu_verify's record instead of the kernel tests (it runs every kernel test). At the end it touches GPU_FREE_FLAG
+# gpu_verify's record instead of the kernel tests (it runs every kernel test; VERIFY_LIMIT, 800 s, its
+# --time-limit, above its default 470 s: one record took 465 s alone on an H100, and a patch adds tests). At the end it touches GPU_FREE_FLAG
 # (/tmp/sage-gpu0-free), which that GPU's first lanes line can wait for. `bash benchmarks/pending/check_patch.sh
 # collect` copies what it wrote so far to $OUT/check: call it in every device call until log.txt ends with "done".
 set -uo pipefail
@@ -64,7 +65,7 @@ fi
 if [[ -n "${VERIFY_COMMIT:-}" ]]; then
   step "gpu_verify with ${patch} as ${VERIFY_COMMIT}"
   GIT_COMMIT="${VERIFY_COMMIT}" timeout 900 python3 -m benchmarks.kernels.gpu_verify --out "${out}/gpu-verified.json" \
-    --work-dir /tmp/verify 2>&1 | tail -12
+    --work-dir "${dir}-verify" --time-limit "${VERIFY_LIMIT:-800}" 2>&1 | tail -12
 else
   step "kernel tests on CUDA with ${patch}"
   timeout 280 python3 -m pytest tests/test_triton_kernels.py tests/test_hopper_kernels.py tests/test_gluon_backward.py \
