@@ -402,7 +402,8 @@ def _dq_kernel(
 
 #: A kernel computing dK and dV in place of the portable one (the plan's: :mod:`.ops` passes it), called as
 #: ``(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, *, is_causal, scale)``
-#: and returning ``(dK, dV)``. It reads dO contiguous.
+#: and returning ``(dK, dV)``; one that reads Q'^ widened to dO's dtype (``backward``'s ``widen_q``) also takes it as
+#: ``q_wide=``. It reads dO contiguous.
 DkdvKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 #: A kernel computing dQ in place of the portable one, called as
 #: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``; it reads dO contiguous and K'^ as
@@ -433,13 +434,14 @@ def backward(
     ds: str,
     dkdv_kernel: DkdvKernel | None = None,
     dq_kernel: DqKernel | None = None,
+    widen_q: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dO's codes and the operands' transposed copies, then the dK/dV and dQ kernels; returns ``(dQ, dK, dV)``
-    contiguous in dO's dtype.
+    """dO's codes and the operands' transposed (or widened) copies, then the dK/dV and dQ kernels; returns
+    ``(dQ, dK, dV)`` contiguous in dO's dtype.
 
     Each temporary lives only as long as its kernel needs it, so the peak holds fewer of them: Q'^'s ``[D, N]``
-    copy and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before dQ and the portable dQ kernel's
-    ``[D, N]`` copy of K'^ are allocated (a planned dQ kernel reads K'^ as it is).
+    copy (or its copy in dO's dtype) and dO's ``[D, N]`` codes (read by the dK/dV kernel) are freed before dQ and the
+    portable dQ kernel's ``[D, N]`` copy of K'^ are allocated (a planned dQ kernel reads K'^ as it is).
 
     Args:
         grad_out: dO ``[B, Hq, N, D]``, any strides.
@@ -457,6 +459,12 @@ def backward(
         dkdv_kernel, dq_kernel: the kernels the call's plan (:func:`.plan.plan_attention`) runs in place of the
             portable ones, which it has checked serve the call (:data:`DkdvKernel`, :data:`DqKernel`); ``None``: the
             portable kernel.
+        widen_q: the preprocess launch also writes Q'^ in dO's dtype (``[B, Hq, N, D]``, 2 bytes an element while the
+            dK/dV kernel runs), handed to ``dkdv_kernel`` as ``q_wide=``: a non-INT8 ``ds``'s dK product reads it
+            through TMA (:func:`.hopper.gluon_dkdv_wg.gluon_dkdv_wg`) instead of widening Q'^'s codes per tile.
+
+    Raises:
+        ValueError: ``widen_q`` without a ``dkdv_kernel`` (the portable kernel reads no such copy).
 
     Example::
 
@@ -464,6 +472,8 @@ def backward(
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
                               dv="int8", dp="bf16", ds="int8")
     """
+    if widen_q and dkdv_kernel is None:
+        raise ValueError("backward: widen_q makes Q'^'s copy for a planned dK/dV kernel; received dkdv_kernel=None")
     if dkdv_kernel is not None or dq_kernel is not None:
         # The planned kernels (Hopper's) read dO through TMA, which wants it contiguous: one copy serves both (a
         # model's dO is usually a [B, N, H, D] view).
@@ -472,9 +482,10 @@ def backward(
     # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
     # the portable dQ kernel K'^'s (made just before it; a planned dQ kernel transposes K'^'s tiles itself).
     transposed = qk == ds and qk in LOW_BIT_FORMATS
-    delta, do_codes, do_codes_t, do_scale, q_op_t = backward_preprocess(
-        grad_out, out, block_m, codes=dp == "int8", codes_t=dv == "int8", transpose=q_op if transposed else None
-    )
+    delta, do_codes, do_codes_t, do_scale, q_op_t, q_wide = backward_preprocess(
+        grad_out, out, block_m, codes=dp == "int8", codes_t=dv == "int8", transpose=q_op if transposed else None,
+        widen=q_op if widen_q else None,
+    )  # fmt: skip
     do_t_scale = do_scale
     # FP8 codes of dO, per block of block_m rows as INT8's (dP reads them [N, D], dV [D, N]).
     if dp == "fp8":
@@ -514,7 +525,7 @@ def backward(
         # The plan's kernel: the same dK and dV, bit for bit (on Hopper, from TMA loads and async wgmma).
         grad_k, grad_v = dkdv_kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
-            is_causal=is_causal, scale=scale,
+            is_causal=is_causal, scale=scale, **({"q_wide": q_wide} if widen_q else {}),
         )  # fmt: skip
     else:
         grad_k = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
@@ -529,7 +540,7 @@ def backward(
             DV_FMT=dv, WITH_STATS=stats is not None, **common,
         )  # fmt: skip
     # Back to the caching allocator (the kernels run in stream order): the dQ kernel's buffers may take their place.
-    del q_op_t, do_codes_t
+    del q_op_t, q_wide, do_codes_t
     if dq_kernel is not None:
         # The plan's kernel: the same dQ, bit for bit; it transposes K'^'s tiles itself (no [D, N] copy).
         grad_q = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)

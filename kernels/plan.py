@@ -358,7 +358,7 @@ def _gluon_pass(q, k, formats, is_causal, block_m, block_n, module, name, switch
 
 
 def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> tuple[str, str, str, str]:  # noqa: ANN001
-    from .hopper import gluon_backward, gluon_dkdv_wg, gluon_dq, gluon_dq_wg
+    from .hopper import gluon_backward, gluon_dkdv_wg, gluon_dq
 
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     # dS in INT8, or in FP8 or bf16 (the product in bf16 against Q'^ and K'^'s codes widened: issue 42): every
@@ -379,7 +379,7 @@ def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> t
     dq = TRITON_DQ
     if takes:
         dq = GLUON_DQ
-        if switches.gluon_dq_wg == "auto" and gluon_dq_wg.gluon_dq_wg_serves(head_dim):
+        if switches.gluon_dq_wg == "auto" and gluon_dq.gluon_dq_wg_serves(head_dim):
             dq, dq_reason = GLUON_DQ_WG, f"{dq_reason}; one warpgroup per 128 queries at this head dim"
     return dkdv, dkdv_reason, dq, dq_reason
 

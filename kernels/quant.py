@@ -704,6 +704,8 @@ def _backward_preprocess_kernel(
     DO_SCALE,
     X,
     X_T,
+    W,
+    W_OUT,
     stride_dob,
     stride_doh,
     stride_don,
@@ -720,13 +722,16 @@ def _backward_preprocess_kernel(
     CODES: tl.constexpr,
     CODES_T: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    WIDEN: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """``delta = rowsum(dO * O)`` per row and dO's INT8 codes and scale per block, in one read of dO.
 
     ``CODES`` writes the codes ``[N, D]`` (an INT8 ``dP = dO V^T`` sums over D); ``CODES_T`` writes them ``[D, N]``
     (the INT8 ``dV = P^T dO`` sums over queries, which 8-bit tensor-core products want contiguous). ``TRANSPOSE``
     also copies the same rows of ``X`` (contiguous ``[B, H, N, D]``, dO's shape) into ``X_T`` ``[B, H, D, N]``, as
-    :func:`transpose_rows` does, saving that launch.
+    :func:`transpose_rows` does, saving that launch. ``WIDEN`` copies the same rows of ``W`` (INT8 codes of dO's
+    shape, contiguous) into ``W_OUT`` in its dtype (dO's: every INT8 code is a bf16 exactly).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -758,6 +763,18 @@ def _backward_preprocess_kernel(
         tl.store(DO_SCALE + pid_bh * tl.cdiv(SEQ, BLOCK_M) + pid_m, scale)
     if TRANSPOSE:
         _transpose_block(X, X_T, pid_m, pid_bh, SEQ, HEAD_DIM, BLOCK_M, D_PAD)
+    if WIDEN:
+        # The block's rows of W are one contiguous run (every column): copied as a 1-D range, not as a [BLOCK_M, D_PAD]
+        # tile. Such a tile would share dO's and O's mask and offsets, and Triton's coalescing gives the loads of one
+        # slice the widest vector any of them takes (16 INT8 codes a thread against 8 bf16): dO's and O's layout, and
+        # so the order of delta's row sums, would change with WIDEN, and with it dS and dQ (device run 29). A 1-D range
+        # of another shape leaves dO, O and delta compiled as without WIDEN.
+        start = pid_m * BLOCK_M
+        idx = tl.arange(0, BLOCK_M * D_PAD)
+        live = idx < tl.minimum(SEQ - start, BLOCK_M) * HEAD_DIM
+        offs = (pid_bh * SEQ + start) * HEAD_DIM + idx
+        codes_w = tl.load(W + offs, mask=live, other=0)
+        tl.store(W_OUT + offs, to_dtype(codes_w, W_OUT.dtype.element_ty, DOT_PRECISION), mask=live)
 
 
 def backward_preprocess(
@@ -768,9 +785,17 @@ def backward_preprocess(
     codes: bool,
     codes_t: bool,
     transpose: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    widen: torch.Tensor | None = None,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]:
     """``delta`` ``[B, H, N]`` fp32 and dO's INT8 codes (``[B, H, N, D]`` and/or ``[B, H, D, N]``) and scales, and
-    optionally ``transpose_rows(transpose)``, in one launch.
+    optionally ``transpose_rows(transpose)`` and ``widen.to(grad_out.dtype)``, in one launch.
 
     Args:
         grad_out: dO ``[B, H, N, D]``, any strides (autograd may hand an expanded tensor).
@@ -780,23 +805,30 @@ def backward_preprocess(
         codes_t: write the codes ``[B, H, D, N]`` (needed when ``dv`` runs in INT8).
         transpose: a contiguous tensor of dO's shape (the backward's Q'^) whose ``[B, H, D, N]`` copy the same
             programs write (:func:`transpose_rows`'s result, one launch fewer); ``None``: none.
+        widen: contiguous INT8 codes of dO's shape (the backward's Q'^) whose copy in dO's dtype, ``[B, H, N, D]``,
+            the same programs write (exact: the bf16 operand of a non-INT8 dS's dK product, read by
+            :func:`.hopper.gluon_dkdv_wg.gluon_dkdv_wg` through TMA); ``None``: none.
 
     Returns:
-        ``(delta, codes, codes_t, scale, transposed)``, each of the last four ``None`` when not asked for.
+        ``(delta, codes, codes_t, scale, transposed, widened)``, each of the last five ``None`` when not asked for.
 
     Raises:
-        ValueError: ``transpose`` of another shape than ``grad_out`` or not contiguous.
+        ValueError: ``transpose`` or ``widen`` of another shape than ``grad_out`` or not contiguous, or a ``widen``
+            that is not INT8.
 
     Example::
 
-        delta, _, codes_t, scale, q_op_t = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True,
-                                                               transpose=q_op)
+        delta, _, codes_t, scale, q_op_t, _ = backward_preprocess(grad_out, out, 128, codes=False, codes_t=True,
+                                                                  transpose=q_op)
     """
-    if transpose is not None and (transpose.shape != grad_out.shape or not transpose.is_contiguous()):
-        raise ValueError(
-            f"backward_preprocess: transpose must be contiguous with grad_out's shape {tuple(grad_out.shape)}; "
-            f"received shape {tuple(transpose.shape)}, contiguous={transpose.is_contiguous()}"
-        )
+    for name, x in (("transpose", transpose), ("widen", widen)):
+        if x is not None and (x.shape != grad_out.shape or not x.is_contiguous()):
+            raise ValueError(
+                f"backward_preprocess: {name} must be contiguous with grad_out's shape {tuple(grad_out.shape)}; "
+                f"received shape {tuple(x.shape)}, contiguous={x.is_contiguous()}"
+            )
+    if widen is not None and widen.dtype != torch.int8:
+        raise ValueError(f"backward_preprocess: widen must hold INT8 codes; received dtype {widen.dtype}")
     batch, heads, seq, head_dim = grad_out.shape
     blocks = triton.cdiv(seq, block_m)
     device = grad_out.device
@@ -807,6 +839,7 @@ def backward_preprocess(
     x_t = None
     if transpose is not None:
         x_t = torch.empty(batch, heads, head_dim, seq, dtype=transpose.dtype, device=transpose.device)
+    widened = torch.empty(grad_out.shape, dtype=grad_out.dtype, device=device) if widen is not None else None
     if blocks and batch * heads:
         _backward_preprocess_kernel[(blocks, batch * heads)](
             grad_out,
@@ -817,6 +850,8 @@ def backward_preprocess(
             scale if scale is not None else delta,
             transpose if transpose is not None else delta,
             x_t if x_t is not None else delta,
+            widen if widen is not None else delta,
+            widened if widened is not None else delta,
             *grad_out.stride(),
             *out.stride(),
             heads,
@@ -827,8 +862,10 @@ def backward_preprocess(
             CODES=codes,
             CODES_T=codes_t,
             TRANSPOSE=transpose is not None,
+            WIDEN=widen is not None,
+            DOT_PRECISION=dot_precision(grad_out.dtype),
         )
-    return delta, normal, transposed, scale, x_t
+    return delta, normal, transposed, scale, x_t, widened
 
 
 @triton.jit

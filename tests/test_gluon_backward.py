@@ -138,6 +138,73 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
     x = torch.zeros(1, 1, 4096, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dkdv_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'e5m2'"):
         wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="e5m2")
+    # Q'^ in bf16 from the preprocess: for an FP8 or bf16 dS only, of Q'^'s shape, contiguous.
+    wide = torch.zeros(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
+    refused = r"gluon_dkdv_wg: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
+    for ds_fmt, q_wide, received in [
+        ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
+        ("fp8", x, r"torch.int8 \(1, 1, 4096, 64\)"),
+        ("fp8", wide[:, :, :2048], r"torch.bfloat16 \(1, 1, 2048, 64\)"),
+        (
+            "bf16",
+            wide.new_zeros(1, 1, 64, 4096).transpose(2, 3),
+            r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=False",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=refused + received):
+            wg.gluon_dkdv_wg(
+                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide
+            )
+
+
+@pytest.mark.parametrize(
+    ("dkdv_kernel", "ds", "widened"),
+    [("gluon_dkdv_wg", "fp8", True), ("gluon_dkdv_wg", "bf16", True), ("gluon_dkdv_wg", "int8", False),
+     ("gluon_dkdv", "fp8", False)],
+)  # fmt: skip
+def test_the_preprocess_widens_q_for_the_one_warpgroup_kernel_with_an_fp8_or_bf16_ds_only(
+    monkeypatch, dkdv_kernel, ds, widened
+):
+    """Issue 42: the backward's preprocess launch writes Q'^ in bf16 (N x D x 2 bytes per query head) only when the
+    plan runs ``gluon_dkdv_wg`` with an FP8 or bf16 dS, and hands it to that kernel as ``q_wide``: the values are the
+    INT8 codes, exactly. (The Gluon kernel is stood in for: the interpreter cannot run it; the portable dQ runs.)"""
+    from sage_lightning.kernels import ops
+
+    seen: dict[str, object] = {}
+
+    def stand_in(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, *rest, **kwargs):
+        seen.update(kwargs, q_op=q_op)
+        grad_k = torch.zeros(k_op.shape, dtype=grad_out.dtype, device=grad_out.device)
+        return grad_k, grad_k.clone()
+
+    monkeypatch.setattr(ops, dkdv_kernel, stand_in)
+    # The preprocess and the portable dQ kernel run: on the GPU where there is one (conftest: the interpreter
+    # otherwise, on CPU tensors).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and ds == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("an FP8 dS needs FP8 tensor cores (compute capability 8.9 or newer)")
+    gen = torch.Generator().manual_seed(42)
+    batch, heads, seq, head_dim = 1, 2, 128, 64
+    shape = (batch, heads, seq, head_dim)
+    q_op = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+    k_op = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+    grad_out, out, v = (torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(3))
+    scales = (
+        torch.full((batch, heads, seq // 128), 1e-3, device=device),
+        torch.full((batch, heads, seq // 64), 1e-3, device=device),
+    )
+    lse = torch.zeros(batch, heads, seq, device=device)
+    ops._sagebwd_backward(
+        grad_out, out, lse, q_op, scales[0], torch.empty(0, device=device), k_op, scales[1], v, None, False, 0.125,
+        "int8", "int8", "bf16", ds, 128, 64, dkdv_kernel, "triton_dq",
+    )  # fmt: skip
+    assert seen["q_op"] is q_op and seen.get("ds_fmt", "int8") == ds
+    if widened:
+        q_wide = seen["q_wide"]
+        assert q_wide.dtype == torch.bfloat16 and q_wide.is_contiguous()
+        assert torch.equal(q_wide, q_op.to(torch.bfloat16))
+    else:
+        assert "q_wide" not in seen
 
 
 def _count_gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -260,6 +327,49 @@ def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gra
             assert rel < 1e-4, f"dK: rel_l2 {rel} against the 64-key kernel's (equal: {torch.equal(a, b)})"
         else:
             assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, causal",
+    [
+        pytest.param(2, 4, 2, 1024, 1024, False, id="gqa"),
+        pytest.param(2, 4, 2, 1024, 1024, True, id="gqa-causal"),
+        pytest.param(2, 4, 2, 512, 384, True, id="causal-fewer-keys"),
+        pytest.param(1, 4, 2, 256, 512, True, id="causal-more-keys"),
+    ],
+)
+def test_q_widened_by_the_preprocess_gives_the_one_warpgroup_kernel_the_gradients_of_q_widened_per_tile(
+    monkeypatch, ds, batch, hq, hkv, n, nk, causal
+):
+    """Issue 42: at D=64 with an FP8 or bf16 dS, ``gluon_dkdv_wg`` reading Q'^ in bf16 from the preprocess's copy
+    through the TMA ring (what the backward runs) against the same kernel widening each tile's codes per warpgroup
+    (``q_wide`` dropped): the same bf16 operands in the same shared-memory layout and the same wgmma, so dQ, dK, dV
+    and the dS statistics are equal, dK bit for bit."""
+    from sage_lightning.kernels import AttentionPrecision, ops
+
+    precision = AttentionPrecision(ds=ds)
+    widened: list[bool] = []
+    original = ops.gluon_dkdv_wg
+    shape = (batch, hq, hkv, n, nk, 64, causal)
+    monkeypatch.setattr(
+        ops, "gluon_dkdv_wg", lambda *a, **kw: widened.append(kw.get("q_wide") is not None) or original(*a, **kw)
+    )
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True], widened
+
+    def per_tile(*args, q_wide=None, **kwargs):
+        widened.append(False)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gluon_dkdv_wg", per_tile)
+    want = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True, False], widened
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
 
 

@@ -13,7 +13,6 @@ from gluon_support import TRITON, count_calls, hopper_grads, meta_plan, needs_ho
 from sage_lightning.kernels import plan
 from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.hopper import gluon_dq as gq
-from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
@@ -110,7 +109,7 @@ def test_the_launchers_refuse_a_ds_format_they_do_not_take():
         gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="int4")
     q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'int4'"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="int4")
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="int4", wg=True)
 
 
 def test_an_unknown_setting_is_refused(kernel_switch, gluon_here, monkeypatch):
@@ -147,10 +146,10 @@ def test_the_one_warpgroup_per_block_switch_and_launcher_refuse_what_they_do_not
         meta_plan(False, {"head_dim": 64})
     q = torch.zeros(1, 1, 256, 128, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: serves head_dim in \(64,\); received head_dim=128"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1)
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, wg=True)
     q = torch.zeros(1, 1, 256, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dq_wg: stages must be at least 2 .*; received stages=1"):
-        gqw.gluon_dq_wg(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=1)
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, stages=1, wg=True)
 
 
 def _grads(monkeypatch, setting: str, *shape, precision=None) -> tuple[torch.Tensor, ...]:
@@ -186,7 +185,7 @@ def test_gluon_dq_equals_the_portable_kernel_bit_for_bit(monkeypatch, batch, hq,
     calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape)
-    expected = "gluon_dq_wg" if gqw.gluon_dq_wg_serves(d) else "gluon_dq"
+    expected = "gluon_dq_wg" if gq.gluon_dq_wg_serves(d) else "gluon_dq"
     assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape)
@@ -222,7 +221,7 @@ def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_dq(monkeypatch, ds, batch,
     calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape, precision=precision)
-    expected = "gluon_dq_wg" if gqw.gluon_dq_wg_serves(d) else "gluon_dq"
+    expected = "gluon_dq_wg" if gq.gluon_dq_wg_serves(d) else "gluon_dq"
     assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape, precision=precision)
@@ -276,7 +275,7 @@ def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(kernel_switch, monkeyp
         calls.clear()
         heads = max(1, min_scores // (seq * seq))
         _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, False)
-        assert calls == ["gluon_dq_wg" if gqw.gluon_dq_wg_serves(head_dim) else "gluon_dq"], head_dim
+        assert calls == ["gluon_dq_wg" if gq.gluon_dq_wg_serves(head_dim) else "gluon_dq"], head_dim
         calls.clear()
         _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, True)  # causal: half the scores, below it
         assert calls == [], head_dim

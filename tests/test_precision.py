@@ -117,3 +117,12 @@ def test_a_field_that_is_not_a_str_is_refused_where_it_is_set(field: str) -> Non
         with pytest.raises(TypeError) as info:
             AttentionPrecision(**{field: bad})
         assert field in str(info.value) and "must be a str" in str(info.value) and type(bad).__name__ in str(info.value)
+
+
+def test_the_hopper_preset_is_the_default_with_bf16_ds() -> None:
+    assert AttentionPrecision.hopper() == AttentionPrecision(ds="bf16")
+    assert AttentionPrecision.hopper().short_name == "sagebwd:int8=qk,pv,dv;smooth_k"
+    assert AttentionPrecision.hopper(smooth_q=True) == AttentionPrecision(ds="bf16", smooth_q=True)
+    assert AttentionPrecision() != AttentionPrecision.hopper()  # the INT8 default stays the default
+    with pytest.raises(ValueError, match="ds"):
+        AttentionPrecision.hopper(ds="int4")

@@ -218,9 +218,13 @@ def test_backward_preprocess_delta_and_codes():
     # Autograd can hand an expanded (stride 0) or transposed gradient: the kernel reads strides.
     do_t = do.transpose(1, 2).contiguous().transpose(1, 2)
     x = torch.randint(-127, 128, (1, 2, 70, 32), generator=gen, dtype=torch.int8).to(DEVICE)
-    delta, codes, codes_t, scale, x_t = backward_preprocess(do_t, out, 64, codes=True, codes_t=True, transpose=x)
-    # The backward's Q'^ [D, N] copy comes from the same launch (70 rows: the second block is partial).
+    delta, codes, codes_t, scale, x_t, x_w = backward_preprocess(
+        do_t, out, 64, codes=True, codes_t=True, transpose=x, widen=x
+    )
+    # The backward's Q'^ [D, N] copy (and its copy in dO's dtype, the one-warpgroup dK/dV kernel's with a non-INT8
+    # dS) come from the same launch (70 rows: the second block is partial).
     assert torch.equal(x_t, x.transpose(-1, -2))
+    assert x_w.dtype == torch.bfloat16 and torch.equal(x_w, x.to(torch.bfloat16))
     assert torch.allclose(delta, (do.float() * out.float()).sum(-1), rtol=1e-5, atol=1e-5)
     padded = torch.nn.functional.pad(do.float(), (0, 0, 0, 58)).reshape(1, 2, 2, 64, 32)
     ref_codes, ref_scale = quantize_int8(padded, (-2, -1))
@@ -229,10 +233,27 @@ def test_backward_preprocess_delta_and_codes():
     assert torch.equal(scale, ref_scale.reshape(1, 2, 2))
     only_delta = backward_preprocess(do, out, 64, codes=False, codes_t=False)
     # Another compiled variant (and dO's other strides): the fp32 row sums may round differently.
-    assert torch.allclose(only_delta[0], delta, rtol=1e-6, atol=1e-6) and only_delta[1:] == (None,) * 4
+    assert torch.allclose(only_delta[0], delta, rtol=1e-6, atol=1e-6) and only_delta[1:] == (None,) * 5
 
 
-def test_backward_preprocess_refuses_a_transpose_it_cannot_lay_over_grad_out():
+@pytest.mark.parametrize("seq, head_dim", [(1024, 64), (200, 64), (70, 20)])
+def test_widening_q_in_the_preprocess_leaves_delta_bit_for_bit(seq, head_dim):
+    """Issue 42: the copy of Q'^ in dO's dtype (``widen``, D=64's one-warpgroup dK/dV kernel with an FP8 or bf16 dS)
+    is another compiled variant of the preprocess launch, which must leave ``delta`` as it is without it, bit for
+    bit: dS and dQ read it, and the test of that kernel against the 64-key one wants the same dQ. Device run 29: the
+    copy as a [BLOCK_M, D] tile gave dO's loads the INT8 copy's vector width, and delta's sums another order."""
+    gen = torch.Generator().manual_seed(seq + head_dim)
+    do, out = (torch.randn(2, 3, seq, head_dim, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    q_op = torch.randint(-127, 128, (2, 3, seq, head_dim), generator=gen, dtype=torch.int8).to(DEVICE)
+    # As the backward calls it with an INT8 dV and a bf16 dP (the default): dO's codes [D, N] only.
+    plain = backward_preprocess(do, out, 128, codes=False, codes_t=True)
+    widened = backward_preprocess(do, out, 128, codes=False, codes_t=True, widen=q_op)
+    assert torch.equal(widened[0], plain[0]), (widened[0] - plain[0]).abs().max().item()
+    assert torch.equal(widened[2], plain[2]) and torch.equal(widened[3], plain[3])
+    assert plain[5] is None and torch.equal(widened[5], q_op.to(torch.bfloat16))
+
+
+def test_backward_preprocess_refuses_a_copy_it_cannot_lay_over_grad_out():
     do = torch.zeros(1, 2, 64, 32, device=DEVICE)
     x = torch.zeros(1, 2, 32, 64, dtype=torch.int8, device=DEVICE)
     with pytest.raises(ValueError, match=r"transpose must be contiguous with grad_out's shape \(1, 2, 64, 32\); "
@@ -240,6 +261,12 @@ def test_backward_preprocess_refuses_a_transpose_it_cannot_lay_over_grad_out():
         backward_preprocess(do, do, 64, codes=False, codes_t=False, transpose=x)
     with pytest.raises(ValueError, match=r"received shape \(1, 2, 64, 32\), contiguous=False"):
         backward_preprocess(do, do, 64, codes=False, codes_t=False, transpose=x.transpose(-1, -2))
+    with pytest.raises(
+        ValueError, match=r"widen must be contiguous with grad_out's .*; received shape \(1, 2, 32, 64\)"
+    ):
+        backward_preprocess(do, do, 64, codes=False, codes_t=False, widen=x)
+    with pytest.raises(ValueError, match=r"widen must hold INT8 codes; received dtype torch.float32"):
+        backward_preprocess(do, do, 64, codes=False, codes_t=False, widen=do)
 
 
 @pytest.mark.parametrize("seq, head_dim", [(100, 32), (64, 20)])

@@ -20,7 +20,7 @@ import torch
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-smem``: the dS codes through shared
 #: memory instead of registers; ``-defer``: each tile's dQ product finished in the next iteration; ``wg``: one
-#: warpgroup per 128-query block (``gluon_dq_wg.py``, D=64 only).
+#: warpgroup per 128-query block (``gluon_dq(wg=True)``, D=64 only).
 VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer", "wg")
 
 
@@ -75,29 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     offline._DUMP["dir"] = args.dump
     offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
     from sage_lightning.kernels.hopper import gluon_dq as gq
-    from sage_lightning.kernels.hopper import gluon_dq_wg as gqw
 
     failures = 0
     for head_dim in args.head_dim:
         for causal in (bool(c) for c in args.causal):
             x = offline.backward_inputs(1, 4, 2, args.seq, head_dim)  # GQA: 2 query heads per kv head
             for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
-                if variant == "wg" and not gqw.gluon_dq_wg_serves(head_dim):
+                if variant == "wg" and not gq.gluon_dq_wg_serves(head_dim):
                     continue
                 offline._CASE["name"] = f"gluon-dq-{variant} D={head_dim} causal={causal} st={stages}"
                 try:
-                    if variant == "wg":
-                        gqw.gluon_dq_wg(
-                            x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"],
-                            x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5,
-                            stages=stages or 4,
-                        )  # fmt: skip
-                        continue
                     gq.gluon_dq(
                         x["grad_out"], x["delta"], x["q_op"], x["q_scale"], x["k_op"], x["k_scale"],
                         x["v"], x["lse"], is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
-                        warp_specialize=variant.startswith("ws"), codes_in_registers="smem" not in variant,
-                        defer=variant.endswith("defer"),
+                        warp_specialize=variant.startswith("ws") or variant == "wg",
+                        codes_in_registers="smem" not in variant, defer=variant.endswith("defer"),
+                        wg=variant == "wg",
                     )  # fmt: skip
                 except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                     failures += 1

@@ -1,5 +1,5 @@
 """What the Gluon backward kernels for Hopper share: :mod:`.gluon_backward` and :mod:`.gluon_dkdv_wg` (dK and dV),
-:mod:`.gluon_dq` and :mod:`.gluon_dq_wg` (dQ). The quantization (SageBwd's INT8 codes and scales) and the scaling of
+:mod:`.gluon_dq` (dQ, both its variants). The quantization (SageBwd's INT8 codes and scales) and the scaling of
 an int32 product; the grid order by head chunks and the wgmma layouts; per pass, what both partitions of the work
 (two warpgroups splitting each tile, or one warpgroup per tile) compute alike: the program's place and shared
 memory, the TMA loads, a tile's scores, codes and products, the epilogue; on the host, the TMA descriptors.
@@ -166,6 +166,7 @@ if HAVE_GLUON:
     def _dkdv_smem(
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr, HP_DS: gl.constexpr = False,
+        Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         """Shared memory: K'^ and V of the program (``HALVES`` 64-key tiles; one is not indexed), a ``STAGES``-deep
         ring of Q'^, Q'^T, dO, dO^T, lse and delta tiles, the codes of P^T and dS^T (per half), the ring's
@@ -174,7 +175,8 @@ if HAVE_GLUON:
 
         With ``HP_DS`` (a non-INT8 dS) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile per half, Q'^
         widened by that half's consumer (the dK product's B operand; two halves run apart, so each widens its own),
-        and dS^T's tiles are bf16."""
+        and dS^T's tiles are bf16. With ``Q_WIDE`` as well, ``desc_qt`` is Q'^ already widened to bf16 (the backward's
+        preprocess makes the copy) and the slot is a ring of its ``[BLOCK_M, D]`` tiles, loaded beside Q'^'s."""
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
         if HALVES == 1:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
@@ -183,7 +185,7 @@ if HAVE_GLUON:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, [HALVES] + desc_k.block_type.shape, desc_k.layout)
             v_smem = gl.allocate_shared_memory(desc_v.dtype, [HALVES] + desc_v.block_type.shape, desc_v.layout)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        if not HP_DS:
+        if not HP_DS or Q_WIDE:
             qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         else:
             qb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(desc_q.block_type.shape, gl.bfloat16)
@@ -240,12 +242,13 @@ if HAVE_GLUON:
         t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
         q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
         SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PREDICATED: gl.constexpr = True,
-        LOAD_QT: gl.constexpr = True,
+        LOAD_QT: gl.constexpr = True, Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
         stage ``t % STAGES``; with ``PREDICATED``, nothing when ``t >= total`` (without, ``t < total`` is the
         caller's). ``row_q0``: the group's first head's first row in the ``[B*H*N, D]`` views; ``col_t0``: its first
-        row in the ``[B*H*D, N]`` views. Without ``LOAD_QT`` (a non-INT8 dS) no Q'^T tile is loaded."""
+        row in the ``[B*H*D, N]`` views. Without ``LOAD_QT`` (a non-INT8 dS) no Q'^T tile is loaded; with ``Q_WIDE``
+        ``desc_qt`` is Q'^ widened to bf16 (``[B*H*N, D]``, a non-INT8 dS's dK operand), its tile loaded as Q'^'s."""
         s = t % STAGES
         if PREDICATED:
             live = t < total
@@ -263,7 +266,10 @@ if HAVE_GLUON:
         mbarrier.expect(bar, nbytes, pred=live)
         tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(s), pred=live)
         if LOAD_QT:
-            tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
+            if Q_WIDE:
+                tma.async_copy_global_to_shared(desc_qt, [row, 0], bar, qt_smem.index(s), pred=live)
+            else:
+                tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
         # The tile's lse and delta (512 bytes each) come with it.
@@ -274,11 +280,12 @@ if HAVE_GLUON:
     def _dkdv_loader(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
-        LOAD_QT: gl.constexpr = True,
+        LOAD_QT: gl.constexpr = True, Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
-        """The load partition (one warp): K'^ and V once (:func:`_load_kv`), then every iteration's Q'^, Q'^T, dO
-        and dO^T tiles (with lse and delta) into the ring, each stage refilled once the consumers have released it
-        (``empty``). With one half its loads are predicated on ``t < total`` (:func:`_issue_loads`)."""
+        """The load partition (one warp): K'^ and V once (:func:`_load_kv`), then every iteration's Q'^, Q'^T (or
+        with ``Q_WIDE`` Q'^ in bf16), dO and dO^T tiles (with lse and delta) into the ring, each stage refilled once the
+        consumers have released it (``empty``). With one half its loads are predicated on ``t < total``
+        (:func:`_issue_loads`)."""
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
@@ -290,7 +297,7 @@ if HAVE_GLUON:
             _issue_loads(
                 t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
                 q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                HALVES == 1, LOAD_QT,
+                HALVES == 1, LOAD_QT, Q_WIDE,
             )  # fmt: skip
 
     @gluon.jit
@@ -451,7 +458,7 @@ if HAVE_GLUON:
             gl.atomic_add(STATS, gl.sum(err2, axis=0))
             gl.atomic_add(STATS + 1, gl.sum(norm2, axis=0))
 
-    # dQ (gluon_dq, gluon_dq_wg): a program holds Q_BLOCKS 128-query blocks of one query head and walks the key
+    # dQ (gluon_dq, both variants): a program holds Q_BLOCKS 128-query blocks of one query head and walks the key
     # tiles of its kv head.
 
     @gluon.jit
@@ -528,7 +535,7 @@ if HAVE_GLUON:
         above the diagonal on the tiles from ``full_hi`` on when ``CAUSAL``), ``dS = P (dP - delta)`` and its codes
         with one scale for the tile; returns ``(ds_scale, codes)``. ``offs_n_tile``: the keys' offsets within a
         tile, made once by the caller, or ``None`` to make them in the masked branch (where the registers are
-        scarce: :mod:`.gluon_dq_wg`'s warpgroup would spill holding them through the loop)."""
+        scarce: :mod:`.gluon_dq`'s ``wg`` warpgroup would spill holding them through the loop)."""
         s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
         p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
         if CAUSAL:
@@ -613,10 +620,12 @@ def dkdv_operands(
     lse: torch.Tensor,
     block_m: int,
     block_n: int,
+    q_wide: torch.Tensor | None = None,
 ) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, torch.Tensor]:
     """The dK/dV launchers' TMA descriptors (Q'^, Q'^T, K'^, V, dO, dO^T, lse, delta: the kernels' first eight
     arguments, tiles of ``block_m`` queries and ``block_n`` keys) and the empty ``(dK, dV)`` they write. ``q_op_t``
-    ``None`` (a kernel that reads no Q'^T: a non-INT8 dS): Q'^'s descriptor stands in its place.
+    ``None`` (a kernel that reads no Q'^T: a non-INT8 dS): Q'^'s descriptor stands in its place, or with ``q_wide``
+    (Q'^ widened to bf16, ``[B, Hq, N, D]``) that copy's, in tiles of ``block_m`` queries as Q'^'s.
 
     Example::
 
@@ -629,9 +638,15 @@ def dkdv_operands(
     dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
     desc_q = _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim])
+    if q_op_t is not None:
+        desc_qt = _desc(q_op_t, bh * head_dim, seq_q, [head_dim, block_m])
+    elif q_wide is not None:
+        desc_qt = _desc(q_wide, bh * seq_q, head_dim, [block_m, head_dim])
+    else:
+        desc_qt = desc_q
     descs = (
         desc_q,
-        _desc(q_op_t, bh * head_dim, seq_q, [head_dim, block_m]) if q_op_t is not None else desc_q,
+        desc_qt,
         _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
         _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
         _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),

@@ -22,8 +22,11 @@ on the device (``benchmarks/NOTES.md``, device run 7).
 dS in FP8 or bf16 (``DS_FMT``, issue 42: the precision the controller escalates a layer to) takes
 :mod:`.gluon_backward`'s numerics for those formats: dS^T's e4m3 codes (one scale per tile) widened to bf16, or dS
 rounded to bf16, as the A operand of a bf16 wgmma with fp32 accumulation whose B operand is the tile's Q'^ codes
-widened to bf16 in shared memory; no Q'^T is loaded. The two warpgroups run apart, so each widens Q'^ into a buffer of
-its own (16 KiB each at D=64; dS^T's bf16 tiles take 8 KiB more each, the ring 8 KiB less per stage without Q'^T).
+in bf16 (exact); no Q'^T is loaded. The backward's preprocess launch writes Q'^ in bf16 once (``q_wide``, N x D x 2
+bytes per query head) and its tile comes through the TMA ring beside Q'^'s codes (``Q_WIDE``: 16 KiB more per stage
+at D=64, 8 KiB less without Q'^T; dS^T's bf16 tiles take 8 KiB more per warpgroup). Without that copy each warpgroup
+widens the tile's codes into a buffer of its own (the two run apart; 16 KiB each), 160 more instructions per
+iteration and spills (offline sm_90 compile, ``benchmarks/NOTES.md``).
 
 Design, offline figures and the device results: ``benchmarks/NOTES.md`` (device run 7) and
 ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
@@ -85,17 +88,19 @@ if HAVE_GLUON:
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HALF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr,
+        Q_WIDE: gl.constexpr,
     ):  # fmt: skip
         """One consumer warpgroup: keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 against every
-        query tile; its dK and dV rows to global memory at the end. With a non-INT8 ``DS_FMT`` it widens each tile's
-        Q'^ to bf16 in its own buffer before the tile's S is issued, and dK's product runs in bf16."""
+        query tile; its dK and dV rows to global memory at the end. With a non-INT8 ``DS_FMT`` dK's product runs in
+        bf16 against the tile's Q'^ in bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its
+        own buffer before the tile's S is issued."""
         k_all, v_all, q_smem, qt_smem, do_smem, dot_smem, p_all, ds_all, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         k_smem = k_all.index(HALF)
         v_smem = v_all.index(HALF)
         p_smem = p_all.index(HALF)
         ds_smem = ds_all.index(HALF)
-        if DS_FMT != "int8":
+        if DS_FMT != "int8" and not Q_WIDE:
             qb_smem = qt_smem.index(HALF)  # this half's Q'^ widened to bf16 (no Q'^T ring)
         # One warpgroup: its 4 warps split the 64 keys' rows; a row's 128 queries lie in one thread quad.
         s_layout: gl.constexpr = _wgmma_layout(4, 1, BLOCK_M, 32)
@@ -128,7 +133,7 @@ if HAVE_GLUON:
             )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            if DS_FMT != "int8":
+            if DS_FMT != "int8" and not Q_WIDE:
                 # Q'^ widened to bf16 (dK's B operand; this warpgroup's dK product of the tile before was waited for
                 # at its end), while few registers are live: before S's accumulator.
                 _widen_codes(q_smem.index(stage), qb_smem, BLOCK_M, HEAD_DIM, 4, 8)
@@ -161,8 +166,12 @@ if HAVE_GLUON:
                 dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
             else:
                 ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                if Q_WIDE:
+                    qb_tile = qt_smem.index(stage)  # the preprocess's bf16 copy of Q'^, through the ring
+                else:
+                    qb_tile = qb_smem
                 dv_tok, dk_tok = _dkdv_products_hp(
-                    p_smem, ds_smem, dot_smem.index(stage), qb_smem, acc_zero,
+                    p_smem, ds_smem, dot_smem.index(stage), qb_tile, acc_zero,
                     gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
                 )  # fmt: skip
                 dv, dk = _dkdv_accumulate_hp(
@@ -183,7 +192,7 @@ if HAVE_GLUON:
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, HEAD_CHUNK: gl.constexpr, LOAD_REGS: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8",
+        CONSUMER_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8", Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         # Two 64-key halves per program (_dkdv_program: the grid's order, the query tiles it walks).
         pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
@@ -194,7 +203,7 @@ if HAVE_GLUON:
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs, bars = _dkdv_smem(
             desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 2,
-            DS_FMT != "int8",  # Q'^'s codes widened to bf16 per half for an FP8 or bf16 dS's product
+            DS_FMT != "int8", Q_WIDE,  # an FP8 or bf16 dS's product: Q'^ in bf16, a ring or one buffer per half
         )  # fmt: skip
         gl.warp_specialize(
             [
@@ -202,18 +211,18 @@ if HAVE_GLUON:
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS, DS_FMT),
+                     CAUSAL, WITH_STATS, DS_FMT, Q_WIDE),
                 ),
                 (
                     _wg_compute,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, SEQ_Q, SEQ_K, pid_n, pid_bkv, Q_SCALE, K_SCALE,
                      DO_SCALE, DK, DV, STATS, qk_scale, tau, 1, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                     CAUSAL, WITH_STATS, DS_FMT),
+                     CAUSAL, WITH_STATS, DS_FMT, Q_WIDE),
                 ),
                 (
                     _dkdv_loader,
                     (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                     STAGES, 2, DS_FMT == "int8"),
+                     STAGES, 2, DS_FMT == "int8" or Q_WIDE, Q_WIDE),
                 ),
             ],
             [4, 1],
@@ -250,6 +259,7 @@ def gluon_dkdv_wg(
     scale: float,
     stages: int = 3,
     ds_fmt: str = "int8",
+    q_wide: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as :func:`.gluon_backward.gluon_dkdv` returns them, bit for bit, for the calls
     :func:`gluon_dkdv_wg_serves` accepts (arguments as there).
@@ -258,15 +268,19 @@ def gluon_dkdv_wg(
         grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, is_causal,
             scale: as :func:`.gluon_backward.gluon_dkdv`.
         stages: depth of the TMA ring (3 at D=64: 40 KiB per stage beside 56 KiB of K, V and codes; with a non-INT8
-            dS 33 KiB per stage beside 104 KiB).
+            dS and ``q_wide`` 49 KiB per stage beside 72 KiB, without ``q_wide`` 33 KiB per stage beside 104 KiB).
         ds_fmt: dS's format, as :func:`.gluon_backward.gluon_dkdv`'s: ``"int8"``; ``"fp8"`` or ``"bf16"``, whose dK
-            product runs in bf16 against Q'^'s codes widened to bf16 (``q_op_t`` is not read).
+            product runs in bf16 against Q'^'s codes in bf16 (``q_op_t`` is not read).
+        q_wide: with a non-INT8 ``ds_fmt``, Q'^ widened to bf16, ``[B, Hq, N, D]`` contiguous (``backward``'s
+            ``widen_q``: the preprocess launch writes it), loaded through the TMA ring beside Q'^; ``None``: each
+            warpgroup widens every tile's codes in shared memory (the same dK and dV, more instructions).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a call :func:`gluon_dkdv_wg_serves` refuses, or a ``ds_fmt`` it does not take.
+        ValueError: a call :func:`gluon_dkdv_wg_serves` refuses, a ``ds_fmt`` it does not take, or a ``q_wide`` with
+            an INT8 dS or not of Q'^'s shape in bf16, contiguous.
 
     Example::
 
@@ -282,15 +296,24 @@ def gluon_dkdv_wg(
         )
     if ds_fmt not in ("int8", "fp8", "bf16"):
         raise ValueError(f"gluon_dkdv_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
-    q_op_t = q_op_t if ds_fmt == "int8" else None  # the widened Q'^ stands in for its [D, N] copy
-    descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
+    if q_wide is not None and (
+        ds_fmt == "int8" or q_wide.dtype != torch.bfloat16 or q_wide.shape != q_op.shape or not q_wide.is_contiguous()
+    ):
+        raise ValueError(
+            f"gluon_dkdv_wg: q_wide must be Q'^ in bf16 {tuple(q_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
+            f"received {q_wide.dtype} {tuple(q_wide.shape)}, contiguous={q_wide.is_contiguous()}, ds_fmt={ds_fmt!r}"
+        )
+    q_op_t = q_op_t if ds_fmt == "int8" else None  # Q'^ in bf16 (q_wide, or widened in the kernel) stands in
+    descs, dk, dv = dkdv_operands(
+        grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N, q_wide=q_wide
+    )
     bkv = batch * kv_heads
     _gluon_dkdv_wg_kernel[(seq_k // KEYS_PER_PROGRAM * bkv,)](
         *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         WITH_STATS=stats is not None, HEAD_CHUNK=HEAD_CHUNK, LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS,
-        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
+        **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}), **({} if q_wide is None else {"Q_WIDE": True}),
         num_warps=4, maxnreg=WG_MAXNREG,
     )  # fmt: skip
     return dk, dv

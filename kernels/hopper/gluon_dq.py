@@ -38,6 +38,28 @@ the two consumer warpgroups at 232 registers and the producer warpgroup, TMA loa
 one 8-warp partition that also issues the loads. On an H100 the producer's transposition made the kernel 1.10-1.18x
 faster than the consumers' own at D=128 (``benchmarks/results/speed-h100-20261126-dq-producer-ab.md``). Design,
 offline figures and the device check: ``benchmarks/pending/gluon-dq.md`` and ``benchmarks/NOTES.md``.
+
+One warpgroup per 128-query block (``WG``, the launcher's ``wg=True``; the plan's ``gluon_dq_wg``, D=64 only): the
+same numerics, tile for tile (one dS scale per 128-query x 64-key tile, the same int32 products added into dQ in the
+same order of key tiles; dQ is bit for bit the same); what changes is who computes what, as :mod:`.gluon_dkdv_wg`
+did for dK and dV:
+
+* The kernel above gives a program 128 queries and splits each ``[128 queries, 64 keys]`` tile between its two
+  consumer warpgroups by queries. The dS tile scale is then a reduction across both warpgroups (shared memory and
+  CTA-wide barriers), so they run in lockstep and the tensor cores idle while both quantize.
+* With ``WG`` a program holds two query blocks (256 queries of one head), and each consumer warpgroup owns one
+  block's 128 queries against every key tile. The dS scale is a reduction within the warpgroup; the two warpgroups
+  share only the TMA ring of ``K'^`` and ``V`` tiles (each releases a stage on its own), so one quantizes while the
+  other's products run, and each key tile read from L2 serves 256 queries. The producer warpgroup
+  (:func:`_dq_producer`) loads the ring and copies each tile's K'^ transposed into a ``[D, 64]`` buffer (two in turn)
+  that both warpgroups read as the dQ product's B operand (K-major over the keys); ``empty`` counts three arrivals
+  (both warpgroups and the producer), ``kt_empty`` two.
+
+The cost is registers: a warpgroup holds the whole ``[128, 64]`` S and dP (64 each per thread) and its ``[128, D]``
+dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone would take 128). Causal: the lower
+block's warpgroup needs two key tiles fewer than the upper's; it waits for their transposition and hands them back
+unread. With an odd number of query blocks the last program's upper warpgroup has no block: it hands every tile
+back and writes nothing. Design and the device results: ``benchmarks/NOTES.md`` (device run 8).
 """
 
 from __future__ import annotations
@@ -47,6 +69,7 @@ import torch
 from ..tiles import LOG2E
 from .gluon_backward import WS_MAXNREG
 from .gluon_common import HAVE_GLUON, dq_operands
+from .gluon_dkdv_wg import WG_MAXNREG
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -75,7 +98,7 @@ if HAVE_GLUON:
 #: Per head dim, the fewest scores (batch x query heads x queries x keys, halved when causal) for which ``auto``
 #: takes a Gluon dQ kernel; head dims not listed keep ``_dq_kernel``. Measured on an H100 (whole backward with it
 #: against without): at D=128 1.06-1.09x from 2^28 scores, 0.91-1.07x at 2^27 (host-bound there), slower below.
-#: At D=64 the calls go to :mod:`.gluon_dq_wg` (this module's kernel measured 0.78-0.98x there): 1.03-1.05x the
+#: At D=64 the calls go to the ``wg`` variant (the two-warpgroup kernel measured 0.78-0.98x there): 1.03-1.05x the
 #: whole backward from 2^29 scores (the kernel alone 1.10-1.26x from 2^28; below 2^29 the backward is bound by the
 #: host, whose Gluon launch costs more).
 AUTO_MIN_SCORES = {128: 2**28, 64: 2**29}
@@ -93,6 +116,18 @@ HEAD_CHUNK = {64: 16, 128: 8}
 #: registers per thread at D=128). With the launch's cap of :data:`.gluon_backward.WS_MAXNREG` over 12 warps the
 #: two consumer warpgroups hold (168 * 12 - 40 * 4) / 8 = 232 each.
 PRODUCER_REGS = 40
+#: The ``wg`` variant (one warpgroup per 128-query block): queries per program, one block per warpgroup.
+WG_QUERIES_PER_PROGRAM = 2 * BLOCK_M
+#: Head dims the ``wg`` variant serves (register budget: see the module's docstring).
+WG_HEAD_DIMS = (64,)
+#: The ``wg`` variant's query heads per chunk of the grid's order for causal calls (16 heads' K'^, K'^T and V at
+#: D=64 and N=4096 are 16 MiB, inside L2). Measured on an H100 against one head at a time: 1.07-1.25x causal;
+#: non-causal calls keep one head at a time (0.98-1.00x with chunks).
+WG_HEAD_CHUNK = 16
+#: Registers per thread of the ``wg`` variant's second consumer warpgroup (a worker partition, so its count is set
+#: explicitly; the first, the default partition, gets what the others leave of :data:`.gluon_dkdv_wg.WG_MAXNREG`
+#: over 12 warps: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`PRODUCER_REGS`).
+WG_CONSUMER_REGS = 232
 
 
 if HAVE_GLUON:
@@ -194,44 +229,79 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dq_compute(
-        descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, LSE, DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, DS_FMT: gl.constexpr,
+        descs, bufs, bars, n_tiles, q_row, kv_row0, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q, SEQ_K,
+        qk_scale, tau, full_hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
+        DEFER: gl.constexpr, DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0,
     ):  # fmt: skip
-        """The two consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
-        With ``WARP_SPECIALIZE`` the producer warpgroup transposes each tile's K'^ (``kt_ready``, two buffers in
-        turn); without, these warps issue the loads (``STAGES - 1`` tiles ahead) and, while a tile's S and dP run,
-        copy its K'^ transposed into ``kt_smem`` themselves (one buffer; two with ``DEFER``, whose dQ product of the
-        tile before still reads the other). With ``DEFER`` each tile's dQ product is waited for in the next
-        iteration, after the next tile's S and dP are issued. With a non-INT8 ``DS_FMT`` the dQ product runs in
-        bf16 with fp32 accumulation (``_dq_kernel``'s): A = dS's e4m3 codes or bf16 values, B = K'^ widened to bf16
-        (:func:`_widen_k`, by whoever would transpose it)."""
-        desc_q, desc_do, desc_k, desc_v = descs
-        q_all, do_all, k_smem, kt_smem, v_smem, ds_smem = bufs
+        """The consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
+
+        Without ``WG``: the program's two consumer warpgroups, query block ``pid`` (``full_hi``: its first masked key
+        tile's offset). With ``WARP_SPECIALIZE`` the producer warpgroup transposes each tile's K'^ (``kt_ready``, two
+        buffers in turn); without, these warps issue the loads (``STAGES - 1`` tiles ahead; ``descs``, ``q_row``,
+        ``kv_row0``) and, while a tile's S and dP run, copy its K'^ transposed into ``kt_smem`` themselves (one buffer;
+        two with ``DEFER``, whose dQ product of the tile before still reads the other). With ``DEFER`` each tile's dQ
+        product is waited for in the next iteration, after the next tile's S and dP are issued.
+
+        With ``WG`` (warp-specialised, codes in registers, no ``DEFER``; ``descs``, ``q_row``, ``kv_row0`` and
+        ``full_hi`` unused): one consumer warpgroup, query block ``2 * pid + HALF`` against its key tiles (the first
+        ``mine`` of the ring's ``n_tiles``), then its dQ rows; each tile's K'^ comes transposed from the producer
+        warpgroup, one copy for both warpgroups.
+
+        With a non-INT8 ``DS_FMT`` the dQ product runs in bf16 with fp32 accumulation (``_dq_kernel``'s): A = dS's
+        e4m3 codes or bf16 values, B = K'^ widened to bf16 (:func:`_widen_k`, by whoever would transpose it)."""
+        q_all, do_all, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
-        q_smem = q_all.index(0)
-        do_smem = do_all.index(0)
-        # [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head dims.
-        s_layout: gl.constexpr = _wgmma_layout(8, 1, BLOCK_N, 32)
-        dp_layout: gl.constexpr = _wgmma_layout(8, 1, BLOCK_N, 16)
-        acc_layout: gl.constexpr = _wgmma_layout(8, 1, HEAD_DIM, 32)
+        if not WARP_SPECIALIZE:
+            desc_q, desc_do, desc_k, desc_v = descs
+        if not CODES_IN_REGISTERS:
+            ds_smem = bufs[5]
+        q_smem = q_all.index(HALF)
+        do_smem = do_all.index(HALF)
+        # Without WG, [8, 1]: each warpgroup holds 64 of the 128 queries (rows) against all the tile's keys / head
+        # dims. With WG, one warpgroup: its 4 warps split the 128 queries' rows (two m64 repetitions); a row's 64 keys
+        # lie in one thread quad.
+        WARPS: gl.constexpr = 4 if WG else 8
+        s_layout: gl.constexpr = _wgmma_layout(WARPS, 1, BLOCK_N, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(WARPS, 1, BLOCK_N, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(WARPS, 1, HEAD_DIM, 32)
         # The dS codes as the dQ product's A operand in registers: 4 int8 per 32-bit register.
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=4)
         # A non-INT8 dS: the dQ product in bf16 (k16 instructions), dS's bf16 operand from registers, 2 per register.
-        hp_layout: gl.constexpr = _wgmma_layout(8, 1, HEAD_DIM, 16)
+        hp_layout: gl.constexpr = _wgmma_layout(WARPS, 1, HEAD_DIM, 16)
         hp_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hp_layout, k_width=2)
 
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
+        # The query block whose rows are loaded, and the key tiles this warpgroup reads.
+        m_block = pid
+        rows_block = pid
+        mine = n_tiles
+        if WG:
+            m_block = 2 * pid + HALF
+            live = m_block < m_blocks
+            # key_range() of this block: the key tiles below hi are visited, those from full_hi on masked.
+            hi = SEQ_K
+            full_hi = SEQ_K
+            if CAUSAL:
+                hi = gl.minimum(SEQ_K, (m_block + 1) * BLOCK_M)
+                full_hi = gl.minimum(SEQ_K, m_block * BLOCK_M)
+            mine = hi // BLOCK_N
+            if not live:
+                mine = 0
+            # A block past the last query (the upper one of the last program) loads the last block's rows, unused.
+            rows_block = gl.minimum(m_block, m_blocks - 1)
         if not WARP_SPECIALIZE:
             _issue_q(desc_q, desc_do, q_all, do_all, q_bar, q_row, BLOCK_M, 1)
             for i in gl.static_range(STAGES - 1):
                 _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         offs_m, offs_n_tile, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq = _dq_block(
-            pid_m, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout, dp_layout, acc_layout, BLOCK_M, BLOCK_N,
+            rows_block, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout, dp_layout, acc_layout, BLOCK_M, BLOCK_N,
             HEAD_DIM,
         )  # fmt: skip
+        if WG:
+            # The keys' offsets are made in the masked branch, not held through the loop: here they would spill.
+            offs_n_tile = None
         mbarrier.wait(q_bar, 0)
         if DEFER:
             # The tile before's dQ product and its scale, finished in the next iteration.
@@ -241,7 +311,7 @@ if HAVE_GLUON:
                 dq_tok = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, hp_layout))
             dq_c = q_scale * 0.0
 
-        for t in range(n_tiles):
+        for t in range(mine):
             stage = t % STAGES
             if not WARP_SPECIALIZE and not DEFER:
                 # Stage (t - 1) % STAGES was last read by tile t - 1's products, which every warp waited for
@@ -254,7 +324,8 @@ if HAVE_GLUON:
             # [64, D] read as [D, 64] (K-major over D).
             s_tok = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dp_tok = warpgroup_mma(do_smem, v_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
-            kt_tile = kt_smem.index(t % kt_smem.shape[0])
+            if not WG:
+                kt_tile = kt_smem.index(t % kt_smem.shape[0])
             if not WARP_SPECIALIZE:
                 if DS_FMT == "int8":
                     _transpose_k(k_smem.index(stage), kt_tile, HEAD_DIM, 8)
@@ -275,7 +346,8 @@ if HAVE_GLUON:
                     mbarrier.arrive(kt_empty.index((t + 1) % 2), count=1, pred=t > 0)
                 else:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
-            # P, dS and its codes; one dS scale for the 128 x 64 tile (a reduction across both warpgroups).
+            # P, dS and its codes; one dS scale for the 128 x 64 tile (without WG a reduction across both
+            # warpgroups, with WG within the warpgroup).
             if DS_FMT == "int8":
                 ds_scale, codes = _dq_ds_codes(
                     s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
@@ -286,6 +358,9 @@ if HAVE_GLUON:
                     s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
                     s_layout, BLOCK_N, CAUSAL, DS_FMT,
                 )  # fmt: skip
+            if WG:
+                # (Here, after dS, in this variant's order of operations: its instructions as they were.)
+                kt_tile = kt_smem.index(t % kt_smem.shape[0])
             if WARP_SPECIALIZE:
                 mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
             # dQ of the tile: A = the codes [128 queries, 64 keys], B = K'^ [64 keys, D] read from its transposed
@@ -328,83 +403,108 @@ if HAVE_GLUON:
                 else:
                     dq += dq_acc * (ds_scale * k_scale)
             if not DEFER:
-                # Both warpgroups are done with this stage (and the codes) before it is handed back or overwritten.
+                # The consumers are done with this stage (and the codes) before it is handed back or overwritten
+                # (with WG, the producer refills a stage, or transposes into a buffer, once both warpgroups have).
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index(stage), count=1)
                     mbarrier.arrive(kt_empty.index(t % 2), count=1)
+        if WG:
+            # The ring's tiles this block does not read (the upper block's last diagonal tiles, or all of them when
+            # this warpgroup has no block): wait for each one's transposition (which follows its load), so the
+            # releases count towards its own phases, and hand both back.
+            for t in range(mine, n_tiles):
+                mbarrier.wait(kt_ready.index(t % 2), (t // 2) & 1)
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
+                mbarrier.arrive(kt_empty.index(t % 2), count=1)
         if DEFER:
             dq_int = warpgroup_mma_wait(num_outstanding=0, deps=[dq_tok])
             if DS_FMT == "int8":
                 dq += _int32_scaled(dq_int, dq_c)
             else:
                 dq += gl.convert_layout(dq_int, acc_layout) * dq_c
-        _dq_store(dq, pid_m, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
+        if WG:
+            if live:
+                _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
+        else:
+            _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout, HEAD_DIM, BLOCK_M)
 
     @gluon.jit
     def _gluon_dq_kernel(
-        desc_q,
-        desc_do,
-        desc_k,
-        desc_v,
-        Q_SCALE,
-        K_SCALE,
-        LSE,
-        DELTA,
-        DQ,
-        BH,
-        HEADS,
-        GROUP,
-        SEQ_Q,
-        SEQ_K,
-        qk_scale,
-        tau,
-        HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        HEAD_CHUNK: gl.constexpr,
-        WARP_SPECIALIZE: gl.constexpr,
-        CODES_IN_REGISTERS: gl.constexpr,
-        DEFER: gl.constexpr,
-        PRODUCER_REGS: gl.constexpr,
-        DS_FMT: gl.constexpr = "int8",
-    ):
+        desc_q, desc_do, desc_k, desc_v,
+        Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+        BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+        CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0,
+    ):  # fmt: skip
+        # A program's query blocks: one (both consumer warpgroups on it), or with WG two (a warpgroup each).
+        Q_BLOCKS: gl.constexpr = 2 if WG else 1
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
-        pid_m, bh = _head_chunk_order(gl.program_id(0), m_blocks, BH, HEAD_CHUNK)
+        n_programs = gl.cdiv(m_blocks, 2) if WG else m_blocks
+        pid, bh = _head_chunk_order(gl.program_id(0), n_programs, BH, HEAD_CHUNK)
         if CAUSAL:
             # The longest query tiles (most key tiles) first, so the short ones fill the tail of the grid.
-            pid_m = m_blocks - 1 - pid_m
+            pid = n_programs - 1 - pid
         b = bh // HEADS
         head = bh % HEADS
         kv_bh = b * (HEADS // GROUP) + head // GROUP
+        # The ring carries the key tiles of the program's last query block: its own, or with WG the upper one's (the
+        # lower one reads a prefix of them), or the lower one's when the upper one is past the last query.
+        last = gl.minimum(2 * pid + 1, m_blocks - 1) if WG else pid
         # key_range(): the key tiles below hi are visited, those from full_hi on masked (SEQ_K % BLOCK_N == 0).
         hi = SEQ_K
         full_hi = SEQ_K
         if CAUSAL:
-            hi = gl.minimum(SEQ_K, (pid_m + 1) * BLOCK_M)
-            full_hi = gl.minimum(SEQ_K, pid_m * BLOCK_M)
+            hi = gl.minimum(SEQ_K, (last + 1) * BLOCK_M)
+            full_hi = gl.minimum(SEQ_K, pid * BLOCK_M)
         n_tiles = hi // BLOCK_N
-        q_row = bh * SEQ_Q + pid_m * BLOCK_M
+        q_row = bh * SEQ_Q + Q_BLOCKS * pid * BLOCK_M
         kv_row0 = kv_bh * SEQ_K
 
         # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^ and V tiles, K'^ transposed (two
-        # buffers with the producer warpgroup or DEFER), the dS codes. With the producer warpgroup a stage is
-        # released by it (its K'^ transposed) and by the consumers.
+        # buffers with the producer warpgroup or DEFER), the dS codes (unless in registers). A stage is released
+        # by the consumers (with WG each warpgroup on its own) and, with the producer warpgroup, by it once it has
+        # transposed the stage's K'^; with WG a transposed tile by both consumer warpgroups.
         bufs, bars = _dq_smem(
-            desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1,
-            2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, 2 if WARP_SPECIALIZE else 1, 1,
-            DS_FMT != "int8",
+            desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_BLOCKS,
+            2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, (3 if WG else 2) if WARP_SPECIALIZE else 1,
+            Q_BLOCKS, DS_FMT != "int8",
         )  # fmt: skip
         descs = (desc_q, desc_do, desc_k, desc_v)
-        if WARP_SPECIALIZE:
+        if WG:
+            bufs = (bufs[0], bufs[1], bufs[2], bufs[3], bufs[4])  # no dS codes buffer: they stay in registers
             gl.warp_specialize(
                 [
                     (
                         _dq_compute,
-                        (descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE,
-                         DELTA, DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
+                        (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+                         SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
+                         False, DS_FMT, True, 0),
+                    ),
+                    (
+                        _dq_compute,
+                        (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+                         SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
+                         False, DS_FMT, True, 1),
+                    ),
+                    (
+                        _dq_producer,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2,
+                         DS_FMT != "int8"),
+                    ),
+                ],
+                [4, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        elif WARP_SPECIALIZE:
+            gl.warp_specialize(
+                [
+                    (
+                        _dq_compute,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA,
+                         DQ, SEQ_Q, SEQ_K, qk_scale, tau, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                          WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, DS_FMT),
                     ),
                     (
@@ -418,9 +518,9 @@ if HAVE_GLUON:
             )  # fmt: skip
         else:
             _dq_compute(
-                descs, bufs, bars, n_tiles, q_row, kv_row0, BLOCK_N, STAGES, Q_SCALE, K_SCALE, LSE, DELTA,
-                DQ, pid_m, bh, kv_bh, full_hi, SEQ_Q, SEQ_K, qk_scale, tau, HEAD_DIM, BLOCK_M, CAUSAL,
-                WARP_SPECIALIZE, CODES_IN_REGISTERS, DEFER, DS_FMT,
+                descs, bufs, bars, n_tiles, q_row, kv_row0, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ, SEQ_Q,
+                SEQ_K, qk_scale, tau, full_hi, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, WARP_SPECIALIZE,
+                CODES_IN_REGISTERS, DEFER, DS_FMT,
             )  # fmt: skip
 
 
@@ -428,6 +528,17 @@ def default_stages(head_dim: int) -> int:
     """The TMA ring's depth: 4 key tiles (24 KiB each at D=128: 152 KiB with Q'^, dO and K'^'s transposed tile;
     12 KiB at D=64)."""
     return 4
+
+
+def gluon_dq_wg_serves(head_dim: int) -> bool:
+    """Whether :func:`gluon_dq`'s ``wg`` variant (the plan's ``gluon_dq_wg``) serves a call the two-warpgroup kernel
+    serves: head dim in :data:`WG_HEAD_DIMS`.
+
+    Example::
+
+        gluon_dq_wg_serves(64)   # True
+    """
+    return head_dim in WG_HEAD_DIMS
 
 
 def gluon_dq(
@@ -447,6 +558,7 @@ def gluon_dq(
     codes_in_registers: bool = True,
     defer: bool = False,
     ds_fmt: str = "int8",
+    wg: bool = False,
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
     (:func:`..plan.plan_attention`) gives it.
@@ -462,7 +574,8 @@ def gluon_dq(
         is_causal, scale: as the forward.
         stages: depth of the TMA ring of key tiles; ``None``: :func:`default_stages`. At least 2 with ``defer`` (it
             hands a stage back one tile late) or ``warp_specialize`` (the producer refills tile ``t``'s stage after
-            transposing tile ``t + 1``): with one stage the loads would wait for it forever.
+            transposing tile ``t + 1``): with one stage the loads would wait for it forever. With ``wg``: 12 KiB
+            each at D=64, beside 48 KiB of Q'^ and dO and 8 KiB of transposed K'^ tiles.
         warp_specialize: a producer warpgroup (TMA loads and K'^'s transposition) beside the two consumer
             warpgroups, or one partition of 8 warps that also issues the loads and transposes.
         codes_in_registers: the dS codes as the dQ product's A operand from registers, or through shared memory.
@@ -472,37 +585,57 @@ def gluon_dq(
             protocol rather than promising speed.
         ds_fmt: dS's format, as ``_dq_kernel``'s ``DS_FMT``: ``"int8"`` (SageBwd's); ``"fp8"`` (e4m3 codes, one
             scale per tile) or ``"bf16"``, whose dQ product runs in bf16 against K'^'s codes widened to bf16 in
-            shared memory (in place of their transposition).
+            shared memory (in place of their transposition; with ``wg`` 16 KiB).
+        wg: one warpgroup per 128-query block (the plan's ``gluon_dq_wg``: the module's docstring), the same dQ bit
+            for bit, for the head dims :func:`gluon_dq_wg_serves` accepts; it is warp-specialised with the codes in
+            registers (``warp_specialize``, ``codes_in_registers`` and ``defer`` left as they are by default).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
-        ValueError: a ring of fewer stages than the variant needs (2 with ``defer`` or ``warp_specialize``), or a
-            ``ds_fmt`` it does not take.
+        ValueError: a ring of fewer stages than the variant needs (2 with ``defer``, ``warp_specialize`` or
+            ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant.
 
     Example::
 
         dq = gluon_dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal=True, scale=0.125)
+        dq = gluon_dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, is_causal=True, scale=0.125, wg=True)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    name = "gluon_dq_wg" if wg else "gluon_dq"
+    if wg and not gluon_dq_wg_serves(head_dim):
+        raise ValueError(f"gluon_dq_wg: serves head_dim in {WG_HEAD_DIMS}; received head_dim={head_dim}")
+    if wg and not (warp_specialize and codes_in_registers and not defer):
+        received = f"warp_specialize={warp_specialize}, codes_in_registers={codes_in_registers}, defer={defer}"
+        raise ValueError(f"gluon_dq_wg: is warp-specialised with the codes in registers; received {received}")
     if ds_fmt not in ("int8", "fp8", "bf16"):
-        raise ValueError(f"gluon_dq: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+        raise ValueError(f"{name}: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
     stages = stages if stages is not None else default_stages(head_dim)
+    if wg and stages < 2:
+        raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
+                         f"received stages={stages}")  # fmt: skip
     if stages < (2 if defer or warp_specialize else 1):
         needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
         raise ValueError(f"gluon_dq: stages={stages} would deadlock with {needs}; use stages >= 2")
     descs, dq = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
     bh = batch * heads
-    _gluon_dq_kernel[(seq_q // BLOCK_M * bh,)](
+    if wg:
+        programs = (seq_q // BLOCK_M + 1) // 2
+        head_chunk = WG_HEAD_CHUNK
+        variant = dict(WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, num_warps=4, maxnreg=WG_MAXNREG)
+    else:
+        programs = seq_q // BLOCK_M
+        head_chunk = HEAD_CHUNK[head_dim]
+        variant = dict(num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}))
+    _gluon_dq_kernel[(programs * bh,)](
         *descs, q_scale, k_scale, lse, delta, dq, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
-        HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
+        HEAD_CHUNK=head_chunk if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
         PRODUCER_REGS=PRODUCER_REGS,
         **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
-        num_warps=8,
-        **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
+        **variant,
     )  # fmt: skip
     return dq
