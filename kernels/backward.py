@@ -461,7 +461,8 @@ def backward(
             portable kernel.
         widen_q: the preprocess launch also writes Q'^ in dO's dtype (``[B, Hq, N, D]``, 2 bytes an element while the
             dK/dV kernel runs), handed to ``dkdv_kernel`` as ``q_wide=``: a non-INT8 ``ds``'s dK product reads it
-            through TMA (:func:`.hopper.gluon_dkdv_wg.gluon_dkdv_wg`) instead of widening Q'^'s codes per tile.
+            through TMA (:func:`.hopper.gluon_backward.gluon_dkdv`'s ``wg`` variant) instead of widening Q'^'s codes per
+            tile.
 
     Raises:
         ValueError: ``widen_q`` without a ``dkdv_kernel`` (the portable kernel reads no such copy).

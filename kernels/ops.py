@@ -25,7 +25,6 @@ from .backward import backward
 from .forward import forward
 from .hopper.forward import hopper_forward
 from .hopper.gluon_backward import gluon_dkdv
-from .hopper.gluon_dkdv_wg import gluon_dkdv_wg
 from .hopper.gluon_dq import gluon_dq
 from .plan import (
     GLUON_DKDV,
@@ -58,6 +57,9 @@ _EMPTY = (0,)
 #: The plan's ``gluon_dq_wg``: :func:`.hopper.gluon_dq.gluon_dq`'s one-warpgroup-per-block variant, under a name of
 #: its own so that a test wrapping this module's kernels sees which of the two ran.
 gluon_dq_wg = functools.partial(gluon_dq, wg=True)
+#: The plan's ``gluon_dkdv_wg``: :func:`.hopper.gluon_backward.gluon_dkdv`'s one-warpgroup-per-64-keys variant, under a
+#: name of its own for the same reason.
+gluon_dkdv_wg = functools.partial(gluon_dkdv, wg=True)
 
 
 def _operator_plan(

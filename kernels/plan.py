@@ -358,7 +358,7 @@ def _gluon_pass(q, k, formats, is_causal, block_m, block_n, module, name, switch
 
 
 def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> tuple[str, str, str, str]:  # noqa: ANN001
-    from .hopper import gluon_backward, gluon_dkdv_wg, gluon_dq
+    from .hopper import gluon_backward, gluon_dq
 
     head_dim, seq_q, seq_k = q.shape[3], q.shape[2], k.shape[2]
     # dS in INT8, or in FP8 or bf16 (the product in bf16 against Q'^ and K'^'s codes widened: issue 42): every
@@ -370,7 +370,7 @@ def _backward_kernels(q, k, formats, is_causal, block_m, block_n, switches) -> t
     dkdv = TRITON_DKDV
     if takes:
         dkdv = GLUON_DKDV
-        if switches.gluon_dkdv_wg == "auto" and gluon_dkdv_wg.gluon_dkdv_wg_serves(head_dim, seq_k):
+        if switches.gluon_dkdv_wg == "auto" and gluon_backward.gluon_dkdv_wg_serves(head_dim, seq_k):
             dkdv, dkdv_reason = GLUON_DKDV_WG, f"{dkdv_reason}; one warpgroup per 64 keys at this head dim"
     nonempty = ((seq_q > 0 and seq_k > 0, "at least one query and one key"), ds_takes)
     takes, dq_reason = _gluon_pass(

@@ -807,7 +807,7 @@ def backward_preprocess(
             programs write (:func:`transpose_rows`'s result, one launch fewer); ``None``: none.
         widen: contiguous INT8 codes of dO's shape (the backward's Q'^) whose copy in dO's dtype, ``[B, H, N, D]``,
             the same programs write (exact: the bf16 operand of a non-INT8 dS's dK product, read by
-            :func:`.hopper.gluon_dkdv_wg.gluon_dkdv_wg` through TMA); ``None``: none.
+            :func:`.hopper.gluon_backward.gluon_dkdv`'s ``wg`` variant through TMA); ``None``: none.
 
     Returns:
         ``(delta, codes, codes_t, scale, transposed, widened)``, each of the last five ``None`` when not asked for.

@@ -1,4 +1,4 @@
-"""The Gluon dK/dV kernels for Hopper (``kernels/hopper/gluon_backward.py``, and at D=64 ``gluon_dkdv_wg.py``): the
+"""The Gluon dK/dV kernel for Hopper (``kernels/hopper/gluon_backward.py``, and at D=64 its ``wg`` variant): the
 rules that pick them, and on a Hopper GPU their gradients against ``_dkdv_kernel``'s, bit for bit.
 
 The CPU interpreter cannot run Gluon, so the kernel's own tests run only on an sm_90 GPU (in
@@ -13,7 +13,6 @@ from gluon_support import TRITON, count_calls, hopper_grads, meta_plan, needs_ho
 from sage_lightning.kernels import plan
 from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.hopper import gluon_backward as gb
-from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
 
 
 def _applies(causal: bool = False, **overrides: object) -> bool:
@@ -93,7 +92,7 @@ def test_an_fp8_or_bf16_ds_keeps_the_kernel_an_int8_ds_takes(kernel_switch, gluo
     """Issue 42: a layer the controller escalates to ``ds="fp8"`` or ``"bf16"`` keeps the Gluon dK/dV kernel its INT8
     dS had (its dK product in bf16): at D=64 the one-warpgroup twin where it serves the key count."""
     kernel_switch(plan.GLUON_DKDV_ENV, "force")
-    want = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(head_dim, seq_k) else "gluon_dkdv"
+    want = "gluon_dkdv_wg" if gb.gluon_dkdv_wg_serves(head_dim, seq_k) else "gluon_dkdv"
     for causal in (False, True):
         assert meta_plan(causal, dict(ds=ds, head_dim=head_dim, seq_k=seq_k)).dkdv == want
         assert meta_plan(causal, dict(head_dim=head_dim, seq_k=seq_k)).dkdv == want
@@ -134,10 +133,14 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
         meta_plan(False, {"head_dim": 64})
     with pytest.raises(ValueError, match=r"gluon_dkdv_wg: serves head_dim in \(64,\) .* received head_dim=128"):
         x = torch.zeros(1, 1, 4096, 128, dtype=torch.int8, device="meta")
-        wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1)
+        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, wg=True)
     x = torch.zeros(1, 1, 4096, 64, dtype=torch.int8, device="meta")
     with pytest.raises(ValueError, match=r"gluon_dkdv_wg: ds_fmt must be 'int8', 'fp8' or 'bf16'; received 'e5m2'"):
-        wg.gluon_dkdv_wg(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="e5m2")
+        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="e5m2", wg=True)
+    # The wg variant is warp-specialised and does not defer.
+    for variant in ({"warp_specialize": False}, {"defer": True}):
+        with pytest.raises(ValueError, match=r"gluon_dkdv_wg: is warp-specialised without defer; received "):
+            gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, wg=True, **variant)
     # Q'^ in bf16 from the preprocess: for an FP8 or bf16 dS only, of Q'^'s shape, contiguous.
     wide = torch.zeros(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
     refused = r"gluon_dkdv_wg: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
@@ -152,9 +155,11 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
         ),
     ]:
         with pytest.raises(ValueError, match=refused + received):
-            wg.gluon_dkdv_wg(
-                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide
+            gb.gluon_dkdv(
+                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide, wg=True
             )
+    with pytest.raises(ValueError, match=r"gluon_dkdv: q_wide is read by the wg variant only"):
+        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="fp8", q_wide=wide)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +243,7 @@ def test_gluon_gradients_equal_the_portable_kernels_bit_for_bit(monkeypatch, bat
     calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape)
-    expected = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
+    expected = "gluon_dkdv_wg" if gb.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
     assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape)
@@ -277,7 +282,7 @@ def test_an_fp8_or_bf16_ds_gives_the_portable_kernels_gradients(monkeypatch, ds,
     calls = _count_gluon_calls(monkeypatch)
     shape = (batch, hq, hkv, n, nk, d, causal)
     got = _grads(monkeypatch, "force", *shape, precision=precision)
-    expected = "gluon_dkdv_wg" if wg.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
+    expected = "gluon_dkdv_wg" if gb.gluon_dkdv_wg_serves(d, nk) else "gluon_dkdv"
     assert calls == [expected], f"the backward took {calls}, not {expected}"
     calls.clear()
     want = _grads(monkeypatch, "off", *shape, precision=precision)

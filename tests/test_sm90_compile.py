@@ -88,8 +88,8 @@ GLUON_SCRIPT = ["-m", "benchmarks.kernels.gluon_dkdv_compile"]
 
 @pytest.fixture(scope="module")
 def gluon_compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The Gluon dK/dV kernels (the warp-specialised 64-key variant and, at D=64, the one-warpgroup-per-half ``wg``
-    kernel, as the backward launches them) compiled for sm_90 under the GPU image's Triton, the only one whose Gluon
+    """The Gluon dK/dV kernel (the warp-specialised 64-key variant and, at D=64, the one-warpgroup-per-half ``wg``
+    variant, as the backward launches them) compiled for sm_90 under the GPU image's Triton, the only one whose Gluon
     API they are written for (``GLUON_TRITON``)."""
     python = _python("verified")
     out = tmp_path_factory.mktemp("gluon-sm90") / "gluon.json"
@@ -101,11 +101,16 @@ def gluon_compiled(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(out.read_text())
 
 
+def _dkdv_rows(gluon_compiled: dict) -> list[dict]:
+    """The Gluon dK/dV kernel's rows: one kernel, its variant a constexpr (``WG``: one warpgroup per 64-key half)."""
+    return [row for row in gluon_compiled["rows"] if row["kernel"] == "_gluon_dkdv_kernel"]
+
+
 def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: dict) -> None:
     """Every case (D 64 and 128, causal or not, with and without the dS statistics) compiles within sm_90's
     shared memory, keeps its registers (no spills: the loop the device measured), and runs its INT8 products on
     ``wgmma`` with s8 operands."""
-    rows = [row for row in gluon_compiled["rows"] if row["kernel"] == "_gluon_dkdv_kernel"]
+    rows = [row for row in _dkdv_rows(gluon_compiled) if not row["constants"].get("WG")]
     assert len(rows) == 8, [row["case"] for row in rows]
     for row in rows:
         assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])
@@ -114,17 +119,17 @@ def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: 
         assert row["mma_sync"] == 0, row["case"]
 
 
-#: Bytes the ``wg`` kernel spilled per case in the build the device measured (device run 8, NOTES.md: the grid
+#: Bytes the ``wg`` variant spilled per case in the build the device measured (device run 8, NOTES.md: the grid
 #: order by head chunks added 4-8 bytes to device run 7's build): 40 and 132 without and with the dS statistics,
 #: 40 and 112 causal. More means the consumers' registers grew past what was timed.
 WG_SPILL_BYTES = {(False, False): 40, (False, True): 132, (True, False): 40, (True, True): 112}
 
 
 def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon_compiled: dict) -> None:
-    """The D=64 kernel with one warpgroup per 64-key half: every case (causal or not, with and without the dS
+    """The D=64 variant with one warpgroup per 64-key half: every case (causal or not, with and without the dS
     statistics) fits sm_90's shared memory, runs its INT8 products on s8 ``wgmma`` that ptxas does not serialize,
     and spills no more than the build the device measured."""
-    rows = [row for row in gluon_compiled["rows"] if row["kernel"] == "_gluon_dkdv_wg_kernel"]
+    rows = [row for row in _dkdv_rows(gluon_compiled) if row["constants"].get("WG")]
     assert len(rows) == 4, [row["case"] for row in rows]
     for row in rows:
         assert not row["error"] and row["fits"], (row["case"], (row["error"] or "")[:2000])

@@ -14,7 +14,7 @@ from benchmarks.kernels import sm90_compile as offline  # sets a fresh Triton ca
 from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
-#: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv_wg.py``, D=64 only).
+#: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv(wg=True)``, D=64 only).
 VARIANTS = ("ws", "plain", "ws-defer", "plain-defer", "wg")
 
 
@@ -31,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
     from sage_lightning.kernels.backward import backward
     from sage_lightning.kernels.hopper import gluon_backward as gb
-    from sage_lightning.kernels.hopper import gluon_dkdv_wg as wg
     from sage_lightning.kernels.plan import plan_attention
 
     failures = 0
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = offline.backward_inputs(1, 2, 2, args.seq, head_dim)
                 stats = x["stats"] if with_stats else None
                 for stages, variant in [(st, va) for va in args.variant for st in args.stages]:
-                    if variant == "wg" and not wg.gluon_dkdv_wg_serves(head_dim, args.seq):
+                    if variant == "wg" and not gb.gluon_dkdv_wg_serves(head_dim, args.seq):
                         continue
                     offline._CASE["name"] = (
                         f"gluon-{variant} D={head_dim} causal={causal} stats={with_stats} st={stages}"
@@ -53,13 +52,11 @@ def main(argv: list[str] | None = None) -> int:
                             x["grad_out"], x["delta"], x["do_codes_t"], x["do_scale"], x["q_op"], x["q_op_t"],
                             x["q_scale"], x["k_op"], x["k_scale"], x["v"], x["lse"], stats,
                         )  # fmt: skip
-                        if variant == "wg":
-                            wg.gluon_dkdv_wg(*operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or 3)
-                        else:
-                            gb.gluon_dkdv(
-                                *operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
-                                warp_specialize=variant.startswith("ws"), defer=variant.endswith("defer"),
-                            )  # fmt: skip
+                        gb.gluon_dkdv(
+                            *operands, is_causal=causal, scale=head_dim**-0.5, stages=stages or None,
+                            warp_specialize=variant.startswith("ws") or variant == "wg",
+                            defer=variant.endswith("defer"), wg=variant == "wg",
+                        )  # fmt: skip
                     except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                         failures += 1
                         record_failure("_gluon_dkdv_kernel", stages, error)

@@ -35,6 +35,33 @@ specialised (default: ``gl.warp_specialize`` with the two consumer warpgroups as
 registers and one TMA load warp at 24) or one 8-warp partition that also issues the loads; ``defer`` waits for
 each tile's dV/dK products in the next iteration, after its S and dP are issued. Design, offline figures and the
 device test: ``benchmarks/gluon-dkdv.md``.
+
+One warpgroup per 64 keys (``WG``, the launcher's ``wg=True``; the plan's ``gluon_dkdv_wg``, D=64 only): the same
+numerics, tile for tile (P's codes per key over a tile's 128 queries, one dS scale per 64-key x 128-query tile, the
+same int32 products summed in the same order; dK and dV are bit for bit the same); what changes is who computes what:
+
+* The kernel above gives a program 64 keys and splits each ``[64 keys, 128 queries]`` tile between its two consumer
+  warpgroups by queries. P's per-key scale and dS's tile scale are then reductions across both warpgroups, through
+  shared memory and CTA-wide barriers (eleven ``BAR.SYNC`` in its loop at D=64): the warpgroups run in lockstep and
+  the tensor cores idle while both quantize.
+* With ``WG`` a program holds 128 keys, and each consumer warpgroup owns one 64-key half against all 128 queries of
+  every tile. P's scale is a reduction within a thread quad (shuffles), dS's scale one within the warpgroup; the two
+  warpgroups share only the TMA ring (each releases a stage on its own), so one quantizes while the other's products
+  run. Each Q'^, Q'^T, dO, dO^T tile read from L2 serves 128 keys instead of 64.
+
+The cost is registers: a warpgroup holds the whole ``[64, 128]`` S^T and dP^T (64 each per thread) and the queries'
+lse and delta (32 each), so the variant serves D=64 only (its dK and dV are 32 registers each; at D=128 they would be
+64 and the consumers would spill). Key counts must be multiples of 128. lse and delta come through the TMA ring with
+the tile (512 bytes each per stage) rather than as 64 global loads per thread: 1.08-1.14x on the device
+(``benchmarks/NOTES.md``, device run 7).
+
+An FP8 or bf16 dS with ``WG``: dS^T's e4m3 codes widened to bf16, or dS rounded to bf16, against the tile's Q'^ codes
+in bf16 as above. The backward's preprocess launch writes Q'^ in bf16 once (``q_wide``, N x D x 2 bytes per query
+head) and its tile comes through the TMA ring beside Q'^'s codes (``Q_WIDE``: 16 KiB more per stage at D=64, 8 KiB
+less without Q'^T; dS^T's bf16 tiles take 8 KiB more per warpgroup). Without that copy each warpgroup widens the
+tile's codes into a buffer of its own (the two run apart; 16 KiB each), 160 more instructions per iteration and
+spills (offline sm_90 compile, ``benchmarks/NOTES.md``). Design, offline figures and the device results:
+``benchmarks/NOTES.md`` (device run 7) and ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
 """
 
 from __future__ import annotations
@@ -102,41 +129,84 @@ HEAD_CHUNK = {64: 16, 128: 8}
 #: that after the load warpgroup gives its surplus back the consumers hold (168 * 12 - 24 * 4) / 8 = 240.
 LOAD_REGS = 24
 WS_MAXNREG = 168
+#: The ``wg`` variant (one warpgroup per 64 keys): keys per program, one 64-key half (:data:`BLOCK_N`, the K
+#: quantization block) per warpgroup.
+WG_KEYS_PER_PROGRAM = 2 * BLOCK_N
+#: Head dims the ``wg`` variant serves (register budget: see the module's docstring).
+WG_HEAD_DIMS = (64,)
+#: The ``wg`` variant's kv heads per chunk of the grid's order (:func:`.gluon_common._head_chunk_order`; at D=64 and
+#: N=4096 a query head's Q'^, Q'^T, dO and dO^T codes take 1.25 MiB, so 16 kv heads without GQA stay in L2). Measured
+#: on an H100 against one head at a time: 1.07-1.16x causal, 1.04-1.07x non-causal (both take it).
+WG_HEAD_CHUNK = 16
+#: The ``wg`` variant's register cap: 12 warps (two consumer warpgroups and the load warp's warpgroup) at 168 each;
+#: after the load warpgroup drops to :data:`LOAD_REGS` each consumer holds 240.
+WG_MAXNREG = 168
+#: Registers per thread of the ``wg`` variant's second consumer warpgroup (a worker partition, so its count is set
+#: explicitly; the first, the default partition, gets the same from what the others leave).
+WG_CONSUMER_REGS = 240
 
 
 if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_compute(
-        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
-        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau,
-        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
-        DEFER: gl.constexpr, DS_FMT: gl.constexpr,
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, pid_n, pid_bkv,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, DEFER: gl.constexpr,
+        DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0, Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
-        """The two consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
-        Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead). With a non-INT8
-        ``DS_FMT`` they widen each tile's Q'^ to bf16 in shared memory before its S and dP are issued (no Q'^T is
-        loaded) and dK's product runs in bf16 (:func:`._dkdv_products_hp`)."""
-        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        """The consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
+
+        Without ``WG``: the program's two consumer warpgroups on its 64 keys (``kv_row``; ``pid_n`` and ``pid_bkv``
+        unused). Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead; ``descs``,
+        ``col_t0``). With a non-INT8 ``DS_FMT`` they widen each tile's Q'^ to bf16 in shared memory before its S and
+        dP are issued (no Q'^T is loaded) and dK's product runs in bf16 (:func:`._dkdv_products_hp`).
+
+        With ``WG`` (warp-specialised, no ``DEFER``; ``descs``, ``col_t0`` and ``kv_row`` unused): one consumer
+        warpgroup, keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 (key block ``2 * pid_n + HALF``)
+        against every query tile. With a non-INT8 ``DS_FMT`` dK's product runs in bf16 against the tile's Q'^ in
+        bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its own buffer before the tile's S is
+        issued."""
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
-        # Accumulator layouts, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps and
-        # the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups.
-        s_layout: gl.constexpr = _wgmma_layout(4, 2, BLOCK_M // 2, 32)
-        dp_layout: gl.constexpr = _wgmma_layout(4, 2, BLOCK_M // 2, 16)
-        acc_layout: gl.constexpr = _wgmma_layout(4, 2, HEAD_DIM // 2, 32)
+        if not WARP_SPECIALIZE:
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
+        # The widened Q'^ (a non-INT8 dS without Q_WIDE): one buffer, or with WG one per half.
+        qb_smem = qt_smem
+        if WG:
+            # This half's K'^, V and codes.
+            k_smem = k_smem.index(HALF)
+            v_smem = v_smem.index(HALF)
+            p_smem = p_smem.index(HALF)
+            ds_smem = ds_smem.index(HALF)
+            if DS_FMT != "int8" and not Q_WIDE:
+                qb_smem = qt_smem.index(HALF)
+        # Accumulator layouts. Without WG, two warpgroups: [4, 2] splits the 64 keys' rows over a warpgroup's 4 warps
+        # and the columns (queries of S^T and dP^T, head dims of dV and dK) over the 2 warpgroups. With WG, one
+        # warpgroup: its 4 warps split the 64 keys' rows; a row's 128 queries lie in one thread quad.
+        WARPS_N: gl.constexpr = 1 if WG else 2
+        s_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, BLOCK_M // WARPS_N, 32)
+        dp_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, BLOCK_M // WARPS_N, 16)
+        acc_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, HEAD_DIM // WARPS_N, 32)
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         query_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
         # A non-INT8 dS: dK's bf16 product (k16 instructions), its fp32 accumulator.
-        hp_layout: gl.constexpr = _wgmma_layout(4, 2, HEAD_DIM // 2, 16)
+        hp_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, HEAD_DIM // WARPS_N, 16)
         LOAD_QT: gl.constexpr = DS_FMT == "int8"
 
-        pid_bkv = kv_row // SEQ_K
-        pid_n = (kv_row - pid_bkv * SEQ_K) // BLOCK_N
+        if not WG:
+            # The key block and kv head from the program's first key row (as this partition has always had them).
+            pid_bkv = kv_row // SEQ_K
+            pid_n = (kv_row - pid_bkv * SEQ_K) // BLOCK_N
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         k_blocks = gl.cdiv(SEQ_K, BLOCK_N)
+        # This partition's 64 keys: the program's, or with WG its half of the program's 128.
+        key_block = pid_n
+        if WG:
+            key_block = pid_n * 2 + HALF
+            key0 = key_block * BLOCK_N
         bh0 = row_q0 // SEQ_Q
         if not WARP_SPECIALIZE:
             _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, 1)
@@ -149,9 +219,9 @@ if HAVE_GLUON:
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
                     HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                 )  # fmt: skip
-        k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + pid_n)
+        k_scale = gl.load(K_SCALE + pid_bkv * k_blocks + key_block)
 
-        offs_key = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+        offs_key = key_block * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
         offs_q_tile = gl.arange(0, BLOCK_M, layout=query_l)
         s_zero, dp_zero, acc_zero, dk, dv, err2, norm2 = _dkdv_zeros(
             s_layout, dp_layout, acc_layout, key_l, BLOCK_N, BLOCK_M, HEAD_DIM
@@ -182,17 +252,28 @@ if HAVE_GLUON:
             )
 
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            if DS_FMT != "int8" and not DEFER:
+            if DS_FMT != "int8" and not DEFER and not Q_WIDE:
                 # Q'^ widened to bf16 (dK's B operand; the tile before's dK product was waited for at its end).
                 # Before S and dP are issued: with their 64 accumulator registers in flight, the causal variant
-                # with statistics spilled (offline sm_90 compile, 240 registers).
-                _widen_codes(q_smem.index(stage), qt_smem, BLOCK_M, HEAD_DIM, 8, 8)
-            if not DEFER:
+                # with statistics spilled (offline sm_90 compile, 240 registers). With WG, while few registers are
+                # live: before S's accumulator.
+                _widen_codes(q_smem.index(stage), qb_smem, BLOCK_M, HEAD_DIM, 4 * WARPS_N, 8)
+            if not DEFER and not WG:
                 lse = lse_smem.index(stage).load(query_l)
                 delta = delta_smem.index(stage).load(query_l)
-            # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once.
+            # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once; with WG dP^T's product is
+            # issued after P's codes are stored: with both accumulators in flight beside lse, dK and dV the
+            # warpgroup would need more than its 240 registers (the other warpgroup keeps the tensor cores busy
+            # meanwhile).
             s_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dp_tok = warpgroup_mma(v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True)
+            if WG:
+                s_int = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+                # lse and delta of the tile's queries came with its tiles through the TMA ring.
+                lse = lse_smem.index(stage).load(query_l)
+            else:
+                dp_tok = warpgroup_mma(
+                    v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True
+                )
             if DEFER:
                 # The tile before's dV and dK were committed before S and dP: two groups may stay in flight.
                 # Their scaling overlaps this tile's S and dP on the tensor cores; the order of the additions
@@ -220,10 +301,15 @@ if HAVE_GLUON:
                 if DS_FMT != "int8":
                     # Q'^ widened to bf16 once the tile before's dK product (which read the buffer) is done.
                     _widen_codes(q_smem.index(stage), qt_smem, BLOCK_M, HEAD_DIM, 8, 8)
-            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-            # P's codes (its per-key scale a reduction across both warpgroups). Causal: only the first query tile
-            # of a key block can hold a key after its query (top-left).
-            masked = start_m + 1 < (pid_n + 1) * BLOCK_N
+            if not WG:
+                s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+            # P's codes (its per-key scale a reduction across both warpgroups; with WG within the thread quad that
+            # holds the row). Causal: only the first query tile of a key block can hold a key after its query
+            # (top-left); with WG, a tile whose first query comes before this half's last key.
+            if WG:
+                masked = start_m < key0 + BLOCK_N - 1
+            else:
+                masked = start_m + 1 < (pid_n + 1) * BLOCK_N
             if DS_FMT == "int8":
                 p, p_scale = _p_codes(
                     s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL
@@ -233,15 +319,23 @@ if HAVE_GLUON:
                     s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, start_m, masked, CAUSAL, BLOCK_M,
                     query_l,
                 )  # fmt: skip
+            if WG:
+                dp_tok = warpgroup_mma(
+                    v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True
+                )
+                delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            # One dS scale for the 64 x 128 tile (a reduction across both warpgroups).
+            # One dS scale for the 64 x 128 tile (a reduction across both warpgroups; with WG within the warpgroup).
             if DS_FMT == "int8":
                 ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
                 dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
             else:
                 ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                qb_tile = qb_smem
+                if Q_WIDE:
+                    qb_tile = qt_smem.index(stage)  # the preprocess's bf16 copy of Q'^, through the ring
                 dv_tok, dk_tok = _dkdv_products_hp(
-                    p_smem, ds_smem, dot_smem.index(stage), qt_smem, acc_zero,
+                    p_smem, ds_smem, dot_smem.index(stage), qb_tile, acc_zero,
                     gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
                 )  # fmt: skip
             if DEFER:
@@ -257,8 +351,9 @@ if HAVE_GLUON:
                     dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
                 )
             if not DEFER:
-                # Both warpgroups are done with the codes and this stage before either overwrites them (and,
-                # with the load partition, before the stage is handed back to it).
+                # The consumers are done with the codes and this stage before either overwrites them (and, with the
+                # load partition, before the stage is handed back to it; with WG each warpgroup on its own, the
+                # load warp refilling a stage once both have).
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index(stage), count=1)
@@ -271,62 +366,64 @@ if HAVE_GLUON:
             else:
                 dk += gl.convert_layout(dk_int, acc_layout) * dk_c
         _dkdv_store(
-            dk, dv, err2, norm2, pid_n * BLOCK_N, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout, HEAD_DIM, BLOCK_N,
-            WITH_STATS,
+            dk, dv, err2, norm2, key0 if WG else pid_n * BLOCK_N, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout,
+            HEAD_DIM, BLOCK_N, WITH_STATS,
         )  # fmt: skip
 
     @gluon.jit
     def _gluon_dkdv_kernel(
-        desc_q,
-        desc_qt,
-        desc_k,
-        desc_v,
-        desc_do,
-        desc_dot,
-        desc_lse,
-        desc_delta,
-        Q_SCALE,
-        K_SCALE,
-        DO_SCALE,
-        DK,
-        DV,
-        STATS,
-        BKV,
-        HEADS,
-        GROUP,
-        SEQ_Q,
-        SEQ_K,
-        qk_scale,
-        tau,
-        HEAD_DIM: gl.constexpr,
-        BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
-        CAUSAL: gl.constexpr,
-        HEAD_CHUNK: gl.constexpr,
-        WITH_STATS: gl.constexpr,
-        WARP_SPECIALIZE: gl.constexpr,
-        DEFER: gl.constexpr,
-        LOAD_REGS: gl.constexpr,
-        DS_FMT: gl.constexpr = "int8",
-    ):
-        # One 64-key block per program (_dkdv_program: the grid's order, the query tiles it walks).
+        desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS,
+        BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
+        DEFER: gl.constexpr, LOAD_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False,
+        CONSUMER_REGS: gl.constexpr = 0, Q_WIDE: gl.constexpr = False,
+    ):  # fmt: skip
+        # A program's 64-key halves: one (both consumer warpgroups on it), or with WG two (a warpgroup each).
+        HALVES: gl.constexpr = 2 if WG else 1
+        # The program's keys (_dkdv_program: the grid's order, the query tiles it walks).
         pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
-            BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, HEAD_CHUNK
+            BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, BLOCK_M, HALVES * BLOCK_N, CAUSAL, HEAD_CHUNK
         )
-        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes.
+        # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes (with
+        # WG each warpgroup's; a stage is released by both consumer warpgroups).
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
         bufs, bars = _dkdv_smem(
-            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES, 1,
-            DS_FMT != "int8",  # Q'^'s codes widened to bf16 for an FP8 or bf16 dS's product
+            desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta, BLOCK_M, BLOCK_N, STAGES,
+            HALVES, DS_FMT != "int8", Q_WIDE,  # an FP8 or bf16 dS's product: Q'^ in bf16, a ring or one buffer
         )  # fmt: skip
-        if WARP_SPECIALIZE:
+        if WG:
             gl.warp_specialize(
                 [
                     (
                         _dkdv_compute,
+                        (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
+                         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 0, Q_WIDE),
+                    ),
+                    (
+                        _dkdv_compute,
+                        (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
+                         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 1, Q_WIDE),
+                    ),
+                    (
+                        _dkdv_loader,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES, Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N,
+                         STAGES, 2, DS_FMT == "int8" or Q_WIDE, Q_WIDE),
+                    ),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOAD_REGS],
+            )  # fmt: skip
+        elif WARP_SPECIALIZE:
+            gl.warp_specialize(
+                [
+                    (
+                        _dkdv_compute,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, None, None,
+                         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                          CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT),
                     ),
                     (
@@ -340,10 +437,22 @@ if HAVE_GLUON:
             )  # fmt: skip
         else:
             _dkdv_compute(
-                descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
-                Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, SEQ_K, qk_scale, tau, BLOCK_N, CAUSAL,
+                descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, None, None, Q_SCALE,
+                K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                 WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT,
             )  # fmt: skip
+
+
+def gluon_dkdv_wg_serves(head_dim: int, seq_k: int) -> bool:
+    """Whether :func:`gluon_dkdv`'s ``wg`` variant (the plan's ``gluon_dkdv_wg``) serves a call the two-warpgroup
+    kernel serves: head dim in :data:`WG_HEAD_DIMS` and a key count that is a multiple of
+    :data:`WG_KEYS_PER_PROGRAM`.
+
+    Example::
+
+        gluon_dkdv_wg_serves(64, 4096)   # True
+    """
+    return head_dim in WG_HEAD_DIMS and seq_k % WG_KEYS_PER_PROGRAM == 0
 
 
 def gluon_dkdv(
@@ -366,6 +475,8 @@ def gluon_dkdv(
     warp_specialize: bool = True,
     defer: bool = False,
     ds_fmt: str = "int8",
+    wg: bool = False,
+    q_wide: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
     ``stats``), for the calls the plan (:func:`..plan.plan_attention`) gives it.
@@ -380,6 +491,8 @@ def gluon_dkdv(
         stats: fp32 ``(2,)`` the dS statistics are added into, or ``None``.
         is_causal, scale: as the forward.
         stages: depth of the TMA ring; ``None``: 2 at D=128 (202.5 KiB; 3 would need 282), 3 at D=64 (151.6 KiB).
+            With ``wg`` (3 at D=64): 40 KiB per stage beside 56 KiB of K, V and codes; with a non-INT8 dS and
+            ``q_wide`` 49 KiB per stage beside 72 KiB, without ``q_wide`` 33 KiB per stage beside 104 KiB.
         warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or
             one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
@@ -387,31 +500,73 @@ def gluon_dkdv(
         ds_fmt: dS's format, as ``_dkdv_kernel``'s ``DS_FMT``: ``"int8"`` (SageBwd's); ``"fp8"`` (e4m3 codes, one
             scale per tile) or ``"bf16"``, whose dK product runs in bf16 against Q'^'s codes widened to bf16 in
             shared memory (``q_op_t`` is not read).
+        wg: one warpgroup per 64 keys (the plan's ``gluon_dkdv_wg``: the module's docstring), the same dK and dV bit
+            for bit, for the calls :func:`gluon_dkdv_wg_serves` accepts; it is warp-specialised without ``defer``
+            (``warp_specialize`` and ``defer`` left as they are by default).
+        q_wide: with ``wg`` and a non-INT8 ``ds_fmt``, Q'^ widened to bf16, ``[B, Hq, N, D]`` contiguous
+            (``backward``'s ``widen_q``: the preprocess launch writes it), loaded through the TMA ring beside Q'^;
+            ``None``: each warpgroup widens every tile's codes in shared memory (the same dK and dV, more
+            instructions).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
+
+    Raises:
+        ValueError: a ``ds_fmt`` it does not take; with ``wg`` a call :func:`gluon_dkdv_wg_serves` refuses or another
+            variant; a ``q_wide`` without ``wg``, with an INT8 dS or not of Q'^'s shape in bf16, contiguous.
 
     Example::
 
         dk, dv = gluon_dkdv(grad_out, delta, codes_t, dscale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, None,
                             is_causal=False, scale=0.125)
+        dk, dv = gluon_dkdv(grad_out, delta, codes_t, dscale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, None,
+                            is_causal=False, scale=0.125, wg=True)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    name = "gluon_dkdv_wg" if wg else "gluon_dkdv"
+    if wg and not gluon_dkdv_wg_serves(head_dim, seq_k):
+        raise ValueError(
+            f"gluon_dkdv_wg: serves head_dim in {WG_HEAD_DIMS} and seq_k a multiple of {WG_KEYS_PER_PROGRAM}; "
+            f"received head_dim={head_dim}, seq_k={seq_k}"
+        )
+    if wg and not (warp_specialize and not defer):
+        received = f"warp_specialize={warp_specialize}, defer={defer}"
+        raise ValueError(f"gluon_dkdv_wg: is warp-specialised without defer; received {received}")
     if ds_fmt not in ("int8", "fp8", "bf16"):
-        raise ValueError(f"gluon_dkdv: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+        raise ValueError(f"{name}: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+    if q_wide is not None and not wg:
+        raise ValueError("gluon_dkdv: q_wide is read by the wg variant only (wg=True)")
+    if q_wide is not None and (
+        ds_fmt == "int8" or q_wide.dtype != torch.bfloat16 or q_wide.shape != q_op.shape or not q_wide.is_contiguous()
+    ):
+        raise ValueError(
+            f"gluon_dkdv_wg: q_wide must be Q'^ in bf16 {tuple(q_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
+            f"received {q_wide.dtype} {tuple(q_wide.shape)}, contiguous={q_wide.is_contiguous()}, ds_fmt={ds_fmt!r}"
+        )
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
-    q_op_t = q_op_t if ds_fmt == "int8" else None  # the widened Q'^ stands in for its [D, N] copy
-    descs, dk, dv = dkdv_operands(grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N)
+    q_op_t = q_op_t if ds_fmt == "int8" else None  # Q'^ in bf16 (q_wide, or widened in the kernel) stands in
+    descs, dk, dv = dkdv_operands(
+        grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N, q_wide=q_wide
+    )
     bkv = batch * kv_heads
-    _gluon_dkdv_kernel[(seq_k // BLOCK_N * bkv,)](
+    if wg:
+        programs = seq_k // WG_KEYS_PER_PROGRAM
+        head_chunk = WG_HEAD_CHUNK
+        variant = dict(
+            WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, **({} if q_wide is None else {"Q_WIDE": True}), num_warps=4,
+            maxnreg=WG_MAXNREG,
+        )  # fmt: skip
+    else:
+        programs = seq_k // BLOCK_N
+        head_chunk = HEAD_CHUNK[head_dim] if is_causal else 1
+        variant = dict(num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}))
+    _gluon_dkdv_kernel[(programs * bkv,)](
         *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
-        HEAD_CHUNK=HEAD_CHUNK[head_dim] if is_causal else 1,
+        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal, HEAD_CHUNK=head_chunk,
         WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,
         **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
-        num_warps=8,
-        **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
+        **variant,
     )  # fmt: skip
     return dk, dv

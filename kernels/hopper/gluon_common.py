@@ -1,4 +1,4 @@
-"""What the Gluon backward kernels for Hopper share: :mod:`.gluon_backward` and :mod:`.gluon_dkdv_wg` (dK and dV),
+"""What the Gluon backward kernels for Hopper share: :mod:`.gluon_backward` (dK and dV, both its variants) and
 :mod:`.gluon_dq` (dQ, both its variants). The quantization (SageBwd's INT8 codes and scales) and the scaling of
 an int32 product; the grid order by head chunks and the wgmma layouts; per pass, what both partitions of the work
 (two warpgroups splitting each tile, or one warpgroup per tile) compute alike: the program's place and shared
@@ -137,7 +137,7 @@ if HAVE_GLUON:
         c = (scale.to(gl.int32, bitcast=True) & -4).to(gl.float32, bitcast=True)
         return gl.fma((x + _ROUNDER_BITS).to(gl.float32, bitcast=True), c, -(c * _ROUNDER))
 
-    # dK and dV (gluon_backward, gluon_dkdv_wg): a program holds KEYS keys of one kv head (64, or 128 as two
+    # dK and dV (gluon_backward, both variants): a program holds KEYS keys of one kv head (64, or 128 as two
     # 64-key halves, HALVES) and walks every query tile of every query head of its group.
 
     @gluon.jit

@@ -41,8 +41,8 @@ offline figures and the device check: ``benchmarks/pending/gluon-dq.md`` and ``b
 
 One warpgroup per 128-query block (``WG``, the launcher's ``wg=True``; the plan's ``gluon_dq_wg``, D=64 only): the
 same numerics, tile for tile (one dS scale per 128-query x 64-key tile, the same int32 products added into dQ in the
-same order of key tiles; dQ is bit for bit the same); what changes is who computes what, as :mod:`.gluon_dkdv_wg`
-did for dK and dV:
+same order of key tiles; dQ is bit for bit the same); what changes is who computes what, as :mod:`.gluon_backward`'s
+``WG`` does for dK and dV:
 
 * The kernel above gives a program 128 queries and splits each ``[128 queries, 64 keys]`` tile between its two
   consumer warpgroups by queries. The dS tile scale is then a reduction across both warpgroups (shared memory and
@@ -67,9 +67,8 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from .gluon_backward import WS_MAXNREG
+from .gluon_backward import WG_MAXNREG, WS_MAXNREG
 from .gluon_common import HAVE_GLUON, dq_operands
-from .gluon_dkdv_wg import WG_MAXNREG
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -125,7 +124,7 @@ WG_HEAD_DIMS = (64,)
 #: non-causal calls keep one head at a time (0.98-1.00x with chunks).
 WG_HEAD_CHUNK = 16
 #: Registers per thread of the ``wg`` variant's second consumer warpgroup (a worker partition, so its count is set
-#: explicitly; the first, the default partition, gets what the others leave of :data:`.gluon_dkdv_wg.WG_MAXNREG`
+#: explicitly; the first, the default partition, gets what the others leave of :data:`.gluon_backward.WG_MAXNREG`
 #: over 12 warps: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`PRODUCER_REGS`).
 WG_CONSUMER_REGS = 232
 
