@@ -13,7 +13,9 @@ them for every call whose shapes they serve, whatever the device and the Triton 
 sm_90 compiles). ``SAGE_LIGHTNING_GLUON_DKDV`` and ``SAGE_LIGHTNING_GLUON_DQ`` (``auto``, ``off``, ``force``) do the
 same for the Gluon backward kernels, ``auto`` also asking for a call large enough to gain;
 ``SAGE_LIGHTNING_GLUON_DKDV_WG`` and ``SAGE_LIGHTNING_GLUON_DQ_WG`` (``auto``, ``off``) turn the
-one-warpgroup-per-block variants off.
+one-warpgroup-per-block variants off. ``SAGE_LIGHTNING_GLUON_FWD`` (``off``, the default until a GPU run has
+compared it; ``auto``; ``force``) gives the forward of FP8 ``P V`` calls to the warp-specialised Gluon forward
+(:mod:`.hopper.gluon_forward`), ``auto`` on a verified Hopper only.
 
 A call being traced (``torch.compile``, or sizes that are symbolic) is planned only as far as the code before the plan
 read while tracing: the backend (the device and the head dim against :data:`MAX_TRITON_HEAD_DIM`), the tiles and
@@ -69,7 +71,7 @@ FP8_CAPABILITY = (8, 9)
 #: Backends, as :class:`KernelPlan` names them.
 SDPA, REFERENCE, TRITON, HOPPER = "sdpa", "reference", "triton", "hopper"
 #: Kernel names of the passes.
-TRITON_FORWARD, HOPPER_FORWARD = "triton_forward", "hopper_forward"
+TRITON_FORWARD, HOPPER_FORWARD, GLUON_FORWARD = "triton_forward", "hopper_forward", "gluon_forward"
 TRITON_DKDV, GLUON_DKDV, GLUON_DKDV_WG = "triton_dkdv", "gluon_dkdv", "gluon_dkdv_wg"
 TRITON_DQ, GLUON_DQ, GLUON_DQ_WG = "triton_dq", "gluon_dq", "gluon_dq_wg"
 #: dS formats the Gluon dK/dV and dQ kernels take (every one of them), the other products in INT8.
@@ -90,8 +92,12 @@ SWITCHES: dict[str, tuple[str, tuple[str, ...]]] = {
     "SAGE_LIGHTNING_GLUON_DKDV_WG": ("gluon_dkdv_wg", ("auto", "off")),
     "SAGE_LIGHTNING_GLUON_DQ": ("gluon_dq", ("auto", "off", "force")),
     "SAGE_LIGHTNING_GLUON_DQ_WG": ("gluon_dq_wg", ("auto", "off")),
+    "SAGE_LIGHTNING_GLUON_FWD": ("gluon_fwd", ("off", "auto", "force")),
 }
-HOPPER_ENV, GLUON_DKDV_ENV, GLUON_DKDV_WG_ENV, GLUON_DQ_ENV, GLUON_DQ_WG_ENV = SWITCHES
+HOPPER_ENV, GLUON_DKDV_ENV, GLUON_DKDV_WG_ENV, GLUON_DQ_ENV, GLUON_DQ_WG_ENV, GLUON_FWD_ENV = SWITCHES
+#: The value of a switch when it is unset or blank, where it is not ``"auto"``: the Gluon forward is opt-in until a
+#: GPU run has compared it with the ``tl`` Hopper forward.
+SWITCH_DEFAULTS = {"SAGE_LIGHTNING_GLUON_FWD": "off"}
 
 
 class UnsupportedAttention(ValueError):
@@ -124,13 +130,16 @@ class UnsupportedAttentionType(UnsupportedAttention, TypeError):
     """:class:`UnsupportedAttention` for an argument of the wrong type (also a ``TypeError``, as Python's own)."""
 
 
-def env_choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] | None = None) -> str:
-    """The value of the environment variable ``name`` (``"auto"`` when unset or blank), lower-cased.
+def env_choice(
+    name: str, choices: tuple[str, ...], environ: Mapping[str, str] | None = None, default: str = "auto"
+) -> str:
+    """The value of the environment variable ``name`` (``default`` when unset or blank), lower-cased.
 
     Args:
         name: the variable.
         choices: the values it takes.
         environ: where to read it (``os.environ`` when ``None``).
+        default: the value when it is unset or blank.
 
     Raises:
         ValueError: a value not in ``choices``, naming the variable, what works and what was received.
@@ -140,7 +149,7 @@ def env_choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] |
         env_choice("SAGE_LIGHTNING_GLUON_DQ_WG", ("auto", "off"))   # "auto" when unset
     """
     environ = os.environ if environ is None else environ
-    value = environ.get(name, "auto").strip().lower() or "auto"
+    value = environ.get(name, default).strip().lower() or default
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; received {value!r}")
     return value
@@ -151,8 +160,9 @@ class KernelSettings:
     """The kernel switches (:data:`SWITCHES`), as read from the environment.
 
     Attributes:
-        hopper, gluon_dkdv, gluon_dkdv_wg, gluon_dq, gluon_dq_wg: the values of ``SAGE_LIGHTNING_HOPPER``,
-            ``SAGE_LIGHTNING_GLUON_DKDV``, ``..._DKDV_WG``, ``..._DQ`` and ``..._DQ_WG`` (``"auto"`` when unset).
+        hopper, gluon_dkdv, gluon_dkdv_wg, gluon_dq, gluon_dq_wg, gluon_fwd: the values of
+            ``SAGE_LIGHTNING_HOPPER``, ``SAGE_LIGHTNING_GLUON_DKDV``, ``..._DKDV_WG``, ``..._DQ``, ``..._DQ_WG`` and
+            ``..._FWD`` (``"auto"`` when unset; :data:`SWITCH_DEFAULTS` for the Gluon forward, ``"off"``).
 
     Example::
 
@@ -164,11 +174,15 @@ class KernelSettings:
     gluon_dkdv_wg: str = "auto"
     gluon_dq: str = "auto"
     gluon_dq_wg: str = "auto"
+    gluon_fwd: str = "off"
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
         """The settings ``environ`` (``os.environ`` when ``None``) gives; an unknown value raises ``ValueError``."""
-        return cls(**{field: env_choice(name, choices, environ) for name, (field, choices) in SWITCHES.items()})
+        return cls(**{
+            field: env_choice(name, choices, environ, SWITCH_DEFAULTS.get(name, "auto"))
+            for name, (field, choices) in SWITCHES.items()
+        })  # fmt: skip
 
 
 _settings: KernelSettings | None = None
@@ -263,7 +277,7 @@ class KernelPlan:
     Attributes:
         backend: ``"hopper"`` (some pass runs a Hopper kernel), ``"triton"`` (the portable Triton kernels),
             ``"reference"`` (the PyTorch reference) or ``"sdpa"`` (``mode="full"``).
-        forward: ``"hopper_forward"``, ``"triton_forward"``, ``"reference"`` or ``"sdpa"``.
+        forward: ``"gluon_forward"``, ``"hopper_forward"``, ``"triton_forward"``, ``"reference"`` or ``"sdpa"``.
         dkdv: ``"gluon_dkdv_wg"``, ``"gluon_dkdv"``, ``"triton_dkdv"``, ``"reference"`` or ``"sdpa"``.
         dq: ``"gluon_dq_wg"``, ``"gluon_dq"``, ``"triton_dq"``, ``"reference"`` or ``"sdpa"``.
             A traced call's SageBwd plan names :data:`IN_OPERATOR` (``"plan"``) for the three passes, with backend
@@ -300,6 +314,32 @@ def _first_unmet(conditions: tuple[tuple[bool, str], ...]) -> str | None:
 
 
 def _forward_kernel(q, k, formats, scale, block_m, block_n, switches) -> tuple[str, str]:  # noqa: ANN001
+    kernel, reason = _tl_forward_kernel(q, k, formats, scale, block_m, block_n, switches)
+    if switches.gluon_fwd == "off":
+        return kernel, reason
+    takes, why = _gluon_forward_takes(q, k, formats, scale, block_m, block_n, switches)
+    return (GLUON_FORWARD, why) if takes else (kernel, f"{reason} ({why})")
+
+
+def _gluon_forward_takes(q, k, formats, scale, block_m, block_n, switches) -> tuple[bool, str]:  # noqa: ANN001
+    """Whether the warp-specialised Gluon forward (:mod:`.hopper.gluon_forward`) takes the call, and why: ``auto`` on
+    a verified Hopper, ``force`` whatever the device, for the formats and shapes it serves."""
+    from .hopper import gluon_backward, gluon_forward  # where the Gluon API's presence and version are known
+
+    if not gluon_backward.HAVE_GLUON or TRITON_VERSION not in gluon_backward.GLUON_TRITON:
+        return False, f"the Gluon forward needs Triton {', '.join(gluon_backward.GLUON_TRITON)}'s Gluon API"
+    if switches.gluon_fwd == "auto":
+        if switches.hopper == "off":
+            return False, f"{HOPPER_ENV}=off"
+        if not verified_here(q.device):
+            return False, "not a verified Hopper (compute capability 9.0 under a verified Triton)"
+    unmet = gluon_forward.gluon_forward_unmet(q.shape, k.shape, q.dtype, formats, scale, block_m, block_n)
+    if unmet:
+        return False, f"{GLUON_FORWARD} needs {unmet}"
+    return True, f"{GLUON_FORWARD} (warp-specialised, FP8 P.V) serves these formats and shapes"
+
+
+def _tl_forward_kernel(q, k, formats, scale, block_m, block_n, switches) -> tuple[str, str]:  # noqa: ANN001
     from .hopper.forward import HEAD_DIMS
 
     if switches.hopper == "off":
