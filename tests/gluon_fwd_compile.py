@@ -17,7 +17,7 @@ import sys
 
 # isort: off
 from benchmarks.kernels import sm90_compile as offline  # first: it sets a fresh Triton cache before triton is imported
-from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure
+from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure, start_offline, unfit_cases
 import torch
 # isort: on
 
@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qk", nargs="+", choices=("int8", "fp8"), default=["int8", "fp8"])
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args(argv)
-    offline._DUMP["dir"] = args.dump
-    offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
+    start_offline(args)
     from sage_lightning.kernels.hopper import forward as hf
     from sage_lightning.kernels.hopper import gluon_forward as gf
 
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.no_portable:
                     offline._CASE["name"] = f"tl D={head_dim} c={int(causal)} qk={qk}"
                     hf.hopper_forward(*operands, **tiles)
-    failures += sum(1 for r in offline._RECORDS if r.kernel == "_gluon_forward_kernel" and not r.error and not r.fits)
+    failures += unfit_cases("_gluon_forward_kernel")
     offline.report(args.seq, args.out, args.verbose, case_width=40, kernel_width=22)
     return 1 if failures else 0
 

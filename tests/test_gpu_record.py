@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from benchmarks.kernels.gpu_record import KERNELS, RECORD, REQUIRED_CHECKS, VERIFY_COMMAND, check_record
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,8 +80,6 @@ def test_a_missing_or_unreadable_record_is_named(tmp_path):
 
 
 def test_gpu_verify_refuses_bad_limits_by_name(capsys):
-    import pytest
-
     from benchmarks.kernels.gpu_verify import TIME_LIMIT_S, parse_args
 
     assert parse_args([]).time_limit == TIME_LIMIT_S

@@ -11,7 +11,7 @@ import os
 import sys
 
 from benchmarks.kernels import sm90_compile as offline  # sets a fresh Triton cache before triton is imported
-from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure
+from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure, start_offline, unfit_cases
 
 #: Gluon variants: warp-specialised (a load warp) or one 8-warp partition; ``-defer`` finishes each tile's dV and dK
 #: in the next iteration; ``wg``: one warpgroup per 64-key half (``gluon_dkdv(wg=True)``, D=64 only).
@@ -26,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         "dV and dK in the next iteration",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    offline._DUMP["dir"] = args.dump
-    offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
+    start_offline(args)
     os.environ["SAGE_LIGHTNING_GLUON_DKDV"] = "force"
     from sage_lightning.kernels.backward import backward
     from sage_lightning.kernels.hopper import gluon_backward as gb
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     None, is_causal=causal, scale=head_dim**-0.5, block_m=128, block_n=64, qk="int8",
                     dv="int8", dp="bf16", ds="int8",
                 )  # fmt: skip
-    failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dkdv") and not r.error and not r.fits)
+    failures += unfit_cases("_gluon_dkdv")
     offline.report(args.seq, args.out, args.verbose, case_width=48, kernel_width=20, skip=("_dq_kernel",))
     return 1 if failures else 0
 

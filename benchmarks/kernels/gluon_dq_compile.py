@@ -24,6 +24,18 @@ import torch
 VARIANTS = ("ws", "plain", "ws-smem", "plain-smem", "ws-defer", "plain-defer", "ws-smem-defer", "wg")
 
 
+def start_offline(args: argparse.Namespace) -> None:
+    """Install ``sm90_compile``'s stand-in driver (PTX and SASS to ``args.dump``), before the kernels' modules are
+    imported: their JIT functions keep the patched compile."""
+    offline._DUMP["dir"] = args.dump
+    offline._install()
+
+
+def unfit_cases(prefix: str) -> int:
+    """How many cases of the kernels named ``prefix...`` compiled but do not fit sm_90's shared memory."""
+    return sum(1 for r in offline._RECORDS if r.kernel.startswith(prefix) and not r.error and not r.fits)
+
+
 def record_failure(kernel: str, num_stages: int | None, error: BaseException) -> None:
     """In an ``except``: a Gluon case that failed to compile, as a report row of 8 warps (the other cases go on)."""
     message = f"{type(error).__name__}: {error}\n{traceback.format_exc()}"[-12000:]
@@ -72,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--causal", type=int, nargs="+", choices=(0, 1), default=[0, 1])
     parser.add_argument("--variant", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args(argv)
-    offline._DUMP["dir"] = args.dump
-    offline._install()  # before the kernels' modules are imported: their JIT functions keep the patched compile
+    start_offline(args)
     from sage_lightning.kernels.hopper import gluon_dq as gq
 
     failures = 0
@@ -98,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_portable:
                 offline._CASE["name"] = f"portable D={head_dim} causal={causal}"
                 _portable(x, causal)
-    failures += sum(1 for r in offline._RECORDS if r.kernel.startswith("_gluon_dq") and not r.error and not r.fits)
+    failures += unfit_cases("_gluon_dq")
     offline.report(args.seq, args.out, args.verbose, case_width=40, kernel_width=18)
     return 1 if failures else 0
 

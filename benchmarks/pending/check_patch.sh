@@ -16,9 +16,9 @@
 # Beside training lanes (benchmarks/gpu_lanes.sh; device run 25's way): DETACH=1 copies the tree to CHECK_DIR
 # (/tmp/check-patch) and runs the steps there in the background on GPU CHECK_GPU (0), writing to CHECK_DIR-out, so
 # later calls may replace the tree. With VERIFY_COMMIT=<the sha the patch will be committed as>, the last step is
-# gpu_verify's record instead of the kernel tests (it runs every kernel test; VERIFY_LIMIT, 800 s, its
-# --time-limit, above its default 470 s: one record took 465 s alone on an H100, and a patch adds tests). At the end it touches GPU_FREE_FLAG
-# (/tmp/sage-gpu0-free), which that GPU's first lanes line can wait for. `bash benchmarks/pending/check_patch.sh
+# gpu_verify's record instead of the kernel tests (it runs every kernel test; VERIFY_LIMIT, 800 s, is its
+# --time-limit, above its default 470 s: one record took 465 s alone on an H100, and a patch adds tests). At the end
+# it touches GPU_FREE_FLAG (/tmp/sage-gpu0-free), which that GPU's first lanes line can wait for. `bash benchmarks/pending/check_patch.sh
 # collect` copies what it wrote so far to $OUT/check: call it in every device call until log.txt ends with "done".
 set -uo pipefail
 dir=${CHECK_DIR:-/tmp/check-patch} flag=${GPU_FREE_FLAG:-/tmp/sage-gpu0-free}

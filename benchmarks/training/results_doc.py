@@ -437,7 +437,7 @@ def write_doc(results: Path, doc: Path, images: Path, tracked_only: bool = False
         path, result = loaded["matrix"][group]
         lines += [f"{result['matrix']['title']}.", "", *speed_table(result), "", _source(path, result, doc), ""]
 
-    lines += [prose("cost"), "", "## 5. Findings against the study's", "", *ev.findings(loaded), "", prose("length")]
+    lines += [prose("cost"), "", "## 5. Findings against the study's", "", *ev.findings(loaded), "", prose("issue-41")]
 
     lines += [prose("earlier"), ""]
     if not loaded["earlier"]:
