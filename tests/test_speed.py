@@ -132,3 +132,17 @@ def test_sage_portable_turns_the_hopper_kernels_off_for_its_call_only(monkeypatc
     q = torch.zeros(1, 1, 4, 8)
     assert speed._attention("sage_portable")(q, q, q, True) is q
     assert seen == ["off"] and os.environ.get(HOPPER) == before
+
+
+def test_heads_on_the_command_line_time_the_training_shape_with_fewer_key_value_heads() -> None:
+    """``--heads 10 5``: the example's grouped heads (examples/configs/small.yaml); SDPA gets ``enable_gqa`` as
+    examples/llama.py passes it, so its rows time what a full-precision step runs."""
+    assert speed.parse_args(["--heads", "10", "5"]).heads == [10, 5]
+    assert speed.parse_args([]).heads is None  # the default: 2048 / D query and key/value heads
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--heads", "10"])
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 32, 16, generator=gen)
+    k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(2))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(speed._attention("sdpa_flash")(q, k, v, True), want)

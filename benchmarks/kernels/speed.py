@@ -129,20 +129,22 @@ def _attention(impl: str, **tiles: int) -> Callable[..., torch.Tensor]:
         return portable
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-        with sdpa_kernel(BACKENDS[impl]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with sdpa_kernel(BACKENDS[impl]):  # fewer key/value heads: as examples/llama.py calls it
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
 
     return sdpa
 
 
-def pass_calls(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> dict[str, Callable]:
+def pass_calls(
+    impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool, kv_heads: int | None = None
+) -> dict[str, Callable]:
     """The three passes of one implementation on random bf16 CUDA inputs that need gradients, as callables:
-    ``fwd``, ``bwd`` (the backward of one forward, its graph retained) and ``fwd+bwd``.
-    """
+    ``fwd``, ``bwd`` (the backward of one forward, its graph retained) and ``fwd+bwd``; ``kv_heads``: K's and V's
+    heads (``heads`` when ``None``)."""
     attention = _attention(impl)
-    shape = (batch, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(batch, h, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (heads, kv_heads or heads, kv_heads or heads))  # fmt: skip
+    do = torch.randn_like(q)
 
     def fwd() -> torch.Tensor:
         return attention(q, k, v, causal)
@@ -158,11 +160,13 @@ def pass_calls(impl: str, batch: int, heads: int, seq: int, head_dim: int, causa
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd_bwd}
 
 
-def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[dict]:
+def time_one(
+    impl: str, batch: int, heads: int, seq: int, head_dim: int, causal: bool, kv_heads: int | None = None
+) -> list[dict]:
     """Rows for the three passes of one implementation and shape (``ms`` median, ``tflops``, ``peak_mem_mb``)."""
     from triton.testing import do_bench
 
-    passes = pass_calls(impl, batch, heads, seq, head_dim, causal)
+    passes = pass_calls(impl, batch, heads, seq, head_dim, causal, kv_heads)
     times = {which: do_bench(call, return_mode="median") for which, call in passes.items()}
     fwd_bwd, passes = passes["fwd+bwd"], None  # free the retained graph before measuring memory
     torch.cuda.synchronize()
@@ -175,7 +179,7 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     rows = []
     for which, ms in times.items():
         rows.append(
-            {"impl": impl, "pass": which, "batch": batch, "heads": heads, "kv_heads": heads, "seq": seq,
+            {"impl": impl, "pass": which, "batch": batch, "heads": heads, "kv_heads": kv_heads or heads, "seq": seq,
              "head_dim": head_dim, "causal": causal, "ms": ms,
              "tflops": flops(batch, heads, seq, head_dim, causal, which) / ms / 1e9,
              "peak_mem_mb": peak_mb if which == "fwd+bwd" else None}
@@ -183,32 +187,19 @@ def time_one(impl: str, batch: int, heads: int, seq: int, head_dim: int, causal:
     return rows
 
 
-def training_call(seq: int, head_dim: int, causal: bool, tokens: int, warmup: int = 3) -> Callable[[], None]:
-    """One SageBwd forward and backward at this benchmark's shape (``batch x seq = tokens``, ``heads = 2048 /
-    head_dim``, bf16, random inputs on CUDA), run ``warmup`` times first (compile, autotune, warm), as a callable.
-    """
-    batch, heads = tokens // seq, 2048 // head_dim
-    q, k, v = (
-        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    )
-    do = torch.randn_like(q)
-
-    def step() -> None:
-        out, _ = sage_attention_triton(q, k, v, is_causal=causal, with_lse=False)
-        torch.autograd.grad(out, (q, k, v), do)
-
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    return step
-
-
-def breakdown(seq: int, head_dim: int, causal: bool, tokens: int, iters: int = 10) -> list[dict]:
-    """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration."""
+def breakdown(
+    seq: int, head_dim: int, causal: bool, tokens: int, heads: tuple[int, int] | None = None, iters: int = 10
+) -> list[dict]:
+    """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration, at this
+    benchmark's shape (``batch x seq = tokens``; ``heads``: query and key/value heads, ``2048 / head_dim`` both when
+    ``None``), after three warm-up calls (compile, autotune)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = training_call(seq, head_dim, causal, tokens)
+    query_heads, kv_heads = heads or (2048 // head_dim,) * 2
+    step = pass_calls("sage", tokens // seq, query_heads, seq, head_dim, causal, kv_heads)["fwd+bwd"]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             step()
@@ -321,6 +312,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, action="append", help="repeatable; default 1024 2048 4096 8192")
     parser.add_argument("--head-dim", type=int, action="append", help="repeatable; default 64 128")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--heads", type=int, nargs=2, metavar=("HQ", "HKV"), help="query and key/value heads "
+                        "(default 2048 / D both); the breakdown then at the first --seq and --head-dim")  # fmt: skip
     parser.add_argument(
         "--impl", action="append", choices=(*SAGE_IMPLS, *BACKENDS, CUDNN_FP8),
         help="repeatable; default sage and the SDPA backends (sage_portable: the portable kernels on Hopper too; "
@@ -352,13 +345,17 @@ def main(argv: list[str] | None = None) -> dict:
             for causal in causal_values:
                 for impl in impls:
                     try:
-                        rows += time_one(impl, args.tokens // seq, 2048 // head_dim, seq, head_dim, causal)
+                        heads = args.heads or (2048 // head_dim,) * 2
+                        rows += time_one(impl, args.tokens // seq, heads[0], seq, head_dim, causal, heads[1])
                     except (RuntimeError, ValueError, ImportError) as error:  # a refused shape: say so, go on
                         print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
-    parts = []
-    if args.breakdown:
-        for causal in (False, True):
-            parts += breakdown(4096, 128, causal, args.tokens)
+    at = (args.seq[0], args.head_dim[0], causal_values) if args.heads and args.seq and args.head_dim else None
+    at = at or (4096, 128, (False, True))  # the breakdown's shape
+    parts = (
+        [p for causal in at[2] for p in breakdown(at[0], at[1], causal, args.tokens, args.heads)]
+        if args.breakdown
+        else []
+    )
     tuned = autotuned_configs()
     name = device_name("cuda")
     out = args.out or default_path("speed", name)
@@ -369,7 +366,8 @@ def main(argv: list[str] | None = None) -> dict:
     worst = {impl: max(r["rel_l2"] for r in check_rows if r["impl"] == impl) for impl in checked if check_rows}
     heading = (
         f"# Speed: SageBwd (Triton) vs SDPA flash and cuDNN\n\n{name}, {result['date']}, commit {result['commit']}"
-        f"\n\n`{result['command']}`\n\nbf16, batch x seq = {args.tokens} tokens, heads = 2048 / head_dim; "
+        f"\n\n`{result['command']}`\n\nbf16, batch x seq = {args.tokens} tokens, heads (query/key-value) = "
+        f"{'/'.join(map(str, args.heads)) if args.heads else '2048 / head_dim'}; "
         f"TFLOPS from the median time (`triton.testing.do_bench`). Peak memory: forward+backward above the "
         f"inputs. Correctness check first: worst rel_l2 of Triton vs reference over {len(check_rows)} tensors: "
         f"{', '.join(f'{impl} {value:.2e}' for impl, value in worst.items()) or 'nan'}.\n\n"
