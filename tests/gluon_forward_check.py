@@ -6,7 +6,8 @@ SDPA cuDNN's bf16 forward, on quantized operands made once (the kernels alone, a
     python -m tests.gluon_forward_check --out /tmp/gluon-forward-fp8.json
 
 Exit 0: every case within the gates; 1: a mismatch; 2: a compile or launch error; 3: a hang (the barrier protocol;
-a watchdog ends the process). ``--quick`` checks only; ``--variant`` picks the Gluon variants timed.
+a watchdog ends the process). ``--quick`` checks only; ``--variant`` picks the Gluon variants timed; ``--profile
+VARIANT`` only launches the kernels once each for Nsight Compute (``benchmarks/pending/ncu_forward.sh``).
 """
 
 from __future__ import annotations
@@ -168,12 +169,38 @@ def timings(variants: list[str]) -> list[dict]:
     return rows
 
 
+def profile(variant: str, d: int = 128, n: int = 4096) -> None:
+    """One launch each of the tl FP8 forward and a Gluon ``variant`` per QK format (INT8, FP8), non-causal, at 16K
+    tokens and ``2048 / d`` heads, between ``cudaProfilerStart`` and ``Stop`` after three warm-up launches (the tl
+    kernel's autotuning done): the target of ``ncu --profile-from-start off`` (``benchmarks/pending/ncu_forward.sh``).
+    """
+    batch, heads = 16384 // n, 2048 // d
+    q, k, v = _inputs(batch, heads, heads, n, n, d)
+    for qk in ("int8", "fp8"):
+        operands, poison = _operands(q, k, v, qk)
+        kw = dict(out_dtype=torch.bfloat16, is_causal=False, scale=d**-0.5, block_m=128, block_n=64, qk=qk, pv="fp8",
+                  **poison)  # fmt: skip
+        runs = (lambda: hopper_forward(*operands, **kw), lambda: gf.gluon_forward(*operands, **kw, **VARIANTS[variant]))  # noqa: B023
+        for run in runs:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="the correctness check only")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", choices=sorted(VARIANTS), help="only the launches ncu profiles (profile())")
     args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.profile)
+        return 0
     started = time.time()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}", flush=True)
     checked, status = check(args.variant)
