@@ -162,9 +162,31 @@ def test_an_fp8_run_trains_and_records_its_precision(tmp_path: Path, monkeypatch
     assert summary["int8_fraction"] < 1
 
 
+def test_profile_steps_put_each_runs_kernels_and_step_time_in_its_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--profile-steps 2``: steps 10 and 11 of each run profiled (on CPU the operators stand for the kernels); the
+    summary's ``profile`` has the time per step of what ran, its total and the wall time of a step."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result = pretrain_compare.main(
+        _tiny_run(tmp_path, "--runs", "full", "sage:controller=off", "--max-steps", "12", "--profile-steps", "2")
+        + ["--tag", "profiled", "--set", "trainer.limit_val_batches=0", "--warmup-steps", "0"]
+    )
+    for summary in result["summary"]:
+        profile = summary["profile"]
+        assert profile["steps"] == 2 and 0 < profile["device_ms_total"] < profile["wall_ms_per_step"] * 4
+        assert profile["device_ms"] and all(ms > 0 for ms in profile["device_ms"].values())
+    names = {s["run"]: " ".join(s["profile"]["device_ms"]) for s in result["summary"]}
+    assert "scaled_dot_product" in names["full"] and "scaled_dot_product" not in names["sage-fixed"]
+    (unprofiled,) = pretrain_compare.main(_tiny_run(tmp_path, "--runs", "full", "--max-steps", "1", "--tag", "plain")
+                                          + ["--set", "trainer.limit_val_batches=0"])["summary"]  # fmt: skip
+    assert unprofiled["profile"] is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--profile-steps", "-1"], "--profile-steps must be an integer >= 0; received -1"),
         (
             ["--sdpa-backend", "fast"],
             "--sdpa-backend must be one of default, cudnn, flash, efficient, math, cudnn_fp8; received",

@@ -75,9 +75,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=2,
         help="untimed steps per attention setting first, on a throwaway model (compilation, autotuning); 0: none",
     )
-    parser.add_argument(
-        "--tag", default=None, help="file-name tag (default: the config's name; 'evidence' for --matrix)"
-    )
+    parser.add_argument("--tag", help="file-name tag (default: the config's name; 'evidence' for --matrix)")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps from step 10 of each run "
+                        "(GPU time per kernel, wall time a step): its summary's 'profile'")  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
     parser.add_argument("--corpus-note", default=None, help="what the corpus is, kept in the result's header")
     parser.add_argument(
@@ -106,6 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, value, minimum in (
         ("--max-steps", args.max_steps, 1),
         ("--warmup-steps", args.warmup_steps, 0),
+        ("--profile-steps", args.profile_steps, 0),
         ("--large-batch", args.large_batch, 1),
         ("--small-batch", args.small_batch, 1),
         ("--tokens-per-run", args.tokens_per_run, 1),

@@ -20,6 +20,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
 
+from benchmarks.controller.overhead_profile import ProfilerWindow
 from benchmarks.training.cudnn_fp8 import CudnnFp8Attention, check_serves
 from benchmarks.training.specs import CUDNN_FP8, SDPA_BACKENDS, TRAINER_OWN, RunSpec
 from examples.corpus import TextDataModule
@@ -238,7 +239,8 @@ def run_one(
     throughput, curve = TokensPerSecond(), LossCurve()
     controller = run_controller(config, spec)
     callbacks: list[Callback] = [throughput, curve] + ([controller] if controller is not None else [])
-    callbacks += sdpa_callbacks(backend)
+    profiled = ProfilerWindow(10, args.profile_steps, device_only=True) if getattr(args, "profile_steps", 0) else None
+    callbacks += sdpa_callbacks(backend) + ([profiled] if profiled else [])  # GPU time per kernel, per step
     logger = PretrainLogger(str(log_dir), name=f"{run}-{spec.name}", version=0)
     trainer = trainer_for(config, callbacks, **limits, logger=logger, default_root_dir=str(log_dir))
     if torch.cuda.is_available():
@@ -322,6 +324,7 @@ def run_one(
         "final_precisions": {name: layer.precision.short_name for name, layer in layers.items()},
         "noise_readings": [] if controller is None else [list(r) for r in controller.policy.noise_readings],
         "peak_memory_gb": None if peak is None else peak / 2**10,
+        "profile": profiled and {**profiled.per_step(), "wall_ms_per_step": 1000 * profiled.wall_s / profiled.steps},
     }
     if saved is not None:
         summary["checkpoint"] = str(saved)
