@@ -6,9 +6,9 @@
 #
 #   OUT=/tmp/ncu bash benchmarks/pending/ncu_forward.sh [VARIANT]
 #
-# Writes ncu-forward.ncu-rep, its details page as text, and every metric (the warp stall reasons among them,
-# smsp__average_warp_latency_issue_stalled_*) as CSV: the rows, in launch order, are tl int8, gluon int8, tl fp8,
-# gluon fp8.
+# Writes ncu-forward.ncu-rep, its details page as text, every metric (the warp stall reasons among them,
+# smsp__average_warps_issue_stalled_*) as CSV, the rows in launch order tl int8, gluon int8, tl fp8, gluon fp8, and the
+# source page (each SASS instruction's executions and stall samples, the kernels in the same order) as CSV.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp}"
@@ -19,4 +19,5 @@ ncu --clock-control none --profile-from-start off --kernel-name "regex:_hopper_f
   python3 -m tests.gluon_forward_check --profile "${1:-free-smem}"
 ncu --import "${out}/ncu-forward.ncu-rep" --page details >"${out}/ncu-forward.txt"
 ncu --import "${out}/ncu-forward.ncu-rep" --page raw --csv >"${out}/ncu-forward-raw.csv"
-echo "wrote ${out}/ncu-forward.ncu-rep, .txt and -raw.csv"
+ncu --import "${out}/ncu-forward.ncu-rep" --page source --print-source sass --csv >"${out}/ncu-forward-source.csv"
+echo "wrote ${out}/ncu-forward.ncu-rep, .txt, -raw.csv and -source.csv"
