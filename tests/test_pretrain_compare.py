@@ -178,6 +178,13 @@ def test_profile_steps_put_each_runs_kernels_and_step_time_in_its_summary(
         assert profile["device_ms"] and all(ms > 0 for ms in profile["device_ms"].values())
     names = {s["run"]: " ".join(s["profile"]["device_ms"]) for s in result["summary"]}
     assert "scaled_dot_product" in names["full"] and "scaled_dot_product" not in names["sage-fixed"]
+    (copied,) = pretrain_compare.main(
+        _tiny_run(tmp_path, "--runs", "sage:controller=off", "--max-steps", "11", "--profile-steps", "1")
+        + ["--profile-copies", "--tag", "copies", "--set", "trainer.limit_val_batches=0", "--warmup-steps", "0"]
+    )["summary"]
+    copies = copied["profile"]["copies"]  # on CPU no GPU time: the calls, their shapes and where they come from
+    assert copies and all(c["calls"] > 0 and c["shapes"] and c["device_ms"] == 0 for c in copies)
+    assert any(frame for c in copies for frame in c["stack"])
     (unprofiled,) = pretrain_compare.main(_tiny_run(tmp_path, "--runs", "full", "--max-steps", "1", "--tag", "plain")
                                           + ["--set", "trainer.limit_val_batches=0"])["summary"]  # fmt: skip
     assert unprofiled["profile"] is None
@@ -187,6 +194,7 @@ def test_profile_steps_put_each_runs_kernels_and_step_time_in_its_summary(
     ("argv", "message"),
     [
         (["--profile-steps", "-1"], "--profile-steps must be an integer >= 0; received -1"),
+        (["--profile-copies"], "--profile-copies profiles the steps of --profile-steps; received it without"),
         (
             ["--sdpa-backend", "fast"],
             "--sdpa-backend must be one of default, cudnn, flash, efficient, math, cudnn_fp8; received",

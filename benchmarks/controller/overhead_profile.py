@@ -46,12 +46,14 @@ class ProfilerWindow(Callback):
     """Profile optimizer steps ``start_step`` to ``start_step + steps - 1`` (the device synchronised at both ends;
     ``wall_s``: the time between, once closed). ``device_only``: on CUDA, the kernels only: no CPU operators, which slow
     the host when traced and count their kernels' time twice (``step_profile.py`` at 49163cf), nor the controller's
-    hook ranges (CPU events)."""
+    hook ranges (CPU events). ``copies``: with shapes and stacks; :meth:`per_step`'s ``copies``: :func:`copy_calls`."""
 
-    def __init__(self, start_step: int, steps: int, device_only: bool = False) -> None:
-        self.start_step, self.steps, self.device_only = start_step, steps, device_only
+    def __init__(self, start_step: int, steps: int, device_only: bool = False, copies: bool = False) -> None:
+        self.start_step, self.steps, self.copies = start_step, steps, copies
+        self.device_only = device_only and not copies
         self._profile: profile | None = None
         self._averages: Any = None
+        self._copies: list[dict[str, Any]] = []
         self._started: float | None = None
         self.wall_s: float | None = None
 
@@ -62,7 +64,9 @@ class ProfilerWindow(Callback):
             synchronize(pl_module)
             cuda = [ProfilerActivity.CUDA] if pl_module.device.type == "cuda" else []
             activities = cuda if self.device_only and cuda else [ProfilerActivity.CPU, *cuda]
-            self._profile = profile(activities=activities)
+            verbose = torch._C._profiler._ExperimentalConfig(verbose=self.copies)  # verbose: the stacks are kept
+            self._profile = profile(activities=activities, record_shapes=self.copies, with_stack=self.copies,
+                                    experimental_config=verbose)  # fmt: skip
             self._profile.__enter__()
             self._started = time.perf_counter()
 
@@ -70,7 +74,9 @@ class ProfilerWindow(Callback):
         if self._profile is not None and trainer.global_step >= self.start_step + self.steps:
             synchronize(pl_module)
             self._profile.__exit__(None, None, None)
-            self._averages, self._profile = self._profile.key_averages(), None
+            self._averages = self._profile.key_averages()
+            self._copies = copy_calls(self._profile, self.steps) if self.copies else []
+            self._profile = None
             self.wall_s = time.perf_counter() - self._started
 
     def per_step(self, top: int = 25) -> dict[str, Any]:
@@ -87,7 +93,18 @@ class ProfilerWindow(Callback):
         others = (event for event in self._averages if not event.key.startswith(PREFIX))
         device = kernel_ms(others, self.steps, cpu_time=not torch.cuda.is_available())
         ranked = dict(sorted(device.items(), key=lambda item: -item[1])[:top])
-        return {"steps": self.steps, "device_ms": ranked, "device_ms_total": sum(device.values()), "host_ms": host}
+        found = {"steps": self.steps, "device_ms": ranked, "device_ms_total": sum(device.values()), "host_ms": host}
+        return {**found, "copies": self._copies} if self.copies else found
+
+
+def copy_calls(prof: profile, steps: int, top: int = 12) -> list[dict[str, Any]]:
+    """The ``top`` groups of ``aten::copy_`` calls (by shapes and call site) of a profile taken with shapes and stacks,
+    by GPU time a step: where a layout costs a copy."""
+    events = prof.key_averages(group_by_input_shape=True, group_by_stack_n=8)
+    found = [{"shapes": e.input_shapes, "stack": list(e.stack), "calls": e.count / steps,
+              "device_ms": getattr(e, "device_time_total", 0) / 1000 / steps}
+             for e in events if e.key == "aten::copy_"]  # fmt: skip
+    return sorted(found, key=lambda c: -c["device_ms"])[:top]
 
 
 #: The settings profiled (labels of ``overhead``'s ``SETTINGS``), the baseline first.

@@ -48,45 +48,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "examples" / "configs" / "small.yaml")
     parser.add_argument("--attention", nargs="+", default=None, help="one run per value, in this order")
-    parser.add_argument(
-        "--runs",
-        nargs="+",
-        default=None,
-        metavar="ATTENTION[:KEY=VALUE,...]",
-        help=f"one run per entry; keys {', '.join(RUN_KEYS)} (see the module docstring); instead of --attention",
-    )
+    parser.add_argument("--runs", nargs="+", default=None, metavar="ATTENTION[:KEY=VALUE,...]", help="one run per "
+                        f"entry; keys {', '.join(RUN_KEYS)} (see the module docstring); instead of "
+                        "--attention")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps per run (the config's if unset)")
     parser.add_argument("--max-minutes", type=float, default=None, help="wall-clock cap per run (Trainer.max_time)")
-    parser.add_argument(
-        "--sdpa-backend",
-        default="default",
-        help=f"PyTorch SDPA backend forced in every run ({', '.join(SDPA_BACKENDS)}); full layers call SDPA",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="change one config entry for every run, e.g. data.seq_len=1024 or model.config.n_layers=4",
-    )
-    parser.add_argument(
-        "--warmup-steps",
-        type=int,
-        default=2,
-        help="untimed steps per attention setting first, on a throwaway model (compilation, autotuning); 0: none",
-    )
+    parser.add_argument("--sdpa-backend", default="default", help=f"PyTorch SDPA backend forced in every run "
+                        f"({', '.join(SDPA_BACKENDS)}); full layers call SDPA")  # fmt: skip
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="change one config "
+                        "entry for every run, e.g. data.seq_len=1024 or model.config.n_layers=4")  # fmt: skip
+    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per attention setting first, on a "
+                        "throwaway model (compilation, autotuning); 0: none")  # fmt: skip
     parser.add_argument("--tag", help="file-name tag (default: the config's name; 'evidence' for --matrix)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many steps from step 10 of each run "
                         "(GPU time per kernel, wall time a step): its summary's 'profile'")  # fmt: skip
+    parser.add_argument("--profile-copies", action="store_true", help="and aten::copy_ by shape and call site")
     parser.add_argument("--out-dir", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
     parser.add_argument("--corpus-note", default=None, help="what the corpus is, kept in the result's header")
-    parser.add_argument(
-        "--save-checkpoint",
-        default=None,
-        metavar="RUN | GROUP/RUN",
-        help="save this run's final model as <out-dir>/checkpoints/<tag>-<run>.ckpt (GROUP/RUN and "
-        "<tag>-<group>-<run>.ckpt under --matrix), its config beside it as .yaml",
-    )
+    parser.add_argument("--save-checkpoint", default=None, metavar="RUN | GROUP/RUN", help="save this run's final "
+                        "model as <out-dir>/checkpoints/<tag>-<run>.ckpt (GROUP/RUN and <tag>-<group>-<run>.ckpt under "
+                        "--matrix), its config beside it as .yaml")  # fmt: skip
     matrix = parser.add_argument_group("matrix (--matrix evidence)")
     matrix.add_argument("--matrix", default=None, help=f"run a whole matrix of groups: {', '.join(MATRICES)}")
     matrix.add_argument("--groups", default=None, help="comma-separated group names to run (default: all)")
@@ -122,6 +103,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             refuse(name, value, "a positive number of minutes")
     if args.sdpa_backend not in SDPA_BACKENDS:
         refuse("--sdpa-backend", args.sdpa_backend, f"one of {', '.join(SDPA_BACKENDS)}")
+    if args.profile_copies and not args.profile_steps:
+        parser.error("--profile-copies profiles the steps of --profile-steps; received it without --profile-steps.")
     if args.attention is not None and args.runs is not None:
         parser.error("give --attention or --runs, not both; received both (--runs takes ATTENTION[:KEY=VALUE,...]).")
     if args.matrix is not None:

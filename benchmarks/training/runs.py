@@ -239,7 +239,7 @@ def run_one(
     throughput, curve = TokensPerSecond(), LossCurve()
     controller = run_controller(config, spec)
     callbacks: list[Callback] = [throughput, curve] + ([controller] if controller is not None else [])
-    profiled = ProfilerWindow(10, args.profile_steps, device_only=True) if getattr(args, "profile_steps", 0) else None
+    profiled = ProfilerWindow(10, args.profile_steps, True, args.profile_copies) if args.profile_steps else None
     callbacks += sdpa_callbacks(backend) + ([profiled] if profiled else [])  # GPU time per kernel, per step
     logger = PretrainLogger(str(log_dir), name=f"{run}-{spec.name}", version=0)
     trainer = trainer_for(config, callbacks, **limits, logger=logger, default_root_dir=str(log_dir))
