@@ -403,11 +403,11 @@ def _dq_kernel(
 #: A kernel computing dK and dV in place of the portable one (the plan's: :mod:`.ops` passes it), called as
 #: ``(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, *, is_causal, scale)``
 #: and returning ``(dK, dV)``; one that reads Q'^ widened to dO's dtype (``backward``'s ``widen_q``) also takes it as
-#: ``q_wide=``. It reads dO contiguous.
+#: ``q_wide=``. It takes dO and V as they lie (their layout is its to read or copy).
 DkdvKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 #: A kernel computing dQ in place of the portable one, called as
-#: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``; it reads dO contiguous and K'^ as
-#: it is (no ``[D, N]`` copy).
+#: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``; it takes dO and V as they lie and
+#: K'^ as it is (no ``[D, N]`` copy).
 DqKernel = Callable[..., torch.Tensor]
 
 
@@ -475,10 +475,8 @@ def backward(
     """
     if widen_q and dkdv_kernel is None:
         raise ValueError("backward: widen_q makes Q'^'s copy for a planned dK/dV kernel; received dkdv_kernel=None")
-    if dkdv_kernel is not None or dq_kernel is not None:
-        # The planned kernels (Hopper's) read dO through TMA, which wants it contiguous: one copy serves both (a
-        # model's dO is usually a [B, N, H, D] view).
-        grad_out = grad_out.contiguous()
+    # The planned kernels (Hopper's) read dO and V through TMA where they lie, contiguous or a model's [B, N, H, D]
+    # memory (hopper/gluon_common.rows_view; another layout is copied there); the portable kernels take dO's strides.
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
     # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
     # the portable dQ kernel K'^'s (made just before it; a planned dQ kernel transposes K'^'s tiles itself).
@@ -497,8 +495,8 @@ def backward(
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, fmt=dp)
     elif dp == "nvfp4":
         v_dp, v_dp_scale = v, v_scale
-    else:
-        v_dp, v_dp_scale = v.contiguous(), None
+    else:  # V as it lies for the planned kernels (both of them), else contiguous for the portable ones
+        v_dp, v_dp_scale = (v if dkdv_kernel is not None and dq_kernel is not None else v.contiguous()), None
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     io_dtype = grad_out.dtype

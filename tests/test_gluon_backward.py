@@ -388,3 +388,68 @@ def test_auto_takes_gluon_on_this_gpu_at_the_threshold(kernel_switch, monkeypatc
         heads = max(1, min_scores // (seq * seq))
         _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, False)
         assert calls == ["gluon_dkdv_wg" if head_dim == 64 else "gluon_dkdv"], head_dim
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "model", "other"])
+def test_rows_view_places_every_heads_rows_where_the_kernels_look(layout):
+    """``rows_view`` (the Gluon backward's dO and V): the 2-D view its descriptor reads and, per head, the row and
+    column ``_head_origin`` computes from its three numbers (``b * rows_b + h * rows_h``, ``h * cols_h``): every head's
+    ``N x D`` block is there. A model's ``[B, N, H, D]`` memory is read where it lies (no copy); another layout is
+    copied contiguous."""
+    from sage_lightning.kernels.hopper.gluon_common import rows_view
+
+    batch, heads, seq, dim = 2, 3, 8, 4
+    base = torch.arange(batch * heads * seq * dim, dtype=torch.float32)
+    x = {
+        "contiguous": base.view(batch, heads, seq, dim),
+        "model": base.view(batch, seq, heads, dim).transpose(1, 2),
+        "other": base.view(seq, batch, heads, dim).permute(1, 2, 0, 3),  # [N, B, H, D] memory: copied
+    }[layout]
+    view, (rows_b, rows_h, cols_h) = rows_view(x)
+    assert view.dim() == 2 and view.is_contiguous()
+    assert (view.data_ptr() == x.data_ptr()) == (layout != "other")
+    for b in range(batch):
+        for h in range(heads):
+            row, col = b * rows_b + h * rows_h, h * cols_h
+            assert torch.equal(view[row : row + seq, col : col + dim], x[b, h]), (layout, b, h)
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, d, causal",
+    [
+        pytest.param(2, 4, 2, 512, 512, 128, True, id="gqa-causal-d128"),
+        pytest.param(2, 4, 2, 512, 384, 64, True, id="wg-gqa-causal-fewer-keys"),
+        pytest.param(1, 2, 2, 1024, 1024, 64, False, id="wg-mha"),
+    ],
+)
+@pytest.mark.parametrize("ds", ["int8", "bf16"])
+def test_do_and_v_in_a_models_layout_give_the_contiguous_gradients_bit_for_bit(
+    monkeypatch, batch, hq, hkv, n, nk, d, causal, ds
+):
+    """Q, K, V and dO as a model hands them (``[B, N, H, D]`` memory, viewed ``[B, H, N, D]``): the Gluon dK/dV and
+    dQ kernels read dO and V where they lie, and the gradients equal those of the same values made contiguous."""
+    from sage_lightning.kernels import AttentionPrecision
+    from sage_lightning.kernels.ops import sage_attention_triton
+
+    for env in (plan.GLUON_DKDV_ENV, plan.GLUON_DQ_ENV):
+        monkeypatch.setenv(env, "force")
+    plan.refresh_settings()
+    calls = count_calls(monkeypatch, ("gluon_dkdv", "gluon_dkdv_wg", "gluon_dq", "gluon_dq_wg"))
+    gen = torch.Generator(device="cuda").manual_seed(n + nk + d)
+    model = [
+        torch.randn(batch, length, heads, d, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+        for length, heads in ((n, hq), (nk, hkv), (nk, hkv), (n, hq))
+    ]
+    precision = AttentionPrecision(ds=ds)
+    grads = []
+    for tensors in (model, [t.contiguous() for t in model]):
+        q, k, v = (t.detach().clone().requires_grad_() if t.is_contiguous() else t.detach().requires_grad_()
+                   for t in tensors[:3])  # fmt: skip
+        out, _ = sage_attention_triton(q, k, v, is_causal=causal, precision=precision)
+        grads.append(torch.autograd.grad(out, (q, k, v), tensors[3]))
+    assert len(calls) == 4 and all(c.startswith("gluon_") for c in calls), calls
+    assert not model[3].is_contiguous() and not model[2].is_contiguous()
+    for name, a, b in zip(("dQ", "dK", "dV"), *grads, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"

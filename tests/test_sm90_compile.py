@@ -122,7 +122,9 @@ def test_the_gluon_dkdv_kernel_compiles_fits_and_does_not_spill(gluon_compiled: 
 #: Bytes the ``wg`` variant spilled per case in the build the device measured (device run 8, NOTES.md: the grid
 #: order by head chunks added 4-8 bytes to device run 7's build): 40 and 132 without and with the dS statistics,
 #: 40 and 112 causal. More means the consumers' registers grew past what was timed.
-WG_SPILL_BYTES = {(False, False): 40, (False, True): 132, (True, False): 40, (True, True): 112}
+#: Causal without the statistics: 52 since dO and V are read where they lie (device run 32e: their tiles' origins
+#: come in as six more kernel arguments; the 12 bytes are spilled before the loop, whose instructions are unchanged).
+WG_SPILL_BYTES = {(False, False): 40, (False, True): 132, (True, False): 52, (True, True): 112}
 
 
 def test_the_wg_dkdv_kernel_compiles_fits_and_spills_no_more_than_measured(gluon_compiled: dict) -> None:

@@ -85,6 +85,7 @@ if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Trit
         _dkdv_accumulate,
         _dkdv_accumulate_hp,
         _dkdv_loader,
+        _dkdv_origins,
         _dkdv_products,
         _dkdv_products_hp,
         _dkdv_program,
@@ -97,6 +98,7 @@ if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Trit
         _int32_scaled,
         _issue_loads,
         _load_kv,
+        _load_origins,
         _p_codes,
         _p_codes_lean,
         _wgmma_layout,
@@ -150,7 +152,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_compute(
-        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, pid_n, pid_bkv,
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, SEQ_K, pid_n, pid_bkv,
         Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, DEFER: gl.constexpr,
@@ -160,10 +162,11 @@ if HAVE_GLUON:
 
         Without ``WG``: the program's two consumer warpgroups on its 64 keys (``kv_row``; ``pid_n`` and ``pid_bkv``
         unused). Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead; ``descs``,
-        ``col_t0``). With a non-INT8 ``DS_FMT`` they widen each tile's Q'^ to bf16 in shared memory before its S and
-        dP are issued (no Q'^T is loaded) and dK's product runs in bf16 (:func:`._dkdv_products_hp`).
+        ``origins``: :func:`._dkdv_origins`). With a non-INT8 ``DS_FMT`` they widen each tile's Q'^ to bf16 in
+        shared memory before its S and dP are issued (no Q'^T is loaded) and dK's product runs in bf16
+        (:func:`._dkdv_products_hp`).
 
-        With ``WG`` (warp-specialised, no ``DEFER``; ``descs``, ``col_t0`` and ``kv_row`` unused): one consumer
+        With ``WG`` (warp-specialised, no ``DEFER``; ``descs``, ``origins`` and ``kv_row`` unused): one consumer
         warpgroup, keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 (key block ``2 * pid_n + HALF``)
         against every query tile. With a non-INT8 ``DS_FMT`` dK's product runs in bf16 against the tile's Q'^ in
         bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its own buffer before the tile's S is
@@ -209,13 +212,14 @@ if HAVE_GLUON:
             key0 = key_block * BLOCK_N
         bh0 = row_q0 // SEQ_Q
         if not WARP_SPECIALIZE:
-            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, 1)
+            origins = _load_origins(origins, row_q0, kv_row, SEQ_Q)
+            _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, origins, 1)
             # n_m is 0 or less where the key block starts past the last query (causal, more keys than queries):
             # total <= 0 and nothing loads, but _issue_loads still divides by n_m (undefined in LLVM IR for 0).
             # Inside the loop total > 0, so n_m >= 1 there.
             for i in gl.static_range(STAGES - 1):
                 _issue_loads(
-                    i, total, gl.maximum(n_m, 1), lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                    i, total, gl.maximum(n_m, 1), lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
                     HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                 )  # fmt: skip
@@ -243,7 +247,7 @@ if HAVE_GLUON:
                 # Stage (t - 1) % STAGES was last read by iteration t - 1's products, which every warp waited
                 # for before the barrier that ended that iteration: refill it with iteration t + STAGES - 1's.
                 _issue_loads(
-                    t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                    t + STAGES - 1, total, n_m, lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot,
                     desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
                     HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                 )  # fmt: skip
@@ -291,7 +295,7 @@ if HAVE_GLUON:
                     mbarrier.arrive(empty.index((t + STAGES - 1) % STAGES), count=1, pred=t > 0)
                 else:
                     _issue_loads(
-                        t + STAGES - 1, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot,
+                        t + STAGES - 1, total, n_m, lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot,
                         desc_lse, desc_delta, q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q,
                         HEAD_DIM, BLOCK_M, STAGES, LOAD_QT=LOAD_QT,
                     )  # fmt: skip
@@ -373,7 +377,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_dkdv_kernel(
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta,
-        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS,
+        Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH,
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
@@ -386,6 +390,8 @@ if HAVE_GLUON:
         pid_n, pid_bkv, lo_tile, n_m, total, row_q0, col_t0, kv_row = _dkdv_program(
             BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM, BLOCK_M, HALVES * BLOCK_N, CAUSAL, HEAD_CHUNK
         )
+        # dO and V read where they lie (rows_view): their tiles' origins.
+        origins = _dkdv_origins(col_t0, HEADS, GROUP, SEQ_K, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH)
         # Shared memory: K'^ and V of the program, a STAGES-deep ring of Q'^, Q'^T, dO, dO^T tiles, the codes (with
         # WG each warpgroup's; a stage is released by both consumer warpgroups).
         descs = (desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta)
@@ -410,7 +416,7 @@ if HAVE_GLUON:
                     ),
                     (
                         _dkdv_loader,
-                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
                          STAGES, 2, DS_FMT == "int8" or Q_WIDE, Q_WIDE),
                     ),
                 ],
@@ -422,13 +428,13 @@ if HAVE_GLUON:
                 [
                     (
                         _dkdv_compute,
-                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, None, None,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, SEQ_K, None, None,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
                          CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT),
                     ),
                     (
                         _dkdv_loader,
-                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
+                        (descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
                          STAGES, 1, DS_FMT == "int8"),
                     ),
                 ],
@@ -437,7 +443,7 @@ if HAVE_GLUON:
             )  # fmt: skip
         else:
             _dkdv_compute(
-                descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q, SEQ_K, None, None, Q_SCALE,
+                descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, SEQ_K, None, None, Q_SCALE,
                 K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL,
                 WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT,
             )  # fmt: skip
@@ -482,11 +488,12 @@ def gluon_dkdv(
     ``stats``), for the calls the plan (:func:`..plan.plan_attention`) gives it.
 
     Args:
-        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
+        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides: read where it lies when contiguous or a model's ``[B, N, H,
+            D]`` memory, else copied contiguous (:func:`.gluon_common.rows_view`).
         delta, do_codes_t, do_scale: from :func:`..quant.backward_preprocess` (``codes_t=True``).
         q_op, q_op_t, q_scale, k_op, k_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]``, its ``[B, Hq, D, N]``
             copy, scales per 128 rows; K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows.
-        v: V ``[B, Hkv, Nk, D]`` contiguous (dP's operand in bf16).
+        v: V ``[B, Hkv, Nk, D]`` (dP's operand in bf16), read where it lies as ``grad_out``.
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         stats: fp32 ``(2,)`` the dS statistics are added into, or ``None``.
         is_causal, scale: as the forward.
@@ -546,7 +553,7 @@ def gluon_dkdv(
         )
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
     q_op_t = q_op_t if ds_fmt == "int8" else None  # Q'^ in bf16 (q_wide, or widened in the kernel) stands in
-    descs, dk, dv = dkdv_operands(
+    descs, dk, dv, layouts = dkdv_operands(
         grad_out, delta, do_codes_t, q_op, q_op_t, k_op, v, lse, BLOCK_M, BLOCK_N, q_wide=q_wide
     )
     bkv = batch * kv_heads
@@ -562,7 +569,7 @@ def gluon_dkdv(
         head_chunk = HEAD_CHUNK[head_dim] if is_causal else 1
         variant = dict(num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}))
     _gluon_dkdv_kernel[(programs * bkv,)](
-        *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta,
+        *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta, *layouts,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal, HEAD_CHUNK=head_chunk,
         WITH_STATS=stats is not None, WARP_SPECIALIZE=warp_specialize, DEFER=defer, LOAD_REGS=LOAD_REGS,

@@ -141,6 +141,15 @@ if HAVE_GLUON:
     # 64-key halves, HALVES) and walks every query tile of every query head of its group.
 
     @gluon.jit
+    def _head_origin(bh, lay):
+        """Row and column, in the 2-D view of a ``[B, H, N, D]`` tensor :func:`rows_view` makes, of head ``bh``'s (``b *
+        H + h``) first row; ``lay`` is ``(H, rows a batch, rows a head, columns a head)``: contiguous ``(H, H * N, N,
+        0)`` gives ``(bh * N, 0)``, a model's ``[B, N, H, D]`` memory ``(H, N, 0, D)`` gives ``(b * N, h * D)``."""
+        b = bh // lay[0]
+        h = bh - b * lay[0]
+        return b * lay[1] + h * lay[2], h * lay[3]
+
+    @gluon.jit
     def _dkdv_program(
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr,
@@ -161,6 +170,26 @@ if HAVE_GLUON:
         total = GROUP * n_m
         bh0 = b * HEADS + (pid_bkv % kv_heads) * GROUP
         return pid_n, pid_bkv, lo_tile, n_m, total, bh0 * SEQ_Q, bh0 * HEAD_DIM, pid_bkv * SEQ_K + pid_n * KEYS
+
+    @gluon.jit
+    def _dkdv_origins(col_t0, HEADS, GROUP, SEQ_K, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH):
+        """What the loads place their tiles by, beside :func:`_dkdv_program`'s rows, as the kernel's arguments have
+        it (nothing computed in the consumers' partition): :func:`_load_origins` turns it into origins where the
+        loads are issued."""
+        return col_t0, (HEADS, DO_RB, DO_RH, DO_CH), (GROUP, V_RB, V_RH, V_CH), SEQ_K
+
+    @gluon.jit
+    def _load_origins(origins, row_q0, kv_row, SEQ_Q):
+        """:func:`_dkdv_origins`' numbers as the loads take them, ``(col_t0, do_org, v_org)``: the group's first head's
+        first row and column in dO's view (:func:`rows_view`) with a head's row and column step (its query heads are
+        consecutive), and the row and column in V's view of the program's first V tile (``kv_row``'s in K'^'s
+        ``[B*Hkv*Nk, D]``). Once per program, in the partition that loads."""
+        do_lay = origins[1]
+        do_row, do_col = _head_origin(row_q0 // SEQ_Q, do_lay)
+        v_lay = origins[2]
+        pid_bkv = kv_row // origins[3]
+        v_row, v_col = _head_origin(pid_bkv, (do_lay[0] // v_lay[0], v_lay[1], v_lay[2], v_lay[3]))
+        return origins[0], (do_row, do_col, do_lay[2], do_lay[3]), (v_row + (kv_row - pid_bkv * origins[3]), v_col)
 
     @gluon.jit
     def _dkdv_smem(
@@ -225,29 +254,32 @@ if HAVE_GLUON:
         return bufs, (ready, empty, kv_bar)
 
     @gluon.jit
-    def _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, HALVES: gl.constexpr):
-        """TMA loads of the program's K'^ and V (``HALVES`` consecutive 64-key tiles from row ``kv_row``), once."""
+    def _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, origins, HALVES: gl.constexpr):
+        """TMA loads of the program's K'^ and V (``HALVES`` consecutive 64-key tiles from row ``kv_row`` of K'^'s
+        ``[B*Hkv*Nk, D]`` view; V's from its own view, ``origins``: :func:`_load_origins`), once."""
+        v_org = origins[2]
         mbarrier.expect(kv_bar, HALVES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
         if HALVES == 1:
             tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
-            tma.async_copy_global_to_shared(desc_v, [kv_row, 0], kv_bar, v_smem)
+            tma.async_copy_global_to_shared(desc_v, [v_org[0], v_org[1]], kv_bar, v_smem)
         else:
             half: gl.constexpr = desc_k.block_type.shape[0]
             for h in gl.static_range(HALVES):
                 tma.async_copy_global_to_shared(desc_k, [kv_row + h * half, 0], kv_bar, k_smem.index(h))
-                tma.async_copy_global_to_shared(desc_v, [kv_row + h * half, 0], kv_bar, v_smem.index(h))
+                tma.async_copy_global_to_shared(desc_v, [v_org[0] + h * half, v_org[1]], kv_bar, v_smem.index(h))
 
     @gluon.jit
     def _issue_loads(
-        t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+        t, total, n_m, lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
         q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
         SEQ_Q, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PREDICATED: gl.constexpr = True,
         LOAD_QT: gl.constexpr = True, Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         """TMA loads of flat iteration ``t`` (group member ``t // n_m``, query tile ``lo_tile + t % n_m``) into
         stage ``t % STAGES``; with ``PREDICATED``, nothing when ``t >= total`` (without, ``t < total`` is the
-        caller's). ``row_q0``: the group's first head's first row in the ``[B*H*N, D]`` views; ``col_t0``: its first
-        row in the ``[B*H*D, N]`` views. Without ``LOAD_QT`` (a non-INT8 dS) no Q'^T tile is loaded; with ``Q_WIDE``
+        caller's). ``row_q0``: the group's first head's first row in the ``[B*H*N, D]`` views; ``origins``
+        (:func:`_load_origins`): its first row in the ``[B*H*D, N]`` views, and its first row and column in dO's view.
+        Without ``LOAD_QT`` (a non-INT8 dS) no Q'^T tile is loaded; with ``Q_WIDE``
         ``desc_qt`` is Q'^ widened to bf16 (``[B*H*N, D]``, a non-INT8 dS's dK operand), its tile loaded as Q'^'s."""
         s = t % STAGES
         if PREDICATED:
@@ -257,7 +289,10 @@ if HAVE_GLUON:
         g = t // n_m
         start_m = (lo_tile + t % n_m) * BLOCK_M
         row = row_q0 + g * SEQ_Q + start_m
-        row_t = col_t0 + g * HEAD_DIM
+        row_t = origins[0] + g * HEAD_DIM
+        do_org = origins[1]  # the group's first head's, and a head's step (its query heads are consecutive)
+        do_row = do_org[0] + g * do_org[2]
+        do_col = do_org[1] + g * do_org[3]
         bar = ready.index(s)
         nbytes: gl.constexpr = (
             desc_q.block_type.nbytes + (desc_qt.block_type.nbytes if LOAD_QT else 0) + desc_do.block_type.nbytes
@@ -270,7 +305,7 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(desc_qt, [row, 0], bar, qt_smem.index(s), pred=live)
             else:
                 tma.async_copy_global_to_shared(desc_qt, [row_t, start_m], bar, qt_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_do, [do_row + start_m, do_col], bar, do_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_dot, [row_t, start_m], bar, dot_smem.index(s), pred=live)
         # The tile's lse and delta (512 bytes each) come with it.
         tma.async_copy_global_to_shared(desc_lse, [row], bar, lse_smem.index(s), pred=live)
@@ -278,7 +313,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _dkdv_loader(
-        descs, bufs, bars, total, n_m, lo_tile, row_q0, col_t0, kv_row, SEQ_Q,
+        descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
         LOAD_QT: gl.constexpr = True, Q_WIDE: gl.constexpr = False,
     ):  # fmt: skip
@@ -289,13 +324,14 @@ if HAVE_GLUON:
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
-        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, HALVES)
+        origins = _load_origins(origins, row_q0, kv_row, SEQ_Q)
+        _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, origins, HALVES)
         for t in range(total):
             # A fresh mbarrier counts as having completed the phase before its first: the first pass of the
             # ring does not wait.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
             _issue_loads(
-                t, total, n_m, lo_tile, row_q0, col_t0, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
+                t, total, n_m, lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
                 q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
                 HALVES == 1, LOAD_QT, Q_WIDE,
             )  # fmt: skip
@@ -603,6 +639,22 @@ def _rows_layout() -> object:
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
+def rows_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``x`` ``[B, H, N, D]`` (dO or V) as the 2-D view its TMA descriptor reads, and where each head's first row lies
+    in it, ``(rows a batch, rows a head, columns a head)`` (:func:`_head_origin`). Contiguous: ``[B*H*N, D]``, ``(H *
+    N, N, 0)``; a model's ``[B, N, H, D]`` memory (heads split off the last dim, then transposed: what SDPA's callers
+    hand) read where it lies, as ``[B*N, H*D]``, ``(N, 0, D)``; any other layout is copied contiguous first.
+
+    Example::
+
+        view, lay = rows_view(grad_out)   # grad_out = do.view(B, N, H, D).transpose(1, 2): [B*N, H*D], (N, 0, D)
+    """
+    batch, heads, seq, head_dim = x.shape
+    if not x.is_contiguous() and x.stride(-1) == 1 and x.transpose(1, 2).is_contiguous():
+        return x.transpose(1, 2).reshape(batch * seq, heads * head_dim), (seq, 0, head_dim)
+    return x.contiguous().view(batch * heads * seq, head_dim), (heads * seq, seq, 0)
+
+
 def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 1-D TMA descriptor over the per-query fp32 ``x`` (lse or delta, ``[B, H, N]`` contiguous), tiles of
     :data:`ROWS_BLOCK` queries (512 bytes, no swizzle)."""
@@ -621,19 +673,20 @@ def dkdv_operands(
     block_m: int,
     block_n: int,
     q_wide: torch.Tensor | None = None,
-) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, torch.Tensor]:
+) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """The dK/dV launchers' TMA descriptors (Q'^, Q'^T, K'^, V, dO, dO^T, lse, delta: the kernels' first eight
-    arguments, tiles of ``block_m`` queries and ``block_n`` keys) and the empty ``(dK, dV)`` they write. ``q_op_t``
-    ``None`` (a kernel that reads no Q'^T: a non-INT8 dS): Q'^'s descriptor stands in its place, or with ``q_wide``
-    (Q'^ widened to bf16, ``[B, Hq, N, D]``) that copy's, in tiles of ``block_m`` queries as Q'^'s.
+    arguments, tiles of ``block_m`` queries and ``block_n`` keys), the empty ``(dK, dV)`` they write, and dO's and V's
+    layouts, three numbers each (:func:`rows_view`: read where they lie). ``q_op_t`` ``None`` (a kernel that
+    reads no Q'^T: a non-INT8 dS): Q'^'s descriptor stands in its place, or with ``q_wide`` (Q'^ widened to bf16,
+    ``[B, Hq, N, D]``) that copy's, in tiles of ``block_m`` queries as Q'^'s.
 
     Example::
 
-        descs, dk, dv = dkdv_operands(grad_out, delta, codes_t, q_op, q_op_t, k_op, v, lse, 128, 64)
+        descs, dk, dv, layouts = dkdv_operands(grad_out, delta, codes_t, q_op, q_op_t, k_op, v, lse, 128, 64)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    (do, do_lay), (v_rows, v_lay) = rows_view(grad_out), rows_view(v)
     dk = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     dv = torch.empty_like(dk)
     bh, bkv = batch * heads, batch * kv_heads
@@ -648,34 +701,34 @@ def dkdv_operands(
         desc_q,
         desc_qt,
         _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
-        _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
-        _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(v_rows, *v_rows.shape, [block_n, head_dim]),
+        _desc(do, *do.shape, [block_m, head_dim]),
         _desc(do_codes_t, bh * head_dim, seq_q, [head_dim, block_m]),
         _rows_desc(lse, bh * seq_q),
         _rows_desc(delta, bh * seq_q),
     )
-    return descs, dk, dv
+    return descs, dk, dv, do_lay + v_lay
 
 
 def dq_operands(
     grad_out: torch.Tensor, q_op: torch.Tensor, k_op: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int
-) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor]:
+) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, tuple[int, ...]]:
     """The dQ launchers' TMA descriptors (Q'^, dO, K'^, V: the kernels' first four arguments, tiles of ``block_m``
-    queries and ``block_n`` keys) and the empty dQ they write.
+    queries and ``block_n`` keys), the empty dQ they write, and dO's and V's layouts as :func:`dkdv_operands`'.
 
     Example::
 
-        descs, dq = dq_operands(grad_out, q_op, k_op, v, 128, 64)
+        descs, dq, layouts = dq_operands(grad_out, q_op, k_op, v, 128, 64)
     """
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    do = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    (do, do_lay), (v_rows, v_lay) = rows_view(grad_out), rows_view(v)
     dq = torch.empty(batch, heads, seq_q, head_dim, dtype=grad_out.dtype, device=grad_out.device)
     bh, bkv = batch * heads, batch * kv_heads
     descs = (
         _desc(q_op, bh * seq_q, head_dim, [block_m, head_dim]),
-        _desc(do, bh * seq_q, head_dim, [block_m, head_dim]),
+        _desc(do, *do.shape, [block_m, head_dim]),
         _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim]),
-        _desc(v, bkv * seq_k, head_dim, [block_n, head_dim]),
+        _desc(v_rows, *v_rows.shape, [block_n, head_dim]),
     )
-    return descs, dq
+    return descs, dq, do_lay + v_lay

@@ -89,6 +89,7 @@ if HAVE_GLUON:
         _dq_smem,
         _dq_store,
         _head_chunk_order,
+        _head_origin,
         _int32_scaled,
         _wgmma_layout,
         _widen_codes,
@@ -136,15 +137,16 @@ if HAVE_GLUON:
         t, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     ):  # fmt: skip
         """TMA loads of key tile ``t`` (K'^ and V) into stage ``t % STAGES``; nothing when ``t >= n_tiles``.
-        ``kv_row0``: the kv head's first row in the ``[B*Hkv*Nk, D]`` views."""
+        ``kv_row0``: the kv head's first row in K'^'s ``[B*Hkv*Nk, D]`` view, then its first row and column in V's view
+        (:func:`.gluon_common.rows_view`)."""
         s = t % STAGES
         live = t < n_tiles
         start_n = t * BLOCK_N
         bar = ready.index(s)
         nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
         mbarrier.expect(bar, nbytes, pred=live)
-        tma.async_copy_global_to_shared(desc_k, [kv_row0 + start_n, 0], bar, k_smem.index(s), pred=live)
-        tma.async_copy_global_to_shared(desc_v, [kv_row0 + start_n, 0], bar, v_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_k, [kv_row0[0] + start_n, 0], bar, k_smem.index(s), pred=live)
+        tma.async_copy_global_to_shared(desc_v, [kv_row0[1] + start_n, kv_row0[2]], bar, v_smem.index(s), pred=live)
 
     @gluon.jit
     def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
@@ -182,11 +184,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M: gl.constexpr, Q_BLOCKS: gl.constexpr):
         """TMA loads of the program's ``Q_BLOCKS`` consecutive blocks of Q'^ and dO (once) into ``q_smem`` and
-        ``do_smem`` (``[Q_BLOCKS, BLOCK_M, D]`` each)."""
+        ``do_smem`` (``[Q_BLOCKS, BLOCK_M, D]`` each). ``q_row``: the first block's row in Q'^'s ``[B*H*N, D]`` view,
+        then its row and column in dO's view (:func:`.gluon_common.rows_view`)."""
         mbarrier.expect(q_bar, Q_BLOCKS * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
         for h in gl.static_range(Q_BLOCKS):
-            tma.async_copy_global_to_shared(desc_q, [q_row + h * BLOCK_M, 0], q_bar, q_smem.index(h))
-            tma.async_copy_global_to_shared(desc_do, [q_row + h * BLOCK_M, 0], q_bar, do_smem.index(h))
+            tma.async_copy_global_to_shared(desc_q, [q_row[0] + h * BLOCK_M, 0], q_bar, q_smem.index(h))
+            tma.async_copy_global_to_shared(desc_do, [q_row[1] + h * BLOCK_M, q_row[2]], q_bar, do_smem.index(h))
 
     @gluon.jit
     def _dq_producer(
@@ -431,7 +434,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _gluon_dq_kernel(
         desc_q, desc_do, desc_k, desc_v,
-        Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+        Q_SCALE, K_SCALE, LSE, DELTA, DQ, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH,
         BH, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale, tau,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
@@ -459,8 +462,11 @@ if HAVE_GLUON:
             hi = gl.minimum(SEQ_K, (last + 1) * BLOCK_M)
             full_hi = gl.minimum(SEQ_K, pid * BLOCK_M)
         n_tiles = hi // BLOCK_N
-        q_row = bh * SEQ_Q + Q_BLOCKS * pid * BLOCK_M
-        kv_row0 = kv_bh * SEQ_K
+        # The loads' rows (and dO's and V's columns: read where they lie, rows_view), as _issue_q, _issue_kv take them.
+        do_row, do_col = _head_origin(bh, (HEADS, DO_RB, DO_RH, DO_CH))
+        v_row, v_col = _head_origin(kv_bh, (HEADS // GROUP, V_RB, V_RH, V_CH))
+        q_row = (bh * SEQ_Q + Q_BLOCKS * pid * BLOCK_M, do_row + Q_BLOCKS * pid * BLOCK_M, do_col)
+        kv_row0 = (kv_bh * SEQ_K, v_row, v_col)
 
         # Shared memory: Q'^ and dO of the program, a STAGES-deep ring of K'^ and V tiles, K'^ transposed (two
         # buffers with the producer warpgroup or DEFER), the dS codes (unless in registers). A stage is released
@@ -563,12 +569,13 @@ def gluon_dq(
     (:func:`..plan.plan_attention`) gives it.
 
     Args:
-        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides (copied contiguous when it is not).
+        grad_out: dO ``[B, Hq, N, D]`` bf16, any strides: read where it lies when contiguous or a model's ``[B, N, H,
+            D]`` memory, else copied contiguous (:func:`.gluon_common.rows_view`).
         delta: ``rowsum(dO * O)`` ``[B, Hq, N]`` fp32 (:func:`..quant.backward_preprocess`).
         q_op, q_scale: the forward's INT8 Q'^ ``[B, Hq, N, D]`` and its scales per 128 rows.
         k_op, k_scale: K'^ ``[B, Hkv, Nk, D]`` and its scales per 64 rows (the kernel transposes each key tile in
             shared memory: no ``[D, Nk]`` copy).
-        v: V ``[B, Hkv, Nk, D]`` bf16 contiguous (dP's operand).
+        v: V ``[B, Hkv, Nk, D]`` bf16 (dP's operand), read where it lies as ``grad_out``.
         lse: the forward's base-2 logsumexp ``[B, Hq, N]``.
         is_causal, scale: as the forward.
         stages: depth of the TMA ring of key tiles; ``None``: :func:`default_stages`. At least 2 with ``defer`` (it
@@ -618,7 +625,7 @@ def gluon_dq(
     if stages < (2 if defer or warp_specialize else 1):
         needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
         raise ValueError(f"gluon_dq: stages={stages} would deadlock with {needs}; use stages >= 2")
-    descs, dq = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
+    descs, dq, layouts = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
     bh = batch * heads
     if wg:
         programs = (seq_q // BLOCK_M + 1) // 2
@@ -629,7 +636,8 @@ def gluon_dq(
         head_chunk = HEAD_CHUNK[head_dim]
         variant = dict(num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}))
     _gluon_dq_kernel[(programs * bh,)](
-        *descs, q_scale, k_scale, lse, delta, dq, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,
+        *descs, q_scale, k_scale, lse, delta, dq, *layouts, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
+        scale,
         HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=head_chunk if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
