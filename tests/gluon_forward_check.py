@@ -67,14 +67,22 @@ def _inputs(batch: int, hq: int, hkv: int, n: int, nk: int, d: int, seed: int = 
     return q, k, v
 
 
-def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str) -> tuple[tuple, dict]:
-    """The forward's operands as ``ops._sagebwd_forward`` makes them (confined, K-smoothed), and the poison buffers."""
+def _operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk: str, causal: bool) -> tuple[tuple, dict]:
+    """The forward's operands as ``ops._sagebwd_forward`` makes them (confined, K-smoothed), and the keyword arguments
+    both forwards take with them (FP8 P.V, 128 x 64 tiles, the poison buffers)."""
     row_poison = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     first_bad = torch.full((k.shape[0] * k.shape[1],), NO_BAD_KEY, dtype=torch.int32, device="cuda")
     q_op, q_scale, _ = quantize_rows(q, 128, fmt=qk, confine=True, row_poison=row_poison)
     k_op, k_scale, _ = quantize_rows(k, 64, fmt=qk, mean=finite_mean(k), confine=True, first_bad=first_bad)
     v_op, v_scale = quantize_channels_fp8(v, confine=True, first_bad=first_bad)
-    return (q_op, q_scale, None, k_op, k_scale, v_op, v_scale), {"row_poison": row_poison, "first_bad": first_bad}
+    kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=q.shape[-1] ** -0.5, block_m=128, block_n=64, qk=qk,
+              pv="fp8", row_poison=row_poison, first_bad=first_bad)  # fmt: skip
+    return (q_op, q_scale, None, k_op, k_scale, v_op, v_scale), kw
+
+
+def _timed_inputs(d: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q, K, V of a timed case: 16K tokens (``16384 / n`` sequences), ``2048 / d`` heads, as benchmarks/NOTES.md's."""
+    return _inputs(16384 // n, 2048 // d, 2048 // d, n, n, d)
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -89,9 +97,7 @@ def check(variants: list[str]) -> tuple[list[dict], int]:
         q, k, v = _inputs(batch, hq, hkv, n, nk, d)
         for causal in (False, True):
             for qk in ("int8", "fp8"):
-                operands, poison = _operands(q, k, v, qk)
-                kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=d**-0.5, block_m=128, block_n=64, qk=qk,
-                          pv="fp8", **poison)  # fmt: skip
+                operands, kw = _operands(q, k, v, qk, causal)
                 precision = AttentionPrecision(qk=qk, pv="fp8")
                 try:
                     tl_out, tl_lse = hopper_forward(*operands, **kw)
@@ -140,12 +146,10 @@ def timings(variants: list[str]) -> list[dict]:
     rows = []
     for d, n in TIMED:
         batch, heads = 16384 // n, 2048 // d
-        q, k, v = _inputs(batch, heads, heads, n, n, d)
+        q, k, v = _timed_inputs(d, n)
         for causal in (False, True):
             for qk in ("int8", "fp8"):
-                operands, poison = _operands(q, k, v, qk)
-                kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=d**-0.5, block_m=128, block_n=64, qk=qk,
-                          pv="fp8", **poison)  # fmt: skip
+                operands, kw = _operands(q, k, v, qk, causal)
                 runs = {"tl": lambda: hopper_forward(*operands, **kw)}  # noqa: B023 - called in this iteration
                 for variant in variants:
                     runs[variant] = lambda v_=variant: gf.gluon_forward(*operands, **kw, **VARIANTS[v_])  # noqa: B023
@@ -174,12 +178,9 @@ def profile(variant: str, d: int = 128, n: int = 4096) -> None:
     tokens and ``2048 / d`` heads, between ``cudaProfilerStart`` and ``Stop`` after three warm-up launches (the tl
     kernel's autotuning done): the target of ``ncu --profile-from-start off`` (``benchmarks/pending/ncu_forward.sh``).
     """
-    batch, heads = 16384 // n, 2048 // d
-    q, k, v = _inputs(batch, heads, heads, n, n, d)
+    q, k, v = _timed_inputs(d, n)
     for qk in ("int8", "fp8"):
-        operands, poison = _operands(q, k, v, qk)
-        kw = dict(out_dtype=torch.bfloat16, is_causal=False, scale=d**-0.5, block_m=128, block_n=64, qk=qk, pv="fp8",
-                  **poison)  # fmt: skip
+        operands, kw = _operands(q, k, v, qk, False)
         runs = (lambda: hopper_forward(*operands, **kw), lambda: gf.gluon_forward(*operands, **kw, **VARIANTS[variant]))  # noqa: B023
         for run in runs:
             for _ in range(3):

@@ -46,7 +46,8 @@ class ProfilerWindow(Callback):
     """Profile optimizer steps ``start_step`` to ``start_step + steps - 1`` (the device synchronised at both ends;
     ``wall_s``: the time between, once closed). ``device_only``: on CUDA, the kernels only: no CPU operators, which slow
     the host when traced and count their kernels' time twice (``step_profile.py`` at 49163cf), nor the controller's
-    hook ranges (CPU events). ``copies``: with shapes and stacks; :meth:`per_step`'s ``copies``: :func:`copy_calls`."""
+    hook ranges (CPU events). ``copies``: with shapes and stacks; :meth:`per_step`'s ``copies``: :func:`copy_calls`
+    (its ``device_ms`` then counts the operators beside their kernels: read only its ``copies``)."""
 
     def __init__(self, start_step: int, steps: int, device_only: bool = False, copies: bool = False) -> None:
         self.start_step, self.steps, self.copies = start_step, steps, copies

@@ -176,26 +176,28 @@ def time_one(
     fwd_bwd()
     torch.cuda.synchronize()
     peak_mb = (torch.cuda.max_memory_allocated() - base) / 2**20
-    rows = []
-    for which, ms in times.items():
-        rows.append(
-            {"impl": impl, "pass": which, "batch": batch, "heads": heads, "kv_heads": kv_heads or heads, "seq": seq,
-             "head_dim": head_dim, "causal": causal, "ms": ms,
-             "tflops": flops(batch, heads, seq, head_dim, causal, which) / ms / 1e9,
-             "peak_mem_mb": peak_mb if which == "fwd+bwd" else None}
-        )  # fmt: skip
-    return rows
+    return [
+        {"impl": impl, "pass": which, "batch": batch, "heads": heads, "kv_heads": kv_heads or heads, "seq": seq,
+         "head_dim": head_dim, "causal": causal, "ms": ms,
+         "tflops": flops(batch, heads, seq, head_dim, causal, which) / ms / 1e9,
+         "peak_mem_mb": peak_mb if which == "fwd+bwd" else None}
+        for which, ms in times.items()
+    ]  # fmt: skip
+
+
+def heads_of(head_dim: int, heads: list[int] | None) -> tuple[int, int]:
+    """Query and key/value heads of a timed shape: ``--heads``, else ``2048 / head_dim`` both."""
+    return (heads[0], heads[1]) if heads else (2048 // head_dim,) * 2
 
 
 def breakdown(
-    seq: int, head_dim: int, causal: bool, tokens: int, heads: tuple[int, int] | None = None, iters: int = 10
+    seq: int, head_dim: int, causal: bool, tokens: int, heads: list[int] | None = None, iters: int = 10
 ) -> list[dict]:
     """Where SageBwd's forward+backward time goes: GPU time per kernel (torch.profiler), per iteration, at this
-    benchmark's shape (``batch x seq = tokens``; ``heads``: query and key/value heads, ``2048 / head_dim`` both when
-    ``None``), after three warm-up calls (compile, autotune)."""
+    benchmark's shape (``batch x seq = tokens``, :func:`heads_of`), after three warm-up calls (compile, autotune)."""
     from torch.profiler import ProfilerActivity, profile
 
-    query_heads, kv_heads = heads or (2048 // head_dim,) * 2
+    query_heads, kv_heads = heads_of(head_dim, heads)
     step = pass_calls("sage", tokens // seq, query_heads, seq, head_dim, causal, kv_heads)["fwd+bwd"]
     for _ in range(3):
         step()
@@ -345,17 +347,14 @@ def main(argv: list[str] | None = None) -> dict:
             for causal in causal_values:
                 for impl in impls:
                     try:
-                        heads = args.heads or (2048 // head_dim,) * 2
-                        rows += time_one(impl, args.tokens // seq, heads[0], seq, head_dim, causal, heads[1])
+                        hq, hkv = heads_of(head_dim, args.heads)
+                        rows += time_one(impl, args.tokens // seq, hq, seq, head_dim, causal, hkv)
                     except (RuntimeError, ValueError, ImportError) as error:  # a refused shape: say so, go on
                         print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
-    at = (args.seq[0], args.head_dim[0], causal_values) if args.heads and args.seq and args.head_dim else None
-    at = at or (4096, 128, (False, True))  # the breakdown's shape
-    parts = (
-        [p for causal in at[2] for p in breakdown(at[0], at[1], causal, args.tokens, args.heads)]
-        if args.breakdown
-        else []
-    )
+    seq, head_dim, causals = 4096, 128, (False, True)  # the breakdown's shape; with --heads, the first timed one
+    if args.heads and args.seq and args.head_dim:
+        seq, head_dim, causals = args.seq[0], args.head_dim[0], causal_values
+    parts = [p for c in causals for p in breakdown(seq, head_dim, c, args.tokens, args.heads)] if args.breakdown else []
     tuned = autotuned_configs()
     name = device_name("cuda")
     out = args.out or default_path("speed", name)
