@@ -36,6 +36,8 @@ VARIANTS = {
     "free-smem": {"pingpong": False},
     "pp-regs": {"p_in_regs": True},
     "pp-smem-st2": {"stages": 2},
+    "3wg-pp-smem": {"consumers": 3},
+    "3wg-free-smem": {"consumers": 3, "pingpong": False},
 }
 #: Correctness cases (batch, hq, hkv, n, nk, d): GQA, ragged counts, one key tile, a 64-row half of padding.
 CHECK_CASES = [
@@ -43,7 +45,7 @@ CHECK_CASES = [
     (1, 8, 8, 2048, 2048, 128),
 ]  # fmt: skip
 #: Timed cases (d, n): 16K tokens per batch, 2048 / d heads, as benchmarks/NOTES.md's tables.
-TIMED = [(128, 2048), (128, 4096), (128, 8192), (64, 4096)]
+TIMED = [(128, 2048), (128, 4096), (128, 8192), (64, 4096), (64, 2048)]
 #: Per-case watchdog: a kernel that waits on an mbarrier forever never returns.
 HANG_SECONDS = 120
 

@@ -21,9 +21,10 @@ from benchmarks.kernels.gluon_dq_compile import compile_parser, record_failure, 
 import torch
 # isort: on
 
-#: Gluon variants: ``pp`` the two consumer warpgroups take turns (ping-pong), ``free`` they issue freely; ``-smem``
-#: P's codes through shared memory (two buffers per warpgroup), ``-regs`` from registers.
-VARIANTS = ("pp-smem", "pp-regs", "free-smem", "free-regs")
+#: Gluon variants: ``pp`` the consumer warpgroups take turns (ping-pong), ``free`` they issue freely; ``-smem`` P's
+#: codes through shared memory (two buffers per warpgroup), ``-regs`` from registers; ``3wg-`` three consumer
+#: warpgroups a program (192 rows) instead of two.
+VARIANTS = ("pp-smem", "pp-regs", "free-smem", "free-regs", "3wg-pp-smem", "3wg-free-smem")
 
 
 def forward_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, qk: str) -> dict:
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     offline._CASE["name"] = f"gluon-fwd-{variant} D={head_dim} c={int(causal)} qk={qk} st={stages}"
                     try:
                         gf.gluon_forward(
-                            *operands, **tiles, stages=stages or None, pingpong=variant.startswith("pp"),
-                            p_in_regs=variant.endswith("regs"),
+                            *operands, **tiles, stages=stages or None, pingpong="pp" in variant,
+                            p_in_regs=variant.endswith("regs"), consumers=3 if variant.startswith("3wg") else 2,
                         )  # fmt: skip
                     except Exception as error:  # noqa: BLE001 - reported, the other cases go on
                         failures += 1

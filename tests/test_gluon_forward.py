@@ -109,6 +109,8 @@ def test_the_kernel_refuses_a_call_it_does_not_serve_before_launching():
         gf.gluon_forward(*args, **kw, qk="fp8", pv="fp8")
     with pytest.raises(plan.UnsupportedAttention, match="need a ring of at least 2 stages"):
         gf.gluon_forward(*args, **kw, qk="int8", pv="fp8", stages=1)
+    with pytest.raises(plan.UnsupportedAttention, match=r"need consumers in \(2, 3\) \(received 4\)"):
+        gf.gluon_forward(*args, **kw, qk="int8", pv="fp8", consumers=4)
 
 
 def _operands(hq: int, hkv: int, n: int, nk: int, d: int, qk: str) -> tuple:
@@ -125,7 +127,10 @@ def _operands(hq: int, hkv: int, n: int, nk: int, d: int, qk: str) -> tuple:
 
 #: (hq, hkv, n, nk, d): GQA 2:1, ragged counts (a partial key tile, a 64-row half of padding), one key tile.
 CASES = [(4, 2, 512, 512, 128), (2, 1, 192, 176, 128), (4, 4, 1024, 1024, 64), (3, 3, 160, 64, 64)]
-VARIANTS = {"pp-smem": {}, "free-smem": {"pingpong": False}, "pp-regs": {"p_in_regs": True}, "st2": {"stages": 2}}
+VARIANTS = {
+    "pp-smem": {}, "free-smem": {"pingpong": False}, "pp-regs": {"p_in_regs": True}, "st2": {"stages": 2},
+    "3wg-pp": {"consumers": 3}, "3wg-free": {"consumers": 3, "pingpong": False},
+}  # fmt: skip
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -142,8 +147,8 @@ def test_gluon_forward_equals_the_tl_forward(hq, hkv, n, nk, d, causal, qk, vari
     """O and the logsumexp of ``_hopper_forward_kernel`` (``PV_FMT="fp8"``) on the same operands: bit for bit where
     both visit the same key tiles (non-causal: the same expressions, instruction shapes and order of additions).
     Causal, a 64-row ``tl`` candidate skips the last (fully masked) key tile for the first 64 rows of a 128-row
-    program, which adds an all-zero P.V product into those rows here: within a bf16 last bit if the tensor core does
-    not return C unchanged."""
+    program (two tiles for the first 64 of three consumer warpgroups' 192 rows), which adds an all-zero P.V product
+    into those rows here: within a bf16 last bit if the tensor core does not return C unchanged."""
     operands = _operands(hq, hkv, n, nk, d, qk)
     kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=d**-0.5, block_m=128, block_n=64, qk=qk, pv="fp8")
     poison = (torch.zeros(2, hq, n, device="cuda"), torch.full((2 * hkv,), 2**31 - 1, device="cuda", dtype=torch.int32))

@@ -48,14 +48,19 @@ if HAVE_GLUON:
 HEAD_DIMS = (64, 128)
 BLOCK_N = 64
 QK_FORMATS = ("int8", "fp8")
-#: Query rows per program (a Q quantization block of 128 rows, or part of a larger one) and per consumer warpgroup.
-BLOCK_M = 128
+#: Query rows per consumer warpgroup; a program has :data:`CONSUMERS` of them (2: 128 rows, 3: 192 rows), each 64-row
+#: group inside one Q quantization block (``block_m``, a multiple of :data:`BLOCK_M`).
 WG_ROWS = 64
-#: Registers per thread: the load warp (the fewest setmaxnreg allows), the consumer warpgroups, the launch's cap
-#: (4 + 4 + 1 warps take three warpgroups; 65536 / (12 * 32) = 170, rounded down to 168).
+BLOCK_M = 128
+CONSUMERS = (2, 3)
+DEFAULT_CONSUMERS = 2
+#: Registers per thread of the load warp (the fewest setmaxnreg allows).
 LOAD_REGS = 24
-CONSUMER_REGS = 240
-WS_MAXNREG = 168
+#: Per consumer count: the consumer warpgroups' registers and the launch's cap. 2: 4 + 4 + 1 warps take three
+#: warpgroups, 65536 / (12 * 32) = 170 rounded down to 168, consumers at 240 (2 * 128 * 240 + 128 * 24 = 64512). 3:
+#: 4 + 4 + 4 + 1 warps take four warpgroups, 65536 / (16 * 32) = 128, consumers at 160 (3 * 128 * 160 + 128 * 24 =
+#: 64512): FlashAttention-3's split for three consumer warpgroups.
+REGS = {2: (240, 168), 3: (160, 128)}
 #: Depth of the K'^ / V^T ring (16 KiB a stage at D=128, 8 at D=64).
 DEFAULT_STAGES = 4
 #: Output dtypes (the ``tl`` kernel's ``to_dtype`` is a plain cast for these).
@@ -67,18 +72,20 @@ if HAVE_GLUON:
     _ROUNDER = gl.constexpr(12582912.0)
     _ROUNDER_BITS = gl.constexpr(0x4B400000)
     _FP8_MAX = gl.constexpr(448.0)
-    _BLOCK_M = gl.constexpr(BLOCK_M)
     _WG_ROWS = gl.constexpr(WG_ROWS)
 
     @gluon.jit
-    def _fwd_loader(descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        """The load partition (one warp): the program's two 64-row Q'^ halves once, then K'^ and V^T of every key
-        tile into the ``STAGES``-deep ring, a stage refilled once both consumer warpgroups released it."""
+    def _fwd_loader(
+        descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        N_WG: gl.constexpr,
+    ):  # fmt: skip
+        """The load partition (one warp): the program's ``N_WG`` 64-row Q'^ tiles once, then K'^ and V^T of every
+        key tile into the ``STAGES``-deep ring, a stage refilled once every consumer warpgroup released it."""
         desc_q, desc_k, desc_vt = descs
         q_smem, k_smem, vt_smem, p_smem = bufs
         ready, empty, q_bar, turn = bars
-        mbarrier.expect(q_bar, 2 * desc_q.block_type.nbytes)
-        for h in gl.static_range(2):
+        mbarrier.expect(q_bar, N_WG * desc_q.block_type.nbytes)
+        for h in gl.static_range(N_WG):
             tma.async_copy_global_to_shared(desc_q, [q_row + h * _WG_ROWS, 0], q_bar, q_smem.index(h))
         nbytes: gl.constexpr = desc_k.block_type.nbytes + desc_vt.block_type.nbytes
         for j in range(n_tiles):
@@ -91,14 +98,20 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _take_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
-        """Wait for this warpgroup's ``k``-th turn on the tensor cores: warpgroup 0 first, then they alternate."""
+        """Wait for this warpgroup's ``k``-th turn on the tensor cores, round robin from warpgroup 0: warpgroup 0's
+        once the last warpgroup passed its turn ``k - 1`` (its first at once: a fresh mbarrier counts the phase before
+        its first as complete), warpgroup ``w > 0``'s once warpgroup ``w - 1`` passed turn ``k``. No warpgroup gets a
+        turn ahead of the one before it, so no barrier completes two phases between a warpgroup's waits."""
         if PINGPONG:
-            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+            if WG == 0:
+                mbarrier.wait(turn.index(0), (k & 1) ^ 1)
+            else:
+                mbarrier.wait(turn.index(WG), k & 1)
 
     @gluon.jit
-    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _pass_turn(turn, WG: gl.constexpr, N_WG: gl.constexpr, PINGPONG: gl.constexpr):
         if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG), count=1)
+            mbarrier.arrive(turn.index((WG + 1) % N_WG), count=1)
 
     @gluon.jit
     def _issue_scores(q, k_tile, s_init, QK_INT8: gl.constexpr):
@@ -147,17 +160,18 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_consumer(
-        descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-        Q_SCALE, K_SCALE, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, pid_m, pid_bh, kv_bh,
-        SEQ_Q, SEQ_K, full_hi, qk_scale, HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
-        QK_INT8: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr, P_IN_REGS: gl.constexpr,
-        CONFINED: gl.constexpr,
+        descs, bufs, bars, prog, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr,
+        Q_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, QK_INT8: gl.constexpr, PINGPONG: gl.constexpr,
+        P_IN_REGS: gl.constexpr, CONFINED: gl.constexpr, N_WG: gl.constexpr, WG: gl.constexpr,
     ):  # fmt: skip
-        """Consumer warpgroup ``WG``: rows ``64 WG`` to ``64 WG + 63`` of the program's 128, every key tile.
+        """Consumer warpgroup ``WG``: rows ``64 WG`` to ``64 WG + 63`` of the program's ``64 N_WG``, every key tile
+        (``prog``: the program's values, as :func:`_gluon_forward_kernel` packs them).
 
         Turn 0: ``S_0``, its softmax. Turn j + 1: ``S_{j+1}`` and ``P_j V_j + acc`` issued together; ``S_{j+1}``'s
-        softmax while ``P_j V_j`` runs (and the other warpgroup's products); then ``acc`` = the product, stage j
+        softmax while ``P_j V_j`` runs (and the other warpgroups' products); then ``acc`` = the product, stage j
         released, ``acc alpha_{j+1}`` (the next product's C). Turn n: the last ``P V``; the epilogue."""
+        (q_row, kv_row, vt_row, n_tiles, Q_SCALE, K_SCALE, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on,
+         pid_m, pid_bh, kv_bh, SEQ_Q, SEQ_K, full_hi, qk_scale) = prog  # fmt: skip
         desc_q, desc_k, desc_vt = descs
         q_smem, k_smem, vt_smem, p_smem = bufs
         ready, empty, q_bar, turn = bars
@@ -172,8 +186,9 @@ if HAVE_GLUON:
         p_op_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
 
         k_base = K_SCALE + kv_bh * gl.cdiv(SEQ_K, BLOCK_N)
-        q_scale = gl.load(Q_SCALE + pid_bh * gl.cdiv(SEQ_Q, Q_BLOCK) + pid_m * _BLOCK_M // Q_BLOCK)
-        offs_m = pid_m * _BLOCK_M + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=row_l)
+        first_row = pid_m * (N_WG * _WG_ROWS) + WG * _WG_ROWS
+        q_scale = gl.load(Q_SCALE + pid_bh * gl.cdiv(SEQ_Q, Q_BLOCK) + first_row // Q_BLOCK)
+        offs_m = first_row + gl.arange(0, _WG_ROWS, layout=row_l)
         offs_n_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if QK_INT8:
             s_init = gl.full([_WG_ROWS, BLOCK_N], _ROUNDER_BITS, gl.int32, s_layout)
@@ -190,7 +205,7 @@ if HAVE_GLUON:
         _take_turn(turn, 0, WG, PINGPONG)
         mbarrier.wait(ready.index(0), 0)
         s_tok = _issue_scores(q, k_smem.index(0), s_init, QK_INT8)
-        _pass_turn(turn, WG, PINGPONG)
+        _pass_turn(turn, WG, N_WG, PINGPONG)
         k_scale = gl.load(k_base)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         codes, m_i, l_i, alpha = _softmax_tile(
@@ -205,7 +220,7 @@ if HAVE_GLUON:
             s_tok = _issue_scores(q, k_smem.index(nxt), s_init, QK_INT8)
             # acc = codes_j . V_j + acc alpha_j in the tensor core (the tl kernel's tl.dot(codes, V, acc * alpha)).
             pv_tok = warpgroup_mma(p_op, vt_smem.index(j % STAGES).permute((1, 0)), acc, use_acc=True, is_async=True)
-            _pass_turn(turn, WG, PINGPONG)
+            _pass_turn(turn, WG, N_WG, PINGPONG)
             k_scale = gl.load(k_base + j + 1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             codes, m_i, l_i, alpha = _softmax_tile(
@@ -226,26 +241,27 @@ if HAVE_GLUON:
         pv_tok = warpgroup_mma(
             p_op, vt_smem.index((n_tiles - 1) % STAGES).permute((1, 0)), acc, use_acc=True, is_async=True
         )
-        _pass_turn(turn, WG, PINGPONG)
+        _pass_turn(turn, WG, N_WG, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[pv_tok])
         _fwd_epilogue(
-            acc, m_i, l_i, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, pid_m, pid_bh, kv_bh, SEQ_Q,
-            SEQ_K, HEAD_DIM, CAUSAL, WG, CONFINED, s_layout, o_layout,
+            acc, m_i, l_i, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, first_row, pid_bh, kv_bh,
+            SEQ_Q, SEQ_K, HEAD_DIM, CAUSAL, CONFINED, s_layout, o_layout,
         )  # fmt: skip
 
     @gluon.jit
     def _fwd_epilogue(
-        acc, m_i, l_i, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, pid_m, pid_bh, kv_bh, SEQ_Q, SEQ_K,
-        HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr, CONFINED: gl.constexpr,
-        s_layout: gl.constexpr, o_layout: gl.constexpr,
+        acc, m_i, l_i, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, first_row, pid_bh, kv_bh, SEQ_Q,
+        SEQ_K, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, CONFINED: gl.constexpr, s_layout: gl.constexpr,
+        o_layout: gl.constexpr,
     ):  # fmt: skip
         """``O = acc / l * (s_V / 448)`` and ``lse = m + log2(l)`` (NaN in the rows :func:`..tiles.poison_rows`
-        names), stored for the rows below ``SEQ_Q``: O at ``o_base + row * stride_on`` (the caller's layout)."""
+        names) of the warpgroup's 64 rows from ``first_row``, stored for the rows below ``SEQ_Q``: O at ``o_base + row *
+        stride_on`` (the caller's layout)."""
         o_row_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         o_col_l: gl.constexpr = gl.SliceLayout(0, o_layout)
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
-        rows = pid_m * _BLOCK_M + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=o_row_l)
-        offs_m = pid_m * _BLOCK_M + WG * _WG_ROWS + gl.arange(0, _WG_ROWS, layout=row_l)
+        rows = first_row + gl.arange(0, _WG_ROWS, layout=o_row_l)
+        offs_m = first_row + gl.arange(0, _WG_ROWS, layout=row_l)
         cols = gl.arange(0, HEAD_DIM, layout=o_col_l)
         out = acc / gl.convert_layout(l_i, o_row_l)[:, None]
         # V's per-channel scales and P's 1 / 448.
@@ -275,8 +291,9 @@ if HAVE_GLUON:
         stride_ob, stride_oh, stride_on, HEADS, GROUP, SEQ_Q, SEQ_K, qk_scale,
         HEAD_DIM: gl.constexpr, Q_BLOCK: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, QK_INT8: gl.constexpr, PINGPONG: gl.constexpr, P_IN_REGS: gl.constexpr,
-        CONFINED: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+        CONFINED: gl.constexpr, N_WG: gl.constexpr, LOAD_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     ):  # fmt: skip
+        PROG_M: gl.constexpr = N_WG * _WG_ROWS
         if CAUSAL:
             # Heads vary fastest and the longest query tiles go first (as _hopper_forward_kernel).
             pid_bh = gl.program_id(0)
@@ -286,31 +303,32 @@ if HAVE_GLUON:
             pid_bh = gl.program_id(1)
         b = pid_bh // HEADS
         kv_bh = b * (HEADS // GROUP) + (pid_bh % HEADS) // GROUP
-        # tiles.key_range for 128-row programs: key tiles below hi are visited, those below full_hi need no mask.
+        # tiles.key_range for PROG_M-row programs: key tiles below hi are visited, those below full_hi need no mask.
         hi = SEQ_K
         full_hi = (SEQ_K // BLOCK_N) * BLOCK_N
         if CAUSAL:
-            hi = gl.minimum(SEQ_K, (pid_m + 1) * _BLOCK_M)
-            full_hi = gl.minimum(full_hi, (pid_m * _BLOCK_M // BLOCK_N) * BLOCK_N)
+            hi = gl.minimum(SEQ_K, (pid_m + 1) * PROG_M)
+            full_hi = gl.minimum(full_hi, (pid_m * PROG_M // BLOCK_N) * BLOCK_N)
         n_tiles = gl.cdiv(hi, BLOCK_N)
-        q_row = pid_bh * SEQ_Q + pid_m * _BLOCK_M
+        q_row = pid_bh * SEQ_Q + pid_m * PROG_M
         o_base = b.to(gl.int64) * stride_ob + (pid_bh % HEADS).to(gl.int64) * stride_oh
 
-        # Shared memory: Q'^ (two 64-row halves), the K'^ / V^T ring, P's codes (two buffers per warpgroup), barriers.
+        # Shared memory: Q'^ (a 64-row tile per warpgroup), the K'^ / V^T ring, P's codes (two buffers per
+        # warpgroup), barriers.
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_WG_ROWS, BLOCK_N], gl.float8e4nv)
-        q_smem = gl.allocate_shared_memory(desc_q.dtype, [2] + desc_q.block_type.shape, desc_q.layout)
+        q_smem = gl.allocate_shared_memory(desc_q.dtype, [N_WG] + desc_q.block_type.shape, desc_q.layout)
         k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES] + desc_k.block_type.shape, desc_k.layout)
         vt_smem = gl.allocate_shared_memory(desc_vt.dtype, [STAGES] + desc_vt.block_type.shape, desc_vt.layout)
-        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [1 if P_IN_REGS else 4, _WG_ROWS, BLOCK_N], p_layout)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [1 if P_IN_REGS else 2 * N_WG, _WG_ROWS, BLOCK_N], p_layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [N_WG, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(empty.index(i), count=N_WG)  # one arrival per consumer warpgroup
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(2):
+        for i in gl.static_range(N_WG):
             mbarrier.init(turn.index(i), count=1)
         fence_async_shared()
 
@@ -319,25 +337,38 @@ if HAVE_GLUON:
         bars = (ready, empty, q_bar, turn)
         kv_row = kv_bh * SEQ_K
         vt_row = kv_bh * HEAD_DIM
-        gl.warp_specialize(
-            [
-                (
-                    _fwd_consumer,
-                    (descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N, STAGES, Q_SCALE, K_SCALE, V_SCALE,
-                     LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, pid_m, pid_bh, kv_bh, SEQ_Q, SEQ_K, full_hi,
-                     qk_scale, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8, 0, PINGPONG, P_IN_REGS, CONFINED),
-                ),
-                (
-                    _fwd_consumer,
-                    (descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N, STAGES, Q_SCALE, K_SCALE, V_SCALE,
-                     LSE, OUT, ROW_POISON, FIRST_BAD, o_base, stride_on, pid_m, pid_bh, kv_bh, SEQ_Q, SEQ_K, full_hi,
-                     qk_scale, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8, 1, PINGPONG, P_IN_REGS, CONFINED),
-                ),
-                (_fwd_loader, (descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N, STAGES)),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, LOAD_REGS],
+        # A partition's constexpr arguments are written in its tuple (one built beforehand would pass them as values);
+        # the consumer warpgroups' differ in WG alone, the last.
+        prog = (
+            q_row, kv_row, vt_row, n_tiles, Q_SCALE, K_SCALE, V_SCALE, LSE, OUT, ROW_POISON, FIRST_BAD, o_base,
+            stride_on, pid_m, pid_bh, kv_bh, SEQ_Q, SEQ_K, full_hi, qk_scale,
         )  # fmt: skip
+        if N_WG == 3:
+            gl.warp_specialize(
+                [
+                    (_fwd_consumer, (descs, bufs, bars, prog, BLOCK_N, STAGES, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8,
+                                     PINGPONG, P_IN_REGS, CONFINED, N_WG, 0)),
+                    (_fwd_consumer, (descs, bufs, bars, prog, BLOCK_N, STAGES, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8,
+                                     PINGPONG, P_IN_REGS, CONFINED, N_WG, 1)),
+                    (_fwd_consumer, (descs, bufs, bars, prog, BLOCK_N, STAGES, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8,
+                                     PINGPONG, P_IN_REGS, CONFINED, N_WG, 2)),
+                    (_fwd_loader, (descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N, STAGES, N_WG)),
+                ],
+                [4, 4, 1],
+                [CONSUMER_REGS, CONSUMER_REGS, LOAD_REGS],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_fwd_consumer, (descs, bufs, bars, prog, BLOCK_N, STAGES, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8,
+                                     PINGPONG, P_IN_REGS, CONFINED, N_WG, 0)),
+                    (_fwd_consumer, (descs, bufs, bars, prog, BLOCK_N, STAGES, HEAD_DIM, Q_BLOCK, CAUSAL, QK_INT8,
+                                     PINGPONG, P_IN_REGS, CONFINED, N_WG, 1)),
+                    (_fwd_loader, (descs, bufs, bars, q_row, kv_row, vt_row, n_tiles, BLOCK_N, STAGES, N_WG)),
+                ],
+                [4, 1],
+                [CONSUMER_REGS, LOAD_REGS],
+            )  # fmt: skip
 
 
 def gluon_forward_unmet(
@@ -401,6 +432,7 @@ def gluon_forward(
     stages: int | None = None,
     pingpong: bool = True,
     p_in_regs: bool = False,
+    consumers: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward through the warp-specialised Gluon kernel, for the calls :func:`gluon_forward_unmet` passes;
     arguments and results are :func:`.forward.hopper_forward`'s (``pv="fp8"``).
@@ -415,16 +447,19 @@ def gluon_forward(
         out_dtype, is_causal, scale, block_m, block_n, qk, pv, out, row_poison, first_bad: as
             :func:`.forward.hopper_forward` (``out``: any strides whose last is 1).
         stages: depth of the K'^ / V^T ring (``None``: :data:`DEFAULT_STAGES`; at least 2).
-        pingpong: the two consumer warpgroups take turns issuing their wgmma (mbarrier hand-off), so one's softmax
-            overlaps the other's products; ``False`` lets them issue freely.
+        pingpong: the consumer warpgroups take turns issuing their wgmma (mbarrier hand-off, round robin), so one's
+            softmax overlaps the others' products; ``False`` lets them issue freely.
         p_in_regs: P's codes as the ``P V`` wgmma's A operand from registers; ``False`` (default) through shared
             memory (two buffers per warpgroup).
+        consumers: consumer warpgroups a program, 64 query rows each (``None``: :data:`DEFAULT_CONSUMERS`): 2 at
+            240 registers, or 3 at 160 (more warps to issue from, as the ``tl`` kernel's three programs an SM).
 
     Returns:
         ``O`` ``[B, Hq, N, D]`` in ``out_dtype`` and the base-2 logsumexp ``[B, Hq, N]`` fp32.
 
     Raises:
-        UnsupportedAttention: a call it does not serve (the need it lacks), or fewer than 2 stages.
+        UnsupportedAttention: a call it does not serve (the need it lacks), fewer than 2 stages, or a consumer count
+            not in :data:`CONSUMERS`.
 
     Example::
 
@@ -437,6 +472,9 @@ def gluon_forward(
         unmet = f"Q'^ and K'^ as {qk} codes"
     if unmet is None and (stages or DEFAULT_STAGES) < 2:
         unmet = "a ring of at least 2 stages"
+    n_wg = consumers or DEFAULT_CONSUMERS
+    if unmet is None and n_wg not in CONSUMERS:
+        unmet = f"consumers in {CONSUMERS} (received {consumers})"
     if unmet is not None:
         raise UnsupportedAttention("q, k, v", f"{tuple(q_op.shape)} {qk}/{pv}", f"need {unmet}", caller="gluon_forward")
     batch, heads, seq_q, head_dim = q_op.shape
@@ -448,14 +486,15 @@ def gluon_forward(
     desc_q = _desc(q_op, bh * seq_q, head_dim, [WG_ROWS, head_dim])
     desc_k = _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim])
     desc_vt = _desc(v_op, bkv * head_dim, seq_k, [head_dim, block_n])
-    tiles = triton.cdiv(seq_q, BLOCK_M)
+    tiles = triton.cdiv(seq_q, n_wg * WG_ROWS)
+    consumer_regs, maxnreg = REGS[n_wg]
     grid = (bh, tiles) if is_causal else (tiles, bh)
     _gluon_forward_kernel[grid](
         desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale, lse, out,
         row_poison if row_poison is not None else lse, first_bad if first_bad is not None else lse,
         out.stride(0), out.stride(1), out.stride(2), heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
         HEAD_DIM=head_dim, Q_BLOCK=block_m, BLOCK_N=block_n, STAGES=stages or DEFAULT_STAGES, CAUSAL=is_causal,
-        QK_INT8=qk == "int8", PINGPONG=pingpong, P_IN_REGS=p_in_regs, CONFINED=row_poison is not None,
-        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, maxnreg=WS_MAXNREG,
+        QK_INT8=qk == "int8", PINGPONG=pingpong, P_IN_REGS=p_in_regs, CONFINED=row_poison is not None, N_WG=n_wg,
+        LOAD_REGS=LOAD_REGS, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )  # fmt: skip
     return out, lse
