@@ -182,6 +182,17 @@ if HAVE_GLUON:
         gl.thread_barrier()
 
     @gluon.jit
+    def _key_range(m_block, SEQ_K, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """``tiles.key_range`` of query block ``m_block`` (``SEQ_K % BLOCK_N == 0``): ``(hi, full_hi)``, the key tiles
+        below ``hi`` are visited, those from ``full_hi`` on masked."""
+        hi = SEQ_K
+        full_hi = SEQ_K
+        if CAUSAL:
+            hi = gl.minimum(SEQ_K, (m_block + 1) * BLOCK_M)
+            full_hi = gl.minimum(SEQ_K, m_block * BLOCK_M)
+        return hi, full_hi
+
+    @gluon.jit
     def _issue_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, BLOCK_M: gl.constexpr, Q_BLOCKS: gl.constexpr):
         """TMA loads of the program's ``Q_BLOCKS`` consecutive blocks of Q'^ and dO (once) into ``q_smem`` and
         ``do_smem`` (``[Q_BLOCKS, BLOCK_M, D]`` each). ``q_row``: the first block's row in Q'^'s ``[B*H*N, D]`` view,
@@ -282,12 +293,7 @@ if HAVE_GLUON:
         if WG:
             m_block = 2 * pid + HALF
             live = m_block < m_blocks
-            # key_range() of this block: the key tiles below hi are visited, those from full_hi on masked.
-            hi = SEQ_K
-            full_hi = SEQ_K
-            if CAUSAL:
-                hi = gl.minimum(SEQ_K, (m_block + 1) * BLOCK_M)
-                full_hi = gl.minimum(SEQ_K, m_block * BLOCK_M)
+            hi, full_hi = _key_range(m_block, SEQ_K, BLOCK_M, CAUSAL)
             mine = hi // BLOCK_N
             if not live:
                 mine = 0
@@ -455,12 +461,9 @@ if HAVE_GLUON:
         # The ring carries the key tiles of the program's last query block: its own, or with WG the upper one's (the
         # lower one reads a prefix of them), or the lower one's when the upper one is past the last query.
         last = gl.minimum(2 * pid + 1, m_blocks - 1) if WG else pid
-        # key_range(): the key tiles below hi are visited, those from full_hi on masked (SEQ_K % BLOCK_N == 0).
-        hi = SEQ_K
-        full_hi = SEQ_K
-        if CAUSAL:
-            hi = gl.minimum(SEQ_K, (last + 1) * BLOCK_M)
-            full_hi = gl.minimum(SEQ_K, pid * BLOCK_M)
+        # The ring's key tiles: the last block's; full_hi is pid's own where the consumers take it (without WG, last
+        # is pid; with WG each warpgroup finds its block's range).
+        hi, full_hi = _key_range(last, SEQ_K, BLOCK_M, CAUSAL)
         n_tiles = hi // BLOCK_N
         # The loads' rows (and dO's and V's columns: read where they lie, rows_view), as _issue_q, _issue_kv take them.
         do_row, do_col = _head_origin(bh, (HEADS, DO_RB, DO_RH, DO_CH))
