@@ -32,11 +32,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: Gluon variants: keyword arguments of :func:`gf.gluon_forward`.
 VARIANTS = {
-    "pp-smem": {},
-    "free-smem": {"pingpong": False},
-    "pp-regs": {"p_in_regs": True},
-    "pp-smem-st2": {"stages": 2},
-    "3wg-pp-smem": {"consumers": 3},
+    "default": {},
+    "pp-smem": {"consumers": 2, "pingpong": True},
+    "free-smem": {"consumers": 2, "pingpong": False},
+    "pp-regs": {"consumers": 2, "pingpong": True, "p_in_regs": True},
+    "pp-smem-st2": {"consumers": 2, "pingpong": True, "stages": 2},
+    "3wg-pp-smem": {"consumers": 3, "pingpong": True},
     "3wg-free-smem": {"consumers": 3, "pingpong": False},
 }
 #: Correctness cases (batch, hq, hkv, n, nk, d): GQA, ragged counts, one key tile, a 64-row half of padding.

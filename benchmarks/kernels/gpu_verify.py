@@ -131,6 +131,7 @@ def test_command(work: Path, workers: int) -> list[str]:
         "tests/test_hopper_kernels.py",
         "tests/test_gluon_backward.py",
         "tests/test_gluon_dq.py",
+        "tests/test_gluon_forward.py",
         "tests/test_attn_qat.py",
         "tests/test_bad_values.py",
         "tests/test_kernel_paths.py",
