@@ -75,9 +75,8 @@ class ProfilerWindow(Callback):
         if self._profile is not None and trainer.global_step >= self.start_step + self.steps:
             synchronize(pl_module)
             self._profile.__exit__(None, None, None)
-            self._averages = self._profile.key_averages()
             self._copies = copy_calls(self._profile, self.steps) if self.copies else []
-            self._profile = None
+            self._averages, self._profile = self._profile.key_averages(), None
             self.wall_s = time.perf_counter() - self._started
 
     def per_step(self, top: int = 25) -> dict[str, Any]:

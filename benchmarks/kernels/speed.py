@@ -343,11 +343,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for head_dim in args.head_dim or (64, 128):
+        hq, hkv = heads_of(head_dim, args.heads)
         for seq in args.seq or (1024, 2048, 4096, 8192):
             for causal in causal_values:
                 for impl in impls:
                     try:
-                        hq, hkv = heads_of(head_dim, args.heads)
                         rows += time_one(impl, args.tokens // seq, hq, seq, head_dim, causal, hkv)
                     except (RuntimeError, ValueError, ImportError) as error:  # a refused shape: say so, go on
                         print(f"{impl} D={head_dim} N={seq} causal={causal}: {str(error).splitlines()[0]}")
