@@ -54,7 +54,7 @@ from .quant import (
     transpose_rows,
     tuning_configs,
 )
-from .tiles import LOG2E, key_range, load_tile, load_tile_t, scores_tile, tile_mask
+from .tiles import LOG2E, key_range, load_tile, load_tile_t, rows_layout, scores_tile, tile_mask
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.
@@ -476,11 +476,15 @@ def backward(
     if widen_q and dkdv_kernel is None:
         raise ValueError("backward: widen_q makes Q'^'s copy for a planned dK/dV kernel; received dkdv_kernel=None")
     # The planned kernels (Hopper's) read dO and V through TMA where they lie, contiguous or a model's [B, N, H, D]
-    # memory (hopper/gluon_common.rows_view; another layout is copied there); the portable kernels take dO's strides.
+    # memory (hopper/gluon_common.rows_view; another layout is copied once, here: tiles.rows_layout); the portable
+    # kernels take dO's strides.
     # The dQ = dS K'^ and dK = dS^T Q'^ products sum over keys and queries: with 8-bit operands, Hopper's tensor
     # cores want those contiguous, so the dK/dV kernel reads Q'^'s [D, N] copy (written by the preprocess launch) and
     # the portable dQ kernel K'^'s (made just before it; a planned dQ kernel transposes K'^'s tiles itself).
     transposed = qk == ds and qk in LOW_BIT_FORMATS
+    planned = dkdv_kernel is not None and dq_kernel is not None
+    if dkdv_kernel is not None or dq_kernel is not None:
+        grad_out = rows_layout(grad_out)  # a layout TMA cannot read is copied here once, not by each kernel
     delta, do_codes, do_codes_t, do_scale, q_op_t, q_wide = backward_preprocess(
         grad_out, out, block_m, codes=dp == "int8", codes_t=dv == "int8", transpose=q_op if transposed else None,
         widen=q_op if widen_q else None,
@@ -495,8 +499,8 @@ def backward(
         v_dp, v_dp_scale, _ = quantize_rows(v, block_n, fmt=dp)
     elif dp == "nvfp4":
         v_dp, v_dp_scale = v, v_scale
-    else:  # V as it lies for the planned kernels (both of them), else contiguous for the portable ones
-        v_dp, v_dp_scale = (v if dkdv_kernel is not None and dq_kernel is not None else v.contiguous()), None
+    else:  # V as it lies (or copied once) for the planned kernels (both of them), else contiguous for the portable ones
+        v_dp, v_dp_scale = (rows_layout(v) if planned else v.contiguous()), None
     batch, heads, seq_q, head_dim = q_op.shape
     kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
     io_dtype = grad_out.dtype

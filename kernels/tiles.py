@@ -8,12 +8,28 @@ from __future__ import annotations
 
 import math
 
+import torch
 import triton
 import triton.language as tl
 
 from .quant import hp_dot, int32_scaled, low_bit_dot
 
 LOG2E = math.log2(math.e)
+
+
+def rows_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, N, D]`` (dO or V) in a layout the Hopper kernels' TMA descriptors read where it lies: ``x``
+    itself when contiguous or a model's ``[B, N, H, D]`` memory (heads split off the last dim, then transposed: what
+    SDPA's callers hand), else a contiguous copy. The backward calls it once for both of its planned kernels, whose
+    :func:`.hopper.gluon_common.rows_view` then only views it.
+
+    Example::
+
+        rows_layout(do.view(B, N, H, D).transpose(1, 2)) is not a copy; rows_layout(x.permute(...)) may be
+    """
+    if x.is_contiguous() or (x.stride(-1) == 1 and x.transpose(1, 2).is_contiguous()):
+        return x
+    return x.contiguous()
 
 
 @triton.jit

@@ -453,3 +453,47 @@ def test_do_and_v_in_a_models_layout_give_the_contiguous_gradients_bit_for_bit(
     for name, a, b in zip(("dQ", "dK", "dV"), *grads, strict=True):
         assert torch.isfinite(a).all(), name
         assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+
+
+@pytest.mark.parametrize("layout", ["model", "other"])
+def test_the_backward_hands_both_planned_kernels_one_readable_do_and_v(layout):
+    """``backward`` with both passes planned (stand-ins recording what they receive): dO and V reach the dK/dV and
+    the dQ kernel as the same tensors, in a layout ``rows_view`` reads without a copy. A model's ``[B, N, H, D]``
+    memory is handed as it lies; another layout is copied once, here, not once per kernel."""
+    from sage_lightning.kernels.backward import backward
+    from sage_lightning.kernels.hopper.gluon_common import rows_view
+
+    batch, heads, seq, dim, block = 2, 2, 64, 16, 32
+    torch.manual_seed(0)
+
+    def laid(x: torch.Tensor) -> torch.Tensor:
+        if layout == "model":
+            return x.transpose(1, 2).contiguous().transpose(1, 2)  # [B, N, H, D] memory
+        return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # [N, B, H, D] memory
+
+    shape = (batch, heads, seq, dim)
+    grad_out, v = laid(torch.randn(shape)), laid(torch.randn(shape))
+    q_op = torch.randint(-127, 128, shape, dtype=torch.int8)
+    k_op = torch.randint(-127, 128, shape, dtype=torch.int8)
+    scales = torch.full((batch, heads, seq // block), 0.01)
+    received: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def dkdv(grad_out, delta, codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, **kw):
+        received["dkdv"] = (grad_out, v)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, **kw):
+        received["dq"] = (grad_out, v)
+        return torch.zeros(shape)
+
+    backward(
+        grad_out, torch.randn(shape), q_op, scales, None, k_op, scales, v, torch.zeros(batch, heads, seq), None,
+        is_causal=False, scale=0.25, block_m=block, block_n=block, qk="int8", dv="int8", dp="bf16", ds="int8",
+        dkdv_kernel=dkdv, dq_kernel=dq,
+    )  # fmt: skip
+    for i, original in enumerate((grad_out, v)):
+        handed, again = received["dkdv"][i], received["dq"][i]
+        assert handed is again  # one tensor for both kernels: at most one copy
+        assert torch.equal(handed, original)
+        assert (handed.data_ptr() == original.data_ptr()) == (layout == "model")
+        assert rows_view(handed)[0].data_ptr() == handed.data_ptr()  # each kernel's view copies nothing

@@ -16,6 +16,8 @@ import functools
 import torch
 import triton.language as tl
 
+from ..tiles import rows_layout
+
 try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernels.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -643,16 +645,18 @@ def rows_view(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``x`` ``[B, H, N, D]`` (dO or V) as the 2-D view its TMA descriptor reads, and where each head's first row lies
     in it, ``(rows a batch, rows a head, columns a head)`` (:func:`_head_origin`). Contiguous: ``[B*H*N, D]``, ``(H *
     N, N, 0)``; a model's ``[B, N, H, D]`` memory (heads split off the last dim, then transposed: what SDPA's callers
-    hand) read where it lies, as ``[B*N, H*D]``, ``(N, 0, D)``; any other layout is copied contiguous first.
+    hand) read where it lies, as ``[B*N, H*D]``, ``(N, 0, D)``; any other layout is copied contiguous first
+    (:func:`..tiles.rows_layout`; the backward makes that copy once, before both of its kernels).
 
     Example::
 
         view, lay = rows_view(grad_out)   # grad_out = do.view(B, N, H, D).transpose(1, 2): [B*N, H*D], (N, 0, D)
     """
     batch, heads, seq, head_dim = x.shape
-    if not x.is_contiguous() and x.stride(-1) == 1 and x.transpose(1, 2).is_contiguous():
+    x = rows_layout(x)
+    if not x.is_contiguous():
         return x.transpose(1, 2).reshape(batch * seq, heads * head_dim), (seq, 0, head_dim)
-    return x.contiguous().view(batch * heads * seq, head_dim), (heads * seq, seq, 0)
+    return x.view(batch * heads * seq, head_dim), (heads * seq, seq, 0)
 
 
 def _rows_desc(x: torch.Tensor, rows: int) -> TensorDescriptor:

@@ -53,7 +53,8 @@ QK_FORMATS = ("int8", "fp8")
 WG_ROWS = 64
 BLOCK_M = 128
 CONSUMERS = (2, 3)
-#: Three: 1.05-1.19x two at every timed shape, bit for bit the same O (device run 33).
+#: Three: 1.00-1.12x the better two-warpgroup variant at every timed shape (1.07-1.25x two taking turns), bit for
+#: bit the same O (device run 33).
 DEFAULT_CONSUMERS = 3
 #: Whether the consumer warpgroups take turns, by head dim, when the caller does not say: three warpgroups issuing
 #: freely were faster in 10 of 12 timed cases at D=128, taking turns in 6 of 8 at D=64 (device run 33).
