@@ -464,6 +464,7 @@ def test_the_backward_hands_both_planned_kernels_one_readable_do_and_v(layout):
     from sage_lightning.kernels.hopper.gluon_common import rows_view
 
     batch, heads, seq, dim, block = 2, 2, 64, 16, 32
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the preprocess launch: the interpreter on a CPU
     torch.manual_seed(0)
 
     def laid(x: torch.Tensor) -> torch.Tensor:
@@ -472,22 +473,23 @@ def test_the_backward_hands_both_planned_kernels_one_readable_do_and_v(layout):
         return x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)  # [N, B, H, D] memory
 
     shape = (batch, heads, seq, dim)
-    grad_out, v = laid(torch.randn(shape)), laid(torch.randn(shape))
-    q_op = torch.randint(-127, 128, shape, dtype=torch.int8)
-    k_op = torch.randint(-127, 128, shape, dtype=torch.int8)
-    scales = torch.full((batch, heads, seq // block), 0.01)
+    grad_out, v = laid(torch.randn(shape, device=device)), laid(torch.randn(shape, device=device))
+    q_op = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+    k_op = torch.randint(-127, 128, shape, dtype=torch.int8, device=device)
+    scales = torch.full((batch, heads, seq // block), 0.01, device=device)
     received: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def dkdv(grad_out, delta, codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, **kw):
         received["dkdv"] = (grad_out, v)
-        return torch.zeros(shape), torch.zeros(shape)
+        return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
 
     def dq(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, **kw):
         received["dq"] = (grad_out, v)
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=device)
 
     backward(
-        grad_out, torch.randn(shape), q_op, scales, None, k_op, scales, v, torch.zeros(batch, heads, seq), None,
+        grad_out, torch.randn(shape, device=device), q_op, scales, None, k_op, scales, v,
+        torch.zeros(batch, heads, seq, device=device), None,
         is_causal=False, scale=0.25, block_m=block, block_n=block, qk="int8", dv="int8", dp="bf16", ds="int8",
         dkdv_kernel=dkdv, dq_kernel=dq,
     )  # fmt: skip

@@ -6,14 +6,17 @@
 # dQ, then the preset's. On the GPU from the repository root, with the package installed (clocks left alone):
 #
 #   OUT=/tmp/ncu bash benchmarks/pending/ncu_train_shape.sh
+#   OUT=/tmp/ncu SOURCE=1 bash benchmarks/pending/ncu_train_shape.sh   # the backward kernels' stall samples per SASS line
 #
 # Writes ncu-train.ncu-rep, its details page as text and every metric as CSV (the pipes' and issue slots' use, warp
-# stall reasons: smsp__average_warps_issue_stalled_*, smsp__inst_executed_pipe_*).
+# stall reasons: smsp__average_warps_issue_stalled_*, smsp__inst_executed_pipe_*); with SOURCE=1 only the dK/dV and dQ
+# kernels, with the source page (each SASS instruction's executions and stall samples) as ncu-train-source.csv.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${OUT:-/tmp}"
-ncu --clock-control none --profile-from-start off \
-  --kernel-name "regex:_hopper_forward_kernel|_gluon_dkdv_kernel|_gluon_dq_kernel|_backward_preprocess_kernel" \
+kernels="_hopper_forward_kernel|_gluon_dkdv_kernel|_gluon_dq_kernel|_backward_preprocess_kernel" extra=()
+if [[ "${SOURCE:-0}" == 1 ]]; then kernels="_gluon_dkdv_kernel|_gluon_dq_kernel" extra=(--section SourceCounters); fi
+ncu --clock-control none --profile-from-start off --kernel-name "regex:${kernels}" "${extra[@]}" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
   --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
   --export "${out}/ncu-train" --force-overwrite python3 - <<'PY'
@@ -39,4 +42,7 @@ for precision in (AttentionPrecision(), AttentionPrecision.hopper()):
 PY
 ncu --import "${out}/ncu-train.ncu-rep" --page details >"${out}/ncu-train.txt"
 ncu --import "${out}/ncu-train.ncu-rep" --page raw --csv >"${out}/ncu-train-raw.csv"
+if [[ "${SOURCE:-0}" == 1 ]]; then
+  ncu --import "${out}/ncu-train.ncu-rep" --page source --print-source sass --csv >"${out}/ncu-train-source.csv"
+fi
 echo "wrote ${out}/ncu-train.ncu-rep, .txt and -raw.csv"
