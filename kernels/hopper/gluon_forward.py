@@ -212,9 +212,6 @@ if HAVE_GLUON:
         s_tok = _issue_scores(q, k_smem.index(0), s_init, QK_INT8)
         _pass_turn(turn, WG, N_WG, PINGPONG)
         k_scale = gl.load(k_base)
-        # K's scale for tile j + 1 is loaded in iteration j - 1, a whole iteration before its use (loaded in the
-        # iteration that used it, behind only that tile's QK^T, it stalled the scale's FMUL: ncu, device run 34).
-        k_next = gl.load(k_base + gl.minimum(n_tiles - 1, 1))
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         codes, m_i, l_i, alpha = _softmax_tile(
             s, m_i, l_i, q_scale * k_scale * qk_scale, 0, full_hi, offs_m, offs_n_tile, SEQ_Q, SEQ_K, CAUSAL, QK_INT8
@@ -229,8 +226,7 @@ if HAVE_GLUON:
             # acc = codes_j . V_j + acc alpha_j in the tensor core (the tl kernel's tl.dot(codes, V, acc * alpha)).
             pv_tok = warpgroup_mma(p_op, vt_smem.index(j % STAGES).permute((1, 0)), acc, use_acc=True, is_async=True)
             _pass_turn(turn, WG, N_WG, PINGPONG)
-            k_scale = k_next
-            k_next = gl.load(k_base + gl.minimum(n_tiles - 1, j + 2))
+            k_scale = gl.load(k_base + j + 1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             codes, m_i, l_i, alpha = _softmax_tile(
                 s, m_i, l_i, q_scale * k_scale * qk_scale, (j + 1) * BLOCK_N, full_hi, offs_m, offs_n_tile, SEQ_Q,
