@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -148,8 +149,8 @@ def timings(variants: list[str]) -> list[dict]:
     """TFLOPS of the tl FP8 forward, the Gluon variants and cuDNN (bf16), kernels alone on the same operands."""
     rows = []
     for d, n in TIMED:
-        batch, heads = 16384 // n, 2048 // d
         q, k, v = _timed_inputs(d, n)
+        batch, heads = q.shape[:2]
         for causal in (False, True):
             for qk in ("int8", "fp8"):
                 operands, kw = _operands(q, k, v, qk, causal)
@@ -176,6 +177,18 @@ def timings(variants: list[str]) -> list[dict]:
     return rows
 
 
+def profiled_once(run: Callable[[], object], warmups: int = 3) -> None:
+    """``run`` ``warmups`` times (compilation, autotuning), then once between ``cudaProfilerStart`` and ``Stop``: the
+    launches ``ncu --profile-from-start off`` profiles (here and in ``benchmarks/pending/ncu_train_shape.sh``)."""
+    for _ in range(warmups):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def profile(variant: str, d: int = 128, n: int = 4096) -> None:
     """One launch each of the tl FP8 forward and a Gluon ``variant`` per QK format (INT8, FP8), non-causal, at 16K
     tokens and ``2048 / d`` heads, between ``cudaProfilerStart`` and ``Stop`` after three warm-up launches (the tl
@@ -186,13 +199,7 @@ def profile(variant: str, d: int = 128, n: int = 4096) -> None:
         operands, kw = _operands(q, k, v, qk, False)
         runs = (lambda: hopper_forward(*operands, **kw), lambda: gf.gluon_forward(*operands, **kw, **VARIANTS[variant]))  # noqa: B023
         for run in runs:
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
-            run()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
+            profiled_once(run)
 
 
 def main(argv: list[str] | None = None) -> int:

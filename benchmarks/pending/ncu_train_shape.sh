@@ -22,6 +22,7 @@ ncu --clock-control none --profile-from-start off --kernel-name "regex:${kernels
   --export "${out}/ncu-train" --force-overwrite python3 - <<'PY'
 import torch
 from sage_lightning.kernels import AttentionPrecision, sage_attention
+from tests.gluon_forward_check import profiled_once
 
 torch.manual_seed(0)
 b, n, hq, hkv, d = 64, 2048, 10, 5, 64
@@ -30,15 +31,7 @@ def model_layout(h):
 q, k, v = model_layout(hq), model_layout(hkv), model_layout(hkv)
 grad = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 for precision in (AttentionPrecision(), AttentionPrecision.hopper()):
-    def step():
-        sage_attention(q, k, v, is_causal=True, precision=precision).backward(grad)
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profiled_once(lambda: sage_attention(q, k, v, is_causal=True, precision=precision).backward(grad))
 PY
 ncu --import "${out}/ncu-train.ncu-rep" --page details >"${out}/ncu-train.txt"
 ncu --import "${out}/ncu-train.ncu-rep" --page raw --csv >"${out}/ncu-train-raw.csv"
