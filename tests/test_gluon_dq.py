@@ -254,15 +254,15 @@ def test_every_variant_gives_the_same_dq(variant, ds):
     assert torch.equal(got, want)
 
 
-def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """SageBwd's forward at its default precision (causal), returning what the backward saves."""
+def portable_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> tuple:
+    """SageBwd's forward at its default precision (causal unless told), returning what the backward saves."""
     from sage_lightning.kernels import AttentionPrecision
     from sage_lightning.kernels.ops import sagebwd_forward
 
     prec = AttentionPrecision()
     return sagebwd_forward(
-        q, k, v, None, True, 128**-0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False, 128, 64,
-        "triton_forward", "triton_dkdv", "triton_dq",
+        q, k, v, None, causal, q.shape[-1] ** -0.5, "int8", "int8", "int8", "bf16", "int8", prec.smooth_k, False,
+        128, 64, "triton_forward", "triton_dkdv", "triton_dq",
     )  # fmt: skip
 
 
@@ -279,3 +279,45 @@ def test_auto_takes_gluon_dq_on_this_gpu_at_the_threshold(kernel_switch, monkeyp
         calls.clear()
         _grads(monkeypatch, "auto", 1, heads, heads, seq, seq, head_dim, True)  # causal: half the scores, below it
         assert calls == [], head_dim
+
+
+def test_three_consumer_warpgroups_only_where_they_serve_and_by_default_where_measured_faster():
+    """``consumers=3`` (64-query warpgroups) takes only the ``wg`` variant with a bf16 dS: an INT8 or FP8 dS has one
+    scale over 128 queries. Left to the launcher, it takes three where device run 34 measured them faster."""
+    x = torch.zeros(1, 2, 256, 64)
+    args = (x, x[..., 0], x.to(torch.int8), x[..., :2, 0], x.to(torch.int8), x[..., :4, 0], x, x[..., 0])
+    for kwargs in (dict(wg=True, ds_fmt="int8"), dict(wg=True, ds_fmt="fp8"), dict(ds_fmt="bf16"), dict(wg=True)):
+        with pytest.raises(ValueError, match="consumers must be 2, or 3 with wg=True and ds_fmt='bf16'"):
+            gq.gluon_dq(*args, is_causal=True, scale=0.125, consumers=3, **kwargs)
+    with pytest.raises(ValueError, match="received consumers=4"):
+        gq.gluon_dq(*args, is_causal=True, scale=0.125, wg=True, ds_fmt="bf16", consumers=4)
+    assert gq.wg_consumers("bf16", True) == 3
+    assert gq.wg_consumers("bf16", False) == gq.wg_consumers("int8", True) == gq.wg_consumers("fp8", True) == 2
+
+
+@needs_hopper
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, causal",
+    [
+        pytest.param(2, 4, 2, 512, False, id="gqa"),
+        pytest.param(2, 4, 2, 512, True, id="gqa-causal"),
+        pytest.param(1, 2, 1, 640, True, id="causal-last-program-short"),  # 10 blocks of 64: a program of one
+        pytest.param(2, 10, 5, 2048, True, id="training-heads"),
+    ],
+)
+def test_three_consumer_warpgroups_give_two_warpgroups_dq_bit_for_bit(batch, hq, hkv, n, causal):
+    """bf16 dS: three 64-query warpgroups a program against two of 128 queries, dO and V in a model's layout. Each
+    row's products and their order of addition are the same, so dQ is (device run 34: 6 of 6 cases)."""
+    from sage_lightning.kernels.quant import backward_preprocess
+
+    gen = torch.Generator(device="cuda").manual_seed(n + hq)
+    q = torch.randn(batch, hq, n, 64, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(batch, hkv, n, 64, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    do = torch.randn(batch, n, hq, 64, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    out, lse, q_op, q_scale, _q_mean, k_op, k_scale = portable_forward(q, k, v, causal)
+    delta, *_ = backward_preprocess(do, out, 128, codes=False, codes_t=False)
+    args = (do, delta, q_op, q_scale, k_op, k_scale, v, lse)
+    two = gq.gluon_dq(*args, is_causal=causal, scale=0.125, ds_fmt="bf16", wg=True, consumers=2)
+    three = gq.gluon_dq(*args, is_causal=causal, scale=0.125, ds_fmt="bf16", wg=True, consumers=3)
+    assert torch.isfinite(three).all()
+    assert torch.equal(three, two), f"max |diff| {(three.float() - two.float()).abs().max().item()}"

@@ -548,14 +548,19 @@ if HAVE_GLUON:
     def _dq_block(
         m_block, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout: gl.constexpr, dp_layout: gl.constexpr,
         acc_layout: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+        Q_BLOCK: gl.constexpr = 0,
     ):  # fmt: skip
         """Query block ``m_block`` of head ``bh``: its offsets (and a key tile's), Q's scale, lse, delta, and the
-        zeros of S's, dP's and the INT8 product's accumulators and of dQ."""
+        zeros of S's, dP's and the INT8 product's accumulators and of dQ. ``Q_BLOCK``: the rows of Q's quantization
+        block when a query block is a part of one (``0``: ``BLOCK_M``, and ``m_blocks`` Q's blocks a head)."""
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         offs_m = m_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_l)
         offs_n_tile = gl.arange(0, BLOCK_N, layout=col_l)
-        q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
+        if Q_BLOCK == 0:
+            q_scale = gl.load(Q_SCALE + bh * m_blocks + m_block)
+        else:
+            q_scale = gl.load(Q_SCALE + bh * gl.cdiv(SEQ_Q, Q_BLOCK) + (m_block * BLOCK_M) // Q_BLOCK)
         lse = gl.load(LSE + bh * SEQ_Q + offs_m)
         delta = gl.load(DELTA + bh * SEQ_Q + offs_m)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, s_layout)

@@ -60,11 +60,18 @@ dQ accumulator (64 at D=64), so the variant serves D=64 only (at D=128 dQ alone 
 block's warpgroup needs two key tiles fewer than the upper's; it waits for their transposition and hands them back
 unread. With an odd number of query blocks the last program's upper warpgroup has no block: it hands every tile
 back and writes nothing. Design and the device results: ``benchmarks/NOTES.md`` (device run 8).
+With a bf16 dS the ``wg`` variant may take three consumer warpgroups of 64 queries (``consumers=3``, by default for
+causal calls: :func:`wg_consumers`): 192 queries a program, each warpgroup reading its block's half of Q's 128-row
+quantization block and its scale. A bf16 dS's dQ product takes no scale over the tile, so the split changes no
+value: each row's products and their order of addition are the two-warpgroup kernel's (bit for bit, device run 34).
+Three warpgroups at 152-168 registers (16 warps) give each scheduler three issuing warps instead of two; a 64-query
+tile costs 1.33x the instructions a score (offline sm_90: 234 against 351 for 128 queries).
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from ..tiles import LOG2E
 from .gluon_backward import WG_MAXNREG, WS_MAXNREG
@@ -128,6 +135,27 @@ WG_HEAD_CHUNK = 16
 #: explicitly; the first, the default partition, gets what the others leave of :data:`.gluon_backward.WG_MAXNREG`
 #: over 12 warps: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`PRODUCER_REGS`).
 WG_CONSUMER_REGS = 232
+#: The ``wg`` variant with three consumer warpgroups (``consumers=3``: bf16 dS only, whose dQ product needs no scale
+#: across a 128-query tile): each warpgroup one block of :data:`WG3_ROWS` queries (half of Q's quantization block,
+#: whose scale it reads), three a program. Sixteen warps at the launch's cap of :data:`WG3_MAXNREG`: the two worker
+#: consumers hold :data:`WG3_CONSUMER_REGS`, the default partition (128 * 16 - 152 * 8 - 40 * 4) / 4 = 168.
+WG3_ROWS = 64
+WG3_MAXNREG = 128
+WG3_CONSUMER_REGS = 152
+
+
+def wg_consumers(ds_fmt: str, is_causal: bool) -> int:
+    """The ``wg`` variant's consumer warpgroups when the caller names none: three for a causal call with a bf16 dS,
+    two otherwise. Measured on an H200 (device run 34, dQ bit for bit): three took 1.10-1.11x less time causal (the
+    training shape, B=64, 10/5 heads of 64, N=2048: 1.250 against 1.125 ms; N=4096) and 0.96x non-causal, where a
+    64-query block's fixed work a tile (1.33x the loop's instructions a score) is not repaid by the third
+    warpgroup's issue slots.
+
+    Example::
+
+        wg_consumers("bf16", True), wg_consumers("bf16", False), wg_consumers("int8", True)   # 3, 2, 2
+    """
+    return 3 if ds_fmt == "bf16" and is_causal else 2
 
 
 if HAVE_GLUON:
@@ -246,6 +274,7 @@ if HAVE_GLUON:
         qk_scale, tau, full_hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr, DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0,
+        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0,
     ):  # fmt: skip
         """The consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
 
@@ -257,7 +286,7 @@ if HAVE_GLUON:
         product is waited for in the next iteration, after the next tile's S and dP are issued.
 
         With ``WG`` (warp-specialised, codes in registers, no ``DEFER``; ``descs``, ``q_row``, ``kv_row0`` and
-        ``full_hi`` unused): one consumer warpgroup, query block ``2 * pid + HALF`` against its key tiles (the first
+        ``full_hi`` unused): one consumer warpgroup, query block ``N_WG * pid + HALF`` against its key tiles (the first
         ``mine`` of the ring's ``n_tiles``), then its dQ rows; each tile's K'^ comes transposed from the producer
         warpgroup, one copy for both warpgroups.
 
@@ -291,7 +320,7 @@ if HAVE_GLUON:
         rows_block = pid
         mine = n_tiles
         if WG:
-            m_block = 2 * pid + HALF
+            m_block = N_WG * pid + HALF
             live = m_block < m_blocks
             hi, full_hi = _key_range(m_block, SEQ_K, BLOCK_M, CAUSAL)
             mine = hi // BLOCK_N
@@ -305,7 +334,7 @@ if HAVE_GLUON:
                 _issue_kv(i, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
         offs_m, offs_n_tile, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq = _dq_block(
             rows_block, bh, Q_SCALE, LSE, DELTA, SEQ_Q, m_blocks, s_layout, dp_layout, acc_layout, BLOCK_M, BLOCK_N,
-            HEAD_DIM,
+            HEAD_DIM, Q_BLOCK,
         )  # fmt: skip
         if WG:
             # The keys' offsets are made in the masked branch, not held through the loop: here they would spill.
@@ -446,11 +475,13 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0,
+        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0,
     ):  # fmt: skip
-        # A program's query blocks: one (both consumer warpgroups on it), or with WG two (a warpgroup each).
-        Q_BLOCKS: gl.constexpr = 2 if WG else 1
+        # A program's query blocks: one (both consumer warpgroups on it), or with WG N_WG (a warpgroup each; with
+        # three, blocks of 64 rows, halves of Q's quantization blocks of Q_BLOCK rows).
+        Q_BLOCKS: gl.constexpr = N_WG if WG else 1
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
-        n_programs = gl.cdiv(m_blocks, 2) if WG else m_blocks
+        n_programs = gl.cdiv(m_blocks, N_WG) if WG else m_blocks
         pid, bh = _head_chunk_order(gl.program_id(0), n_programs, BH, HEAD_CHUNK)
         if CAUSAL:
             # The longest query tiles (most key tiles) first, so the short ones fill the tail of the grid.
@@ -460,7 +491,7 @@ if HAVE_GLUON:
         kv_bh = b * (HEADS // GROUP) + head // GROUP
         # The ring carries the key tiles of the program's last query block: its own, or with WG the upper one's (the
         # lower one reads a prefix of them), or the lower one's when the upper one is past the last query.
-        last = gl.minimum(2 * pid + 1, m_blocks - 1) if WG else pid
+        last = gl.minimum(N_WG * pid + N_WG - 1, m_blocks - 1) if WG else pid
         # The ring's key tiles: the last block's; full_hi is pid's own where the consumers take it (without WG, last
         # is pid; with WG each warpgroup finds its block's range).
         hi, full_hi = _key_range(last, SEQ_K, BLOCK_M, CAUSAL)
@@ -477,11 +508,42 @@ if HAVE_GLUON:
         # transposed the stage's K'^; with WG a transposed tile by both consumer warpgroups.
         bufs, bars = _dq_smem(
             desc_q, desc_do, desc_k, desc_v, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_BLOCKS,
-            2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, (3 if WG else 2) if WARP_SPECIALIZE else 1,
+            2 if DEFER or WARP_SPECIALIZE else 1, CODES_IN_REGISTERS, (N_WG + 1 if WG else 2) if WARP_SPECIALIZE else 1,
             Q_BLOCKS, DS_FMT != "int8",
         )  # fmt: skip
         descs = (desc_q, desc_do, desc_k, desc_v)
-        if WG:
+        if WG and N_WG == 3:
+            bufs = (bufs[0], bufs[1], bufs[2], bufs[3], bufs[4])  # no dS codes buffer: they stay in registers
+            gl.warp_specialize(
+                [
+                    (
+                        _dq_compute,
+                        (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+                         SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
+                         False, DS_FMT, True, 0, 3, Q_BLOCK),
+                    ),
+                    (
+                        _dq_compute,
+                        (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+                         SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
+                         False, DS_FMT, True, 1, 3, Q_BLOCK),
+                    ),
+                    (
+                        _dq_compute,
+                        (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
+                         SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
+                         False, DS_FMT, True, 2, 3, Q_BLOCK),
+                    ),
+                    (
+                        _dq_producer,
+                        (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 3,
+                         DS_FMT != "int8"),
+                    ),
+                ],
+                [4, 4, 4],
+                [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+            )  # fmt: skip
+        elif WG:
             bufs = (bufs[0], bufs[1], bufs[2], bufs[3], bufs[4])  # no dS codes buffer: they stay in registers
             gl.warp_specialize(
                 [
@@ -567,6 +629,7 @@ def gluon_dq(
     defer: bool = False,
     ds_fmt: str = "int8",
     wg: bool = False,
+    consumers: int | None = None,
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
     (:func:`..plan.plan_attention`) gives it.
@@ -598,13 +661,18 @@ def gluon_dq(
         wg: one warpgroup per 128-query block (the plan's ``gluon_dq_wg``: the module's docstring), the same dQ bit
             for bit, for the head dims :func:`gluon_dq_wg_serves` accepts; it is warp-specialised with the codes in
             registers (``warp_specialize``, ``codes_in_registers`` and ``defer`` left as they are by default).
+        consumers: the ``wg`` variant's consumer warpgroups a program: 2 (128 queries each) or 3 (64 queries each,
+            :data:`WG3_ROWS`; ``ds_fmt="bf16"`` only: an INT8 or FP8 dS takes one scale over 128 queries). The same dQ
+            bit for bit: each row's products and their order of addition are the same. ``None``: with ``wg``
+            :func:`wg_consumers`' measured choice, else 2.
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
 
     Raises:
         ValueError: a ring of fewer stages than the variant needs (2 with ``defer``, ``warp_specialize`` or
-            ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant.
+            ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant;
+            ``consumers`` not 2 or 3, or 3 without ``wg`` and ``ds_fmt="bf16"``.
 
     Example::
 
@@ -621,6 +689,11 @@ def gluon_dq(
         raise ValueError(f"gluon_dq_wg: is warp-specialised with the codes in registers; received {received}")
     if ds_fmt not in ("int8", "fp8", "bf16"):
         raise ValueError(f"{name}: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+    if consumers is None:
+        consumers = wg_consumers(ds_fmt, is_causal) if wg else 2
+    if consumers not in (2, 3) or (consumers == 3 and not (wg and ds_fmt == "bf16")):
+        raise ValueError(f"{name}: consumers must be 2, or 3 with wg=True and ds_fmt='bf16'; received "
+                         f"consumers={consumers!r}, wg={wg}, ds_fmt={ds_fmt!r}")  # fmt: skip
     stages = stages if stages is not None else default_stages(head_dim)
     if wg and stages < 2:
         raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
@@ -628,9 +701,15 @@ def gluon_dq(
     if stages < (2 if defer or warp_specialize else 1):
         needs = "defer" if defer else "the producer warpgroup (warp_specialize=True)"
         raise ValueError(f"gluon_dq: stages={stages} would deadlock with {needs}; use stages >= 2")
-    descs, dq, layouts = dq_operands(grad_out, q_op, k_op, v, BLOCK_M, BLOCK_N)
+    rows = WG3_ROWS if consumers == 3 else BLOCK_M
+    descs, dq, layouts = dq_operands(grad_out, q_op, k_op, v, rows, BLOCK_N)
     bh = batch * heads
-    if wg:
+    if consumers == 3:
+        programs = triton.cdiv(triton.cdiv(seq_q, rows), 3)
+        head_chunk = WG_HEAD_CHUNK
+        variant = dict(WG=True, N_WG=3, Q_BLOCK=BLOCK_M, CONSUMER_REGS=WG3_CONSUMER_REGS, num_warps=4,
+                       maxnreg=WG3_MAXNREG)  # fmt: skip
+    elif wg:
         programs = (seq_q // BLOCK_M + 1) // 2
         head_chunk = WG_HEAD_CHUNK
         variant = dict(WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, num_warps=4, maxnreg=WG_MAXNREG)
@@ -641,7 +720,7 @@ def gluon_dq(
     _gluon_dq_kernel[(programs * bh,)](
         *descs, q_scale, k_scale, lse, delta, dq, *layouts, bh, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
         scale,
-        HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
+        HEAD_DIM=head_dim, BLOCK_M=rows, BLOCK_N=BLOCK_N, STAGES=stages, CAUSAL=is_causal,
         HEAD_CHUNK=head_chunk if is_causal else 1,
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
         PRODUCER_REGS=PRODUCER_REGS,
