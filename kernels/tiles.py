@@ -25,7 +25,10 @@ def rows_layout(x: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        rows_layout(do.view(B, N, H, D).transpose(1, 2)) is not a copy; rows_layout(x.permute(...)) may be
+        do = torch.randn(2, 128, 4, 64).transpose(1, 2)   # [B, H, N, D] over a model's [B, N, H, D]
+        rows_layout(do) is do                             # True: read where it lies
+        v = torch.randn(2, 4, 64, 128).transpose(2, 3)    # [B, H, N, D] with D strided
+        rows_layout(v).is_contiguous()                    # True: a copy
     """
     if x.is_contiguous() or (x.stride(-1) == 1 and x.transpose(1, 2).is_contiguous()):
         return x

@@ -147,9 +147,10 @@ if HAVE_GLUON:
         """Row and column, in the 2-D view of a ``[B, H, N, D]`` tensor :func:`rows_view` makes, of head ``bh``'s (``b *
         H + h``) first row; ``lay`` is ``(H, rows a batch, rows a head, columns a head)``: contiguous ``(H, H * N, N,
         0)`` gives ``(bh * N, 0)``, a model's ``[B, N, H, D]`` memory ``(H, N, 0, D)`` gives ``(b * N, h * D)``."""
-        b = bh // lay[0]
-        h = bh - b * lay[0]
-        return b * lay[1] + h * lay[2], h * lay[3]
+        heads, rows_b, rows_h, cols_h = lay
+        b = bh // heads
+        h = bh - b * heads
+        return b * rows_b + h * rows_h, h * cols_h
 
     @gluon.jit
     def _dkdv_program(
@@ -186,12 +187,13 @@ if HAVE_GLUON:
         first row and column in dO's view (:func:`rows_view`) with a head's row and column step (its query heads are
         consecutive), and the row and column in V's view of the program's first V tile (``kv_row``'s in K'^'s
         ``[B*Hkv*Nk, D]``). Once per program, in the partition that loads."""
-        do_lay = origins[1]
+        col_t0, do_lay, v_lay, seq_k = origins
+        heads, _, do_rh, do_ch = do_lay
+        group, v_rb, v_rh, v_ch = v_lay
         do_row, do_col = _head_origin(row_q0 // SEQ_Q, do_lay)
-        v_lay = origins[2]
-        pid_bkv = kv_row // origins[3]
-        v_row, v_col = _head_origin(pid_bkv, (do_lay[0] // v_lay[0], v_lay[1], v_lay[2], v_lay[3]))
-        return origins[0], (do_row, do_col, do_lay[2], do_lay[3]), (v_row + (kv_row - pid_bkv * origins[3]), v_col)
+        pid_bkv = kv_row // seq_k
+        v_row, v_col = _head_origin(pid_bkv, (heads // group, v_rb, v_rh, v_ch))
+        return col_t0, (do_row, do_col, do_rh, do_ch), (v_row + (kv_row - pid_bkv * seq_k), v_col)
 
     @gluon.jit
     def _dkdv_smem(
@@ -259,16 +261,17 @@ if HAVE_GLUON:
     def _load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, origins, HALVES: gl.constexpr):
         """TMA loads of the program's K'^ and V (``HALVES`` consecutive 64-key tiles from row ``kv_row`` of K'^'s
         ``[B*Hkv*Nk, D]`` view; V's from its own view, ``origins``: :func:`_load_origins`), once."""
-        v_org = origins[2]
+        _, _, v_org = origins
+        v_row, v_col = v_org
         mbarrier.expect(kv_bar, HALVES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
         if HALVES == 1:
             tma.async_copy_global_to_shared(desc_k, [kv_row, 0], kv_bar, k_smem)
-            tma.async_copy_global_to_shared(desc_v, [v_org[0], v_org[1]], kv_bar, v_smem)
+            tma.async_copy_global_to_shared(desc_v, [v_row, v_col], kv_bar, v_smem)
         else:
             half: gl.constexpr = desc_k.block_type.shape[0]
             for h in gl.static_range(HALVES):
                 tma.async_copy_global_to_shared(desc_k, [kv_row + h * half, 0], kv_bar, k_smem.index(h))
-                tma.async_copy_global_to_shared(desc_v, [v_org[0] + h * half, v_org[1]], kv_bar, v_smem.index(h))
+                tma.async_copy_global_to_shared(desc_v, [v_row + h * half, v_col], kv_bar, v_smem.index(h))
 
     @gluon.jit
     def _issue_loads(
@@ -291,10 +294,12 @@ if HAVE_GLUON:
         g = t // n_m
         start_m = (lo_tile + t % n_m) * BLOCK_M
         row = row_q0 + g * SEQ_Q + start_m
-        row_t = origins[0] + g * HEAD_DIM
-        do_org = origins[1]  # the group's first head's, and a head's step (its query heads are consecutive)
-        do_row = do_org[0] + g * do_org[2]
-        do_col = do_org[1] + g * do_org[3]
+        col_t0, do_org, _ = origins
+        row_t = col_t0 + g * HEAD_DIM
+        # dO's first row and column of the group's first head, and a head's step (its query heads are consecutive)
+        do_row0, do_col0, do_rh, do_ch = do_org
+        do_row = do_row0 + g * do_rh
+        do_col = do_col0 + g * do_ch
         bar = ready.index(s)
         nbytes: gl.constexpr = (
             desc_q.block_type.nbytes + (desc_qt.block_type.nbytes if LOAD_QT else 0) + desc_do.block_type.nbytes
