@@ -95,6 +95,7 @@ if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Trit
         _dkdv_zeros,
         _ds_codes,
         _ds_values,
+        _ds_values_sums,
         _int32_scaled,
         _issue_loads,
         _load_kv,
@@ -230,6 +231,13 @@ if HAVE_GLUON:
         s_zero, dp_zero, acc_zero, dk, dv, err2, norm2 = _dkdv_zeros(
             s_layout, dp_layout, acc_layout, key_l, BLOCK_N, BLOCK_M, HEAD_DIM
         )
+        # With WG, a non-INT8 dS and the statistics: err2 and norm2 kept in shared memory through the loop (as
+        # registers they crossed each tile's P^T and dP^T, where the warpgroup's 240 are short, and spilled).
+        STATS_SMEM: gl.constexpr = WG and WITH_STATS and DS_FMT != "int8"
+        if STATS_SMEM:
+            stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+            err2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], stats_layout, err2)
+            norm2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], stats_layout, norm2)
         mbarrier.wait(kv_bar, 0)
         if DEFER:
             # The tile before's dV and dK products, finished in the next iteration (their scales with them).
@@ -327,14 +335,27 @@ if HAVE_GLUON:
                 dp_tok = warpgroup_mma(
                     v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True
                 )
-                delta = delta_smem.index(stage).load(query_l)
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+            if WG:
+                # delta once dP^T is in: loaded while dP^T's product ran, its 32 registers beside P^T, dP^T's
+                # accumulator, dK and dV took the warpgroup past its 240 and dV spilled (issue 42).
+                delta = delta_smem.index(stage).load(query_l)
             # One dS scale for the 64 x 128 tile (a reduction across both warpgroups; with WG within the warpgroup).
             if DS_FMT == "int8":
                 ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
                 dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
             else:
-                ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                if STATS_SMEM:
+                    ds_scale, tile_err2, tile_norm2 = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
+                    # The same additions into err2 and norm2 as _ds_values', in shared memory (each key's sums are its
+                    # thread quad's; Triton puts a barrier between these reads and writes, and the products' and the
+                    # loop's barriers come before the next tile's reads).
+                    err2_t = err2_smem.load(key_l) + tile_err2
+                    norm2_t = norm2_smem.load(key_l) + tile_norm2
+                    err2_smem.store(err2_t)
+                    norm2_smem.store(norm2_t)
+                else:
+                    ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
                 qb_tile = qb_smem
                 if Q_WIDE:
                     qb_tile = qt_smem.index(stage)  # the preprocess's bf16 copy of Q'^, through the ring
@@ -369,6 +390,9 @@ if HAVE_GLUON:
                 dk += _int32_scaled(dk_int, dk_c)
             else:
                 dk += gl.convert_layout(dk_int, acc_layout) * dk_c
+        if STATS_SMEM:
+            err2 = err2_smem.load(key_l)
+            norm2 = norm2_smem.load(key_l)
         _dkdv_store(
             dk, dv, err2, norm2, key0 if WG else pid_n * BLOCK_N, pid_bkv, SEQ_K, DK, DV, STATS, tau, acc_layout,
             HEAD_DIM, BLOCK_N, WITH_STATS,

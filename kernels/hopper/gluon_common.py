@@ -455,6 +455,20 @@ if HAVE_GLUON:
         return ds_scale, err2, norm2
 
     @gluon.jit
+    def _ds_values_sums(p, dp, delta, ds_smem, DS_FMT: gl.constexpr):
+        """:func:`_ds_values` with the statistics, which it leaves to the caller to add: ``(ds_scale, err, norm)``,
+        the tile's per-key sums of the INT8 error squared and of dS squared, the operands of ``_ds_values``' ``err2
+        +=`` and ``norm2 +=`` (the same operations in the same order up to those two additions)."""
+        ds = p * (dp - delta[None, :])
+        # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
+        amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
+        values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
+        ds_smem.store(values)
+        stat_scale = _int8_scale(amax)
+        err = ds - ((ds / stat_scale + _ROUNDER) - _ROUNDER) * stat_scale
+        return ds_scale, gl.sum(err * err, axis=1), gl.sum(ds * ds, axis=1)
+
+    @gluon.jit
     def _dkdv_products_hp(p_smem, ds_smem, dot_tile, qb_tile, acc_zero, dk_zero):
         """:func:`_dkdv_products` for a non-INT8 dS: dV's INT8 product as there; dK's in bf16 with fp32
         accumulation, A = dS^T's bf16 operand ``[64 keys, 128 queries]``, B = Q'^ widened to bf16 ``[128, D]`` as
