@@ -12,6 +12,7 @@ import pytest
 import torch
 from gluon_support import TRITON, needs_hopper, pretend_verified_hopper
 from sage_lightning.kernels import AttentionPrecision, plan
+from sage_lightning.kernels.hopper import forward as hopper_forward_module
 from sage_lightning.kernels.hopper import gluon_backward
 from sage_lightning.kernels.hopper import gluon_forward as gf
 from sage_lightning.kernels.hopper.forward import hopper_forward
@@ -111,6 +112,46 @@ def test_the_kernel_refuses_a_call_it_does_not_serve_before_launching():
         gf.gluon_forward(*args, **kw, qk="int8", pv="fp8", stages=1)
     with pytest.raises(plan.UnsupportedAttention, match=r"need consumers in \(2, 3\) \(received 4\)"):
         gf.gluon_forward(*args, **kw, qk="int8", pv="fp8", consumers=4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("given", [False, True], ids=["allocated", "given"])
+def test_both_hopper_launchers_prepare_their_launch_alike(monkeypatch, causal, given):
+    """``hopper_forward`` and ``gluon_forward`` take O, the logsumexp, the poison arguments (``lse`` standing in),
+    ``CONFINED``, the base-2 scale and the grid's order from one helper (``forward.forward_launch``): their launches,
+    recorded on the CPU with the kernels replaced, agree (128-row programs: the ``tl`` kernel's ``BLOCK_M=128``,
+    two Gluon consumer warpgroups)."""
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object) -> object:
+            return lambda *args, **kw: launches.__setitem__(self.name, (grid, args, kw))
+
+    monkeypatch.setattr(hopper_forward_module, "_hopper_forward_kernel", Recorder("tl"))
+    monkeypatch.setattr(gf, "_gluon_forward_kernel", Recorder("gluon"))
+    q, k = torch.zeros(2, 4, 256, 64, dtype=torch.int8), torch.zeros(2, 2, 320, 64, dtype=torch.int8)
+    v, v_scale = torch.zeros(2, 2, 64, 320, dtype=torch.float8_e4m3fn), torch.ones(2, 2, 64)
+    operands = (q, torch.ones(2, 4, 2), None, k, torch.ones(2, 2, 5), v, v_scale)
+    poison = (torch.zeros(2, 4, 256), torch.zeros(4, dtype=torch.int32)) if given else (None, None)
+    kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=0.1, block_m=128, block_n=64, qk="int8", pv="fp8")
+    results = {}
+    for name, launch in (("tl", hopper_forward), ("gluon", lambda *a, **k: gf.gluon_forward(*a, **k, consumers=2))):
+        out = torch.empty(2, 256, 4, 64, dtype=torch.bfloat16).transpose(1, 2) if given else None
+        results[name] = (out, *launch(*operands, **kw, out=out, row_poison=poison[0], first_bad=poison[1]))
+    (tl_grid, tl_args, tl_kw), (grid, args, gluon_kw) = launches["tl"], launches["gluon"]
+    assert tl_grid({"BLOCK_M": 128}) == grid == ((8, 2) if causal else (2, 8))
+    for (given_out, out, lse), lse_arg, poison_args in (
+        (results["tl"], tl_args[8], tl_args[9:11]),
+        (results["gluon"], args[6], args[8:10]),
+    ):
+        assert out.shape == (2, 4, 256, 64) and out.dtype == torch.bfloat16 and (out is given_out or not given)
+        assert lse.shape == (2, 4, 256) and lse.dtype == torch.float32 and lse_arg is lse
+        assert all(arg is (mine if given else lse) for arg, mine in zip(poison_args, poison, strict=True))
+    assert tl_args[-1] == args[-1] == pytest.approx(0.1 * 1.4426950408889634)
+    assert tl_kw["CONFINED"] is gluon_kw["CONFINED"] is given
 
 
 def _operands(hq: int, hkv: int, n: int, nk: int, d: int, qk: str) -> tuple:

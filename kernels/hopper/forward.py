@@ -32,6 +32,8 @@ reference is checked by the same tests and bounds as the portable kernels (``ben
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -204,6 +206,88 @@ def _hopper_forward_kernel(
     tl.store(LSE + pid_bh * SEQ_Q + offs_m, lse, mask=offs_m < SEQ_Q)
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardLaunch:
+    """What both Hopper forwards' launchers (:func:`hopper_forward`, :func:`.gluon_forward.gluon_forward`) make of
+    their common arguments before launching: the shapes, ``O`` and the logsumexp to write, and the kernel arguments
+    they pass alike (:func:`forward_launch`)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    is_causal: bool
+    #: O ``[B, Hq, N, D]``: the caller's ``out``, or a fresh one in the output dtype.
+    out: torch.Tensor
+    #: The base-2 logsumexp ``[B, Hq, N]`` fp32 (written by the kernel).
+    lse: torch.Tensor
+    #: The kernels' ``ROW_POISON`` and ``FIRST_BAD``: the caller's, or ``lse`` standing in (a pointer the kernel
+    #: does not read without ``CONFINED``).
+    row_poison: torch.Tensor
+    first_bad: torch.Tensor
+    #: Whether rows are confined (``row_poison`` given): the kernels' ``CONFINED``.
+    confined: bool
+    #: The softmax scale in base 2, ``scale * log2(e)``.
+    qk_scale: float
+
+    def grid(self, tiles: int) -> tuple[int, int]:
+        """The launch grid for ``tiles`` query tiles a head: causal, heads on axis 0 (the kernels vary heads fastest
+        and take the longest query tiles first, so the first wave holds the heaviest work); otherwise tiles first."""
+        bh = self.batch * self.heads
+        return (bh, tiles) if self.is_causal else (tiles, bh)
+
+
+def forward_launch(
+    q_op: torch.Tensor,
+    k_op: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    is_causal: bool,
+    scale: float,
+    out: torch.Tensor | None,
+    row_poison: torch.Tensor | None,
+    first_bad: torch.Tensor | None,
+) -> ForwardLaunch:
+    """The argument preparation both Hopper forwards' launchers share (after any refusal of theirs: it allocates
+    ``O``, when not given, and the logsumexp, in that order).
+
+    Args:
+        q_op, k_op: Q'^ ``[B, Hq, N, D]`` and K'^ ``[B, Hkv, Nk, D]`` (only their shapes and device are read).
+        out_dtype, is_causal, scale, out, row_poison, first_bad: as :func:`hopper_forward`.
+
+    Returns:
+        :class:`ForwardLaunch`.
+
+    Example::
+
+        launch = forward_launch(q_op, k_op, out_dtype=torch.bfloat16, is_causal=True, scale=0.125, out=None,
+                                row_poison=None, first_bad=None)
+        launch.grid(32)   # (B * Hq, 32)
+    """
+    batch, heads, seq_q, head_dim = q_op.shape
+    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
+    if out is None:
+        out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
+    return ForwardLaunch(
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        is_causal=is_causal,
+        out=out,
+        lse=lse,
+        row_poison=row_poison if row_poison is not None else lse,
+        first_bad=first_bad if first_bad is not None else lse,
+        confined=row_poison is not None,
+        qk_scale=scale * LOG2E,
+    )
+
+
 def hopper_forward(
     q_op: torch.Tensor,
     q_scale: torch.Tensor,
@@ -248,20 +332,19 @@ def hopper_forward(
         out, lse2 = hopper_forward(*q_parts, *k_parts, v_codes, v_scale, out_dtype=torch.bfloat16,
                                    is_causal=True, scale=0.125, block_m=128, block_n=64)
     """
-    batch, heads, seq_q, head_dim = q_op.shape
-    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    if out is None:
-        out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
+    at = forward_launch(
+        q_op, k_op, out_dtype=out_dtype, is_causal=is_causal, scale=scale, out=out, row_poison=row_poison,
+        first_bad=first_bad,
+    )  # fmt: skip
+    bh, bkv = at.batch * at.heads, at.batch * at.kv_heads
     blocks = [1, 1, 1]  # set per autotuning candidate by _set_blocks
-    desc_q = TensorDescriptor.from_tensor(q_op.view(batch * heads, seq_q, head_dim), blocks)
-    desc_k = TensorDescriptor.from_tensor(k_op.view(batch * kv_heads, seq_k, head_dim), blocks)
-    desc_vt = TensorDescriptor.from_tensor(v_op.view(batch * kv_heads, head_dim, seq_k), blocks)
-    desc_o = TensorDescriptor.from_tensor(out, [1, 1, 1, 1])
+    desc_q = TensorDescriptor.from_tensor(q_op.view(bh, at.seq_q, at.head_dim), blocks)
+    desc_k = TensorDescriptor.from_tensor(k_op.view(bkv, at.seq_k, at.head_dim), blocks)
+    desc_vt = TensorDescriptor.from_tensor(v_op.view(bkv, at.head_dim, at.seq_k), blocks)
+    desc_o = TensorDescriptor.from_tensor(at.out, [1, 1, 1, 1])
 
     def grid(meta: dict) -> tuple[int, int]:
-        tiles = triton.cdiv(seq_q, meta["BLOCK_M"])
-        return (batch * heads, tiles) if is_causal else (tiles, batch * heads)
+        return at.grid(triton.cdiv(at.seq_q, meta["BLOCK_M"]))
 
     _hopper_forward_kernel[grid](
         desc_q,
@@ -272,17 +355,17 @@ def hopper_forward(
         q_mean if q_mean is not None else q_scale,
         k_scale,
         v_scale,
-        lse,
-        row_poison if row_poison is not None else lse,
-        first_bad if first_bad is not None else lse,
-        heads,
-        heads // kv_heads,
-        seq_q,
-        seq_k,
-        seq_bucket(max(seq_q, seq_k)),
-        seq_bucket(batch * heads),
-        scale * LOG2E,
-        HEAD_DIM=head_dim,
+        at.lse,
+        at.row_poison,
+        at.first_bad,
+        at.heads,
+        at.heads // at.kv_heads,
+        at.seq_q,
+        at.seq_k,
+        seq_bucket(max(at.seq_q, at.seq_k)),
+        seq_bucket(bh),
+        at.qk_scale,
+        HEAD_DIM=at.head_dim,
         Q_BLOCK=block_m,
         BLOCK_N=block_n,
         CAUSAL=is_causal,
@@ -290,6 +373,6 @@ def hopper_forward(
         QK_FMT=qk,
         PV_FMT=pv,
         DOT_PRECISION=dot_precision(out_dtype),
-        CONFINED=row_poison is not None,
+        CONFINED=at.confined,
     )
-    return out, lse
+    return at.out, at.lse

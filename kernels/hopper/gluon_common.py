@@ -153,6 +153,26 @@ if HAVE_GLUON:
         return b * rows_b + h * rows_h, h * cols_h
 
     @gluon.jit
+    def _view_lays(HEADS, GROUP, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH):
+        """dO's and V's layouts in their :func:`rows_view` views as both backward kernels take them (their
+        ``DO_*``/``V_*`` arguments), for :func:`_view_origins`: ``((HEADS, DO_RB, DO_RH, DO_CH), (GROUP, V_RB, V_RH,
+        V_CH))``. Only the arguments, nothing computed: V's head count (``HEADS // GROUP``) is divided where the
+        origins are, so a kernel that computes them in its load partition passes the partition its arguments."""
+        return (HEADS, DO_RB, DO_RH, DO_CH), (GROUP, V_RB, V_RH, V_CH)
+
+    @gluon.jit
+    def _view_origins(bh, kv_bh, lays):
+        """Where both backward kernels place dO's and V's tiles from: ``((do_row, do_col), (v_row, v_col))``, query
+        head ``bh``'s first row and column in dO's view and kv head ``kv_bh``'s in V's (:func:`_head_origin`, ``lays``
+        from :func:`_view_lays`). The dQ kernel takes them in its prologue, the dK/dV kernel in its load partition
+        (:func:`_load_origins`). Tuples are unpacked one level at a time: Triton 3.6's cache key cannot hash a tuple
+        unpacked inside a tuple."""
+        do_lay, v_lay = lays
+        heads, _, _, _ = do_lay
+        group, v_rb, v_rh, v_ch = v_lay
+        return _head_origin(bh, do_lay), _head_origin(kv_bh, (heads // group, v_rb, v_rh, v_ch))
+
+    @gluon.jit
     def _dkdv_program(
         BKV, HEADS, GROUP, SEQ_Q, SEQ_K, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, KEYS: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr,
@@ -179,20 +199,21 @@ if HAVE_GLUON:
         """What the loads place their tiles by, beside :func:`_dkdv_program`'s rows, as the kernel's arguments have
         it (nothing computed in the consumers' partition): :func:`_load_origins` turns it into origins where the
         loads are issued."""
-        return col_t0, (HEADS, DO_RB, DO_RH, DO_CH), (GROUP, V_RB, V_RH, V_CH), SEQ_K
+        return col_t0, _view_lays(HEADS, GROUP, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH), SEQ_K
 
     @gluon.jit
     def _load_origins(origins, row_q0, kv_row, SEQ_Q):
         """:func:`_dkdv_origins`' numbers as the loads take them, ``(col_t0, do_org, v_org)``: the group's first head's
-        first row and column in dO's view (:func:`rows_view`) with a head's row and column step (its query heads are
-        consecutive), and the row and column in V's view of the program's first V tile (``kv_row``'s in K'^'s
+        first row and column in dO's view (:func:`_view_origins`) with a head's row and column step (its query heads
+        are consecutive), and the row and column in V's view of the program's first V tile (``kv_row``'s in K'^'s
         ``[B*Hkv*Nk, D]``). Once per program, in the partition that loads."""
-        col_t0, do_lay, v_lay, seq_k = origins
-        heads, _, do_rh, do_ch = do_lay
-        group, v_rb, v_rh, v_ch = v_lay
-        do_row, do_col = _head_origin(row_q0 // SEQ_Q, do_lay)
+        col_t0, lays, seq_k = origins
+        do_lay, _ = lays
+        _, _, do_rh, do_ch = do_lay
         pid_bkv = kv_row // seq_k
-        v_row, v_col = _head_origin(pid_bkv, (heads // group, v_rb, v_rh, v_ch))
+        do_org, v_org = _view_origins(row_q0 // SEQ_Q, pid_bkv, lays)
+        do_row, do_col = do_org
+        v_row, v_col = v_org
         return col_t0, (do_row, do_col, do_rh, do_ch), (v_row + (kv_row - pid_bkv * seq_k), v_col)
 
     @gluon.jit
@@ -439,26 +460,21 @@ if HAVE_GLUON:
         ``ds_smem`` (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded), and with ``WITH_STATS``
         the INT8 error of dS (what the controller would return to) as :func:`_ds_codes` adds it; returns
         ``(ds_scale, err2, norm2)`` (``ds_scale`` 1 for bf16)."""
-        ds = p * (dp - delta[None, :])
         if WITH_STATS:
-            # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
-            amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
-            values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
+            ds_scale, err, norm = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
+            err2 += err
+            norm2 += norm
         else:
-            values, amax, ds_scale = _ds_operand(ds, DS_FMT)
-        ds_smem.store(values)
-        if WITH_STATS:
-            stat_scale = _int8_scale(amax)
-            err = ds - ((ds / stat_scale + _ROUNDER) - _ROUNDER) * stat_scale
-            err2 += gl.sum(err * err, axis=1)
-            norm2 += gl.sum(ds * ds, axis=1)
+            ds = p * (dp - delta[None, :])
+            values, _, ds_scale = _ds_operand(ds, DS_FMT)
+            ds_smem.store(values)
         return ds_scale, err2, norm2
 
     @gluon.jit
     def _ds_values_sums(p, dp, delta, ds_smem, DS_FMT: gl.constexpr):
         """:func:`_ds_values` with the statistics, which it leaves to the caller to add: ``(ds_scale, err, norm)``,
-        the tile's per-key sums of the INT8 error squared and of dS squared, the operands of ``_ds_values``' ``err2
-        +=`` and ``norm2 +=`` (the same operations in the same order up to those two additions)."""
+        the tile's per-key sums of the INT8 error squared and of dS squared (``_ds_values`` adds them into ``err2``
+        and ``norm2``; the ``wg`` kernel keeps those in shared memory)."""
         ds = p * (dp - delta[None, :])
         # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
         amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)

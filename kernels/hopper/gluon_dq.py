@@ -96,8 +96,9 @@ if HAVE_GLUON:
         _dq_smem,
         _dq_store,
         _head_chunk_order,
-        _head_origin,
         _int32_scaled,
+        _view_lays,
+        _view_origins,
         _wgmma_layout,
         _widen_codes,
     )
@@ -497,8 +498,9 @@ if HAVE_GLUON:
         hi, full_hi = _key_range(last, SEQ_K, BLOCK_M, CAUSAL)
         n_tiles = hi // BLOCK_N
         # The loads' rows (and dO's and V's columns: read where they lie, rows_view), as _issue_q, _issue_kv take them.
-        do_row, do_col = _head_origin(bh, (HEADS, DO_RB, DO_RH, DO_CH))
-        v_row, v_col = _head_origin(kv_bh, (HEADS // GROUP, V_RB, V_RH, V_CH))
+        do_org, v_org = _view_origins(bh, kv_bh, _view_lays(HEADS, GROUP, DO_RB, DO_RH, DO_CH, V_RB, V_RH, V_CH))
+        do_row, do_col = do_org
+        v_row, v_col = v_org
         q_row = (bh * SEQ_Q + Q_BLOCKS * pid * BLOCK_M, do_row + Q_BLOCKS * pid * BLOCK_M, do_col)
         kv_row0 = (kv_bh * SEQ_K, v_row, v_col)
 

@@ -29,7 +29,7 @@ import torch
 import triton
 
 from ..plan import UnsupportedAttention
-from ..tiles import LOG2E
+from .forward import forward_launch
 from .gluon_common import HAVE_GLUON
 
 if HAVE_GLUON:
@@ -483,25 +483,23 @@ def gluon_forward(
         unmet = f"consumers in {CONSUMERS} (received {consumers})"
     if unmet is not None:
         raise UnsupportedAttention("q, k, v", f"{tuple(q_op.shape)} {qk}/{pv}", f"need {unmet}", caller="gluon_forward")
-    batch, heads, seq_q, head_dim = q_op.shape
-    kv_heads, seq_k = k_op.shape[1], k_op.shape[2]
-    if out is None:
-        out = torch.empty(batch, heads, seq_q, head_dim, dtype=out_dtype, device=q_op.device)
-    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q_op.device)
-    bh, bkv = batch * heads, batch * kv_heads
-    desc_q = _desc(q_op, bh * seq_q, head_dim, [WG_ROWS, head_dim])
-    desc_k = _desc(k_op, bkv * seq_k, head_dim, [block_n, head_dim])
-    desc_vt = _desc(v_op, bkv * head_dim, seq_k, [head_dim, block_n])
-    tiles = triton.cdiv(seq_q, n_wg * WG_ROWS)
+    # The shapes, O and lse, and the arguments both launchers pass alike: hopper_forward's, after the refusals above.
+    at = forward_launch(
+        q_op, k_op, out_dtype=out_dtype, is_causal=is_causal, scale=scale, out=out, row_poison=row_poison,
+        first_bad=first_bad,
+    )  # fmt: skip
+    head_dim, out = at.head_dim, at.out
+    bh, bkv = at.batch * at.heads, at.batch * at.kv_heads
+    desc_q = _desc(q_op, bh * at.seq_q, head_dim, [WG_ROWS, head_dim])
+    desc_k = _desc(k_op, bkv * at.seq_k, head_dim, [block_n, head_dim])
+    desc_vt = _desc(v_op, bkv * head_dim, at.seq_k, [head_dim, block_n])
     consumer_regs, maxnreg = REGS[n_wg]
     turns = DEFAULT_PINGPONG[head_dim] if pingpong is None else pingpong
-    grid = (bh, tiles) if is_causal else (tiles, bh)
-    _gluon_forward_kernel[grid](
-        desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale, lse, out,
-        row_poison if row_poison is not None else lse, first_bad if first_bad is not None else lse,
-        out.stride(0), out.stride(1), out.stride(2), heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E,
-        HEAD_DIM=head_dim, Q_BLOCK=block_m, BLOCK_N=block_n, STAGES=stages or DEFAULT_STAGES, CAUSAL=is_causal,
-        QK_INT8=qk == "int8", PINGPONG=turns, P_IN_REGS=p_in_regs, CONFINED=row_poison is not None, N_WG=n_wg,
+    _gluon_forward_kernel[at.grid(triton.cdiv(at.seq_q, n_wg * WG_ROWS))](
+        desc_q, desc_k, desc_vt, q_scale, k_scale, v_scale, at.lse, out, at.row_poison, at.first_bad,
+        out.stride(0), out.stride(1), out.stride(2), at.heads, at.heads // at.kv_heads, at.seq_q, at.seq_k,
+        at.qk_scale, HEAD_DIM=head_dim, Q_BLOCK=block_m, BLOCK_N=block_n, STAGES=stages or DEFAULT_STAGES,
+        CAUSAL=is_causal, QK_INT8=qk == "int8", PINGPONG=turns, P_IN_REGS=p_in_regs, CONFINED=at.confined, N_WG=n_wg,
         LOAD_REGS=LOAD_REGS, CONSUMER_REGS=consumer_regs, num_warps=4, maxnreg=maxnreg,
     )  # fmt: skip
-    return out, lse
+    return out, at.lse
