@@ -7,6 +7,7 @@
 #
 #   OUT=/tmp/ncu bash benchmarks/pending/ncu_train_shape.sh
 #   OUT=/tmp/ncu SOURCE=1 bash benchmarks/pending/ncu_train_shape.sh   # the backward kernels' stall samples per SASS line
+#   OUT=/tmp/ncu SHAPE="4 16 16 4096 128 0" bash benchmarks/pending/ncu_train_shape.sh   # another shape: B Hq Hkv N D causal
 #
 # Writes ncu-train.ncu-rep, its details page as text and every metric as CSV (the pipes' and issue slots' use, warp
 # stall reasons: smsp__average_warps_issue_stalled_*, smsp__inst_executed_pipe_*); with SOURCE=1 only the dK/dV and dQ
@@ -20,18 +21,20 @@ ncu --clock-control none --profile-from-start off --kernel-name "regex:${kernels
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
   --section LaunchStats --section WarpStateStats --section SchedulerStats --section InstructionStats \
   --export "${out}/ncu-train" --force-overwrite python3 - <<'PY'
+import os
+
 import torch
 from sage_lightning.kernels import AttentionPrecision, sage_attention
 from tests.gluon_forward_check import profiled_once
 
 torch.manual_seed(0)
-b, n, hq, hkv, d = 64, 2048, 10, 5, 64
+b, hq, hkv, n, d, causal = (int(x) for x in os.environ.get("SHAPE", "64 10 5 2048 64 1").split())
 def model_layout(h):
     return torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
 q, k, v = model_layout(hq), model_layout(hkv), model_layout(hkv)
 grad = torch.randn(b, n, hq, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 for precision in (AttentionPrecision(), AttentionPrecision.hopper()):
-    profiled_once(lambda: sage_attention(q, k, v, is_causal=True, precision=precision).backward(grad))
+    profiled_once(lambda: sage_attention(q, k, v, is_causal=bool(causal), precision=precision).backward(grad))
 PY
 ncu --import "${out}/ncu-train.ncu-rep" --page details >"${out}/ncu-train.txt"
 ncu --import "${out}/ncu-train.ncu-rep" --page raw --csv >"${out}/ncu-train-raw.csv"
