@@ -54,7 +54,7 @@ from .quant import (
     transpose_rows,
     tuning_configs,
 )
-from .tiles import LOG2E, key_range, load_tile, load_tile_t, rows_layout, scores_tile, tile_mask
+from .tiles import LOG2E, ds_scales_shape, key_range, load_tile, load_tile_t, rows_layout, scores_tile, tile_mask
 
 _BACKWARD_CONFIGS = ((8, 2), (8, 3), (4, 2))
 # Every constexpr that changes the code is in the key: a tuning found for one variant may not fit another.
@@ -403,11 +403,12 @@ def _dq_kernel(
 #: A kernel computing dK and dV in place of the portable one (the plan's: :mod:`.ops` passes it), called as
 #: ``(grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v, lse, stats, *, is_causal, scale)``
 #: and returning ``(dK, dV)``; one that reads Q'^ widened to dO's dtype (``backward``'s ``widen_q``) also takes it as
-#: ``q_wide=``. It takes dO and V as they lie (their layout is its to read or copy).
+#: ``q_wide=``, one that stores its dS tile scales for the dQ kernel (``backward``'s ``share_ds_scales``) the tensor
+#: they go into as ``ds_scale_out=``. It takes dO and V as they lie (their layout is its to read or copy).
 DkdvKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 #: A kernel computing dQ in place of the portable one, called as
-#: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``; it takes dO and V as they lie and
-#: K'^ as it is (no ``[D, N]`` copy).
+#: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``, and ``ds_scale=`` with
+#: ``backward``'s ``share_ds_scales``; it takes dO and V as they lie and K'^ as it is (no ``[D, N]`` copy).
 DqKernel = Callable[..., torch.Tensor]
 
 
@@ -435,6 +436,7 @@ def backward(
     dkdv_kernel: DkdvKernel | None = None,
     dq_kernel: DqKernel | None = None,
     widen_q: bool = False,
+    share_ds_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dO's codes and the operands' transposed (or widened) copies, then the dK/dV and dQ kernels; returns
     ``(dQ, dK, dV)`` contiguous in dO's dtype.
@@ -463,9 +465,15 @@ def backward(
             dK/dV kernel runs), handed to ``dkdv_kernel`` as ``q_wide=``: a non-INT8 ``ds``'s dK product reads it
             through TMA (:func:`.hopper.gluon_backward.gluon_dkdv`'s ``wg`` variant) instead of widening Q'^'s codes per
             tile.
+        share_ds_scales: an fp32 tensor of one INT8 dS scale per 128-query x 64-key tile and query head
+            (:func:`.tiles.ds_scales_shape`, N x Nk / 2048 bytes per query head, from before the dK/dV
+            kernel to after the dQ kernel) is handed to ``dkdv_kernel`` as ``ds_scale_out=``, which stores each tile's
+            scale into it, and to ``dq_kernel`` as ``ds_scale=``, which reads them in place of its own reduction (the
+            ``wg`` dQ kernel's three warpgroups of 64 queries: :func:`.hopper.gluon_dq.gluon_dq`).
 
     Raises:
-        ValueError: ``widen_q`` without a ``dkdv_kernel`` (the portable kernel reads no such copy).
+        ValueError: ``widen_q`` without a ``dkdv_kernel`` (the portable kernel reads no such copy); ``share_ds_scales``
+            without both planned kernels or with a non-INT8 ``ds``.
 
     Example::
 
@@ -475,6 +483,11 @@ def backward(
     """
     if widen_q and dkdv_kernel is None:
         raise ValueError("backward: widen_q makes Q'^'s copy for a planned dK/dV kernel; received dkdv_kernel=None")
+    if share_ds_scales and (dkdv_kernel is None or dq_kernel is None or ds != "int8"):
+        raise ValueError(
+            "backward: share_ds_scales hands the planned dK/dV kernel's INT8 dS scales to the planned dQ kernel; "
+            f"received dkdv_kernel={dkdv_kernel!r}, dq_kernel={dq_kernel!r}, ds={ds!r}"
+        )
     # The planned kernels (Hopper's) read dO and V through TMA where they lie, contiguous or a model's [B, N, H, D]
     # memory (hopper/gluon_common.rows_view; another layout is copied once, here: tiles.rows_layout); the portable
     # kernels take dO's strides.
@@ -524,11 +537,18 @@ def backward(
         DOT_PRECISION=dot_precision(io_dtype),
     )
     q_op_t = q_op_t if q_op_t is not None else q_op
+    # The dK/dV kernel's dS tile scales for the dQ kernel (written by the one, read by the other, in stream order).
+    ds_scales = None
+    if share_ds_scales:
+        ds_scales = torch.empty(
+            ds_scales_shape(tuple(q_op.shape), tuple(k_op.shape)), dtype=torch.float32, device=q_op.device
+        )
     if dkdv_kernel is not None:
         # The plan's kernel: the same dK and dV, bit for bit (on Hopper, from TMA loads and async wgmma).
         grad_k, grad_v = dkdv_kernel(
             grad_out, delta, do_codes_t, do_scale, q_op, q_op_t, q_scale, k_op, k_scale, v_dp, lse, stats,
             is_causal=is_causal, scale=scale, **({"q_wide": q_wide} if widen_q else {}),
+            **({"ds_scale_out": ds_scales} if share_ds_scales else {}),
         )  # fmt: skip
     else:
         grad_k = torch.empty(batch, kv_heads, seq_k, head_dim, dtype=io_dtype, device=grad_out.device)
@@ -546,7 +566,10 @@ def backward(
     del q_op_t, q_wide, do_codes_t
     if dq_kernel is not None:
         # The plan's kernel: the same dQ, bit for bit; it transposes K'^'s tiles itself (no [D, N] copy).
-        grad_q = dq_kernel(grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale)
+        grad_q = dq_kernel(
+            grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale,
+            **({"ds_scale": ds_scales} if share_ds_scales else {}),
+        )  # fmt: skip
     else:
         k_op_t = transpose_rows(k_op) if transposed else k_op
         grad_q = torch.empty(batch, heads, seq_q, head_dim, dtype=io_dtype, device=grad_out.device)

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .backward import backward
 from .forward import forward
+from .hopper import gluon_dq as gluon_dq_module
 from .hopper import gluon_forward as gluon_forward_module
 from .hopper.forward import hopper_forward
 from .hopper.gluon_backward import gluon_dkdv
@@ -200,6 +201,10 @@ def _sagebwd_backward(
     # query head, only for that kernel and such a dS): each warpgroup widening every tile's codes itself cost it 10%
     # of its loop (offline sm_90 compile, FP8 dS: 1,453 against 1,299 instructions, 248 against 196 bytes of spills).
     widen_q = dkdv_kernel == GLUON_DKDV_WG and ds != "int8"
+    # With an INT8 dS the one-warpgroup dK/dV kernel stores each tile's dS scale for the one-warpgroup dQ kernel where
+    # that kernel then takes three warpgroups of 64 queries (gluon_dq.wg_consumers: causal calls), which cannot reduce
+    # the scale over the tile's 128 queries themselves (N x Nk / 2048 bytes per query head).
+    share_ds_scales = share_ds_scales_here(dkdv_kernel, dq_kernel, ds, is_causal)
     return backward(
         grad_out,
         out,
@@ -222,6 +227,25 @@ def _sagebwd_backward(
         dkdv_kernel=dkdv_run,
         dq_kernel=dq_run,
         widen_q=widen_q,
+        share_ds_scales=share_ds_scales,
+    )
+
+
+def share_ds_scales_here(dkdv_kernel: str, dq_kernel: str, ds: str, is_causal: bool) -> bool:
+    """Whether the backward hands the dK/dV kernel's INT8 dS tile scales to the dQ kernel (``backward``'s
+    ``share_ds_scales``): both kernels the one-warpgroup ones (:data:`.plan.GLUON_DKDV_WG`, :data:`.plan.GLUON_DQ_WG`),
+    an INT8 dS, and the dQ kernel's rule (:func:`.hopper.gluon_dq.wg_consumers`, looked up at each call: a benchmark
+    patching it to its old rule turns the path off) giving three consumer warpgroups with the scales.
+
+    Example::
+
+        share_ds_scales_here("gluon_dkdv_wg", "gluon_dq_wg", "int8", True)   # True
+    """
+    return (
+        dkdv_kernel == GLUON_DKDV_WG
+        and dq_kernel == GLUON_DQ_WG
+        and ds == "int8"
+        and gluon_dq_module.wg_consumers(ds, is_causal, ds_scale=True) == 3
     )
 
 

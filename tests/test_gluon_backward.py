@@ -160,6 +160,21 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
             )
     with pytest.raises(ValueError, match=r"gluon_dkdv: q_wide is read by the wg variant only"):
         gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="fp8", q_wide=wide)
+    # The dS tile scales for the dQ kernel's three warpgroups: stored by the wg variant with an INT8 dS only, into
+    # fp32 [B, Hq, N / 128, Nk / 64], contiguous.
+    good = torch.zeros(1, 1, 32, 64, device="meta")
+    for kwargs, received in (
+        (dict(), "wg=False, ds_fmt='int8'"),
+        (dict(wg=True, ds_fmt="bf16"), "wg=True, ds_fmt='bf16'"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"ds_scale_out is written by the wg variant with an INT8 dS only .*{received}"
+        ):
+            gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=True, scale=0.1, ds_scale_out=good, **kwargs)
+    refused = r"gluon_dkdv_wg: ds_scale_out must be fp32 \(1, 1, 32, 64\) .*; received "
+    for bad, received in ((good[..., :32], r"torch.float32 \(1, 1, 32, 32\)"), (good.half(), r"torch.float16")):
+        with pytest.raises(ValueError, match=refused + received):
+            gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=True, scale=0.1, ds_scale_out=bad, wg=True)
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,11 @@ less without Q'^T; dS^T's bf16 tiles take 8 KiB more per warpgroup). Without tha
 tile's codes into a buffer of its own (the two run apart; 16 KiB each), 160 more instructions per iteration and
 spills (offline sm_90 compile, ``benchmarks/NOTES.md``). Design, offline figures and the device results:
 ``benchmarks/NOTES.md`` (device run 7) and ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
+
+With an INT8 dS the ``wg`` kernel can also store each tile's dS scale (``ds_scale_out``, ``WRITE_DS_SCALE``: one fp32
+per query head, 128-query block and 64-key block) for :mod:`.gluon_dq`'s three-warpgroup kernel, whose warpgroups of
+64 queries cannot reduce it over the tile's 128 (issue 42). One predicated store a tile, after its products are in;
+without the argument the kernel compiles to the same SASS as before.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from __future__ import annotations
 import torch
 
 from ..tiles import LOG2E
-from .gluon_common import HAVE_GLUON, dkdv_operands
+from .gluon_common import HAVE_GLUON, check_ds_scales, dkdv_operands
 
 if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Tritons keep the portable kernel.
     from triton.experimental import gluon
@@ -158,6 +163,7 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, DEFER: gl.constexpr,
         DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0, Q_WIDE: gl.constexpr = False,
+        DS_SCALE=None, WRITE_DS_SCALE: gl.constexpr = False,
     ):  # fmt: skip
         """The consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
 
@@ -171,7 +177,9 @@ if HAVE_GLUON:
         warpgroup, keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 (key block ``2 * pid_n + HALF``)
         against every query tile. With a non-INT8 ``DS_FMT`` dK's product runs in bf16 against the tile's Q'^ in
         bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its own buffer before the tile's S is
-        issued."""
+        issued. With ``WRITE_DS_SCALE`` (``WG`` and an INT8 dS) each tile's dS scale is also stored into
+        ``DS_SCALE`` (``[B*Hq, m_blocks, k_blocks]``, fp32: :func:`.gluon_common.ds_scales_shape`), at its query head,
+        query block and key block, for the dQ kernel's three consumer warpgroups."""
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         if not WARP_SPECIALIZE:
@@ -199,6 +207,7 @@ if HAVE_GLUON:
         # A non-INT8 dS: dK's bf16 product (k16 instructions), its fp32 accumulator.
         hp_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, HEAD_DIM // WARPS_N, 16)
         LOAD_QT: gl.constexpr = DS_FMT == "int8"
+        gl.static_assert(not WRITE_DS_SCALE or (WG and DS_FMT == "int8"), "WRITE_DS_SCALE: the wg kernel, INT8 dS")
 
         if not WG:
             # The key block and kv head from the program's first key row (as this partition has always had them).
@@ -371,6 +380,13 @@ if HAVE_GLUON:
                     dk_c = ds_scale * q_scale
             elif DS_FMT == "int8":
                 dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
+                if WRITE_DS_SCALE:
+                    # The tile's scale for the dQ kernel (its warpgroups of 64 queries cannot reduce over the
+                    # tile's 128): query head bh0 + g, query block, this half's key block (the flat iteration as
+                    # _dkdv_tile splits it). Here, once the products are in, it cost the fewest spills of the
+                    # places tried (offline sm_90: before or after the products are issued, at the loop's end).
+                    ds_index = ((bh0 + t // n_m) * m_blocks + lo_tile + t % n_m) * k_blocks + key_block
+                    gl.store(DS_SCALE + ds_index, ds_scale)
             else:
                 dv, dk = _dkdv_accumulate_hp(
                     dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
@@ -406,7 +422,8 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr, LOAD_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False,
-        CONSUMER_REGS: gl.constexpr = 0, Q_WIDE: gl.constexpr = False,
+        CONSUMER_REGS: gl.constexpr = 0, Q_WIDE: gl.constexpr = False, DS_SCALE=None,
+        WRITE_DS_SCALE: gl.constexpr = False,
     ):  # fmt: skip
         # A program's 64-key halves: one (both consumer warpgroups on it), or with WG two (a warpgroup each).
         HALVES: gl.constexpr = 2 if WG else 1
@@ -430,13 +447,13 @@ if HAVE_GLUON:
                         _dkdv_compute,
                         (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 0, Q_WIDE),
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 0, Q_WIDE, DS_SCALE, WRITE_DS_SCALE),
                     ),
                     (
                         _dkdv_compute,
                         (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 1, Q_WIDE),
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 1, Q_WIDE, DS_SCALE, WRITE_DS_SCALE),
                     ),
                     (
                         _dkdv_loader,
@@ -507,6 +524,7 @@ def gluon_dkdv(
     ds_fmt: str = "int8",
     wg: bool = False,
     q_wide: torch.Tensor | None = None,
+    ds_scale_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dK and dV as ``backward()``'s ``_dkdv_kernel`` launch returns them (and the dS statistics added into
     ``stats``), for the calls the plan (:func:`..plan.plan_attention`) gives it.
@@ -538,13 +556,22 @@ def gluon_dkdv(
             (``backward``'s ``widen_q``: the preprocess launch writes it), loaded through the TMA ring beside Q'^;
             ``None``: each warpgroup widens every tile's codes in shared memory (the same dK and dV, more
             instructions).
+        ds_scale_out: with ``wg`` and an INT8 dS, fp32 ``[B, Hq, N / 128, Nk / 64]`` contiguous
+            (:func:`.gluon_common.ds_scales_shape`; ``backward``'s ``share_ds_scales`` allocates it) into which each
+            tile's dS scale is stored, at its query head, query block and key block: what :func:`.gluon_dq.gluon_dq`'s
+            three consumer warpgroups (``ds_scale=``) read in place of a reduction over 128 queries that a warpgroup
+            of 64 cannot make. The scale is ``max|dS| / 127`` over the tile (1 where that is 0), the one dK's codes
+            take. A causal call leaves the tiles no query of which sees a key of the block unwritten (the dQ kernel
+            does not visit them either). ``None``: nothing stored (the kernel compiles as without the argument).
 
     Returns:
         ``(dK, dV)`` ``[B, Hkv, Nk, D]`` bf16, contiguous.
 
     Raises:
         ValueError: a ``ds_fmt`` it does not take; with ``wg`` a call :func:`gluon_dkdv_wg_serves` refuses or another
-            variant; a ``q_wide`` without ``wg``, with an INT8 dS or not of Q'^'s shape in bf16, contiguous.
+            variant; a ``q_wide`` without ``wg``, with an INT8 dS or not of Q'^'s shape in bf16, contiguous; a
+            ``ds_scale_out`` without ``wg`` and an INT8 dS, or not of :func:`.gluon_common.ds_scales_shape` in fp32,
+            contiguous.
 
     Example::
 
@@ -575,6 +602,13 @@ def gluon_dkdv(
             f"gluon_dkdv_wg: q_wide must be Q'^ in bf16 {tuple(q_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
             f"received {q_wide.dtype} {tuple(q_wide.shape)}, contiguous={q_wide.is_contiguous()}, ds_fmt={ds_fmt!r}"
         )
+    if ds_scale_out is not None:
+        if not (wg and ds_fmt == "int8"):
+            raise ValueError(
+                f"{name}: ds_scale_out is written by the wg variant with an INT8 dS only (wg=True, ds_fmt='int8'); "
+                f"received wg={wg}, ds_fmt={ds_fmt!r}"
+            )
+        check_ds_scales(name, "ds_scale_out", ds_scale_out, q_op, k_op)
     stages = stages if stages is not None else (3 if head_dim == 64 else 2)
     q_op_t = q_op_t if ds_fmt == "int8" else None  # Q'^ in bf16 (q_wide, or widened in the kernel) stands in
     descs, dk, dv, layouts = dkdv_operands(
@@ -587,6 +621,7 @@ def gluon_dkdv(
         variant = dict(
             WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, **({} if q_wide is None else {"Q_WIDE": True}), num_warps=4,
             maxnreg=WG_MAXNREG,
+            **({} if ds_scale_out is None else {"DS_SCALE": ds_scale_out, "WRITE_DS_SCALE": True}),
         )  # fmt: skip
     else:
         programs = seq_k // BLOCK_N

@@ -16,7 +16,7 @@ import functools
 import torch
 import triton.language as tl
 
-from ..tiles import rows_layout
+from ..tiles import ds_scales_shape, rows_layout
 
 try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernels.
     from triton.experimental import gluon
@@ -66,6 +66,16 @@ if HAVE_GLUON:
     def _int8_codes(x, scale):
         """``quant.int8_codes`` (not EXACT): the fma's rounded float's low byte is the code."""
         return gl.fma(x, 1.0 / scale, _ROUNDER).to(gl.int32, bitcast=True).to(gl.int8)
+
+    @gluon.jit
+    def _int8_codes_clamped(x, scale):
+        """:func:`_int8_codes` with the codes held to ``[-127, 127]``: for a ``scale`` made by another kernel from
+        its own copy of ``x`` (the dK/dV kernel's dS scale read by the dQ kernel), where a last-bit difference between
+        the two copies could take a code to 128 and wrap it to -128. Where ``scale`` is ``x``'s own the clamp changes
+        nothing (``|x| / scale`` is at most 127 to rounding)."""
+        rounded = gl.fma(x, 1.0 / scale, _ROUNDER)
+        rounded = gl.minimum(gl.maximum(rounded, _ROUNDER - 127.0), _ROUNDER + 127.0)
+        return rounded.to(gl.int32, bitcast=True).to(gl.int8)
 
     @gluon.jit
     def _tile_scale(x):
@@ -631,6 +641,29 @@ if HAVE_GLUON:
         return ds_scale, _int8_codes(ds, ds_scale)
 
     @gluon.jit
+    def _dq_ds_codes_scaled(
+        s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, ds_scale, s_layout: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+    ):  # fmt: skip
+        """:func:`_dq_ds_codes` with the tile's dS scale given (``ds_scale``: the dK/dV kernel's, stored per 128-query x
+        64-key tile) rather than reduced here: a warpgroup of :mod:`.gluon_dq`'s three-consumer kernel holds 64 of the
+        tile's 128 queries and cannot take the max over the other half. The same P and dS; the codes are clamped to
+        ``[-127, 127]`` (:func:`_int8_codes_clamped`). Returns the codes."""
+        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
+        if CAUSAL:
+            if start_n >= full_hi:
+                if offs_n_tile is None:
+                    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
+                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
+                else:
+                    offs_n = start_n + offs_n_tile
+                p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
+        dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
+        ds = p * (dp - delta[:, None])
+        return _int8_codes_clamped(ds, ds_scale)
+
+    @gluon.jit
     def _dq_ds_values(
         s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DS_FMT: gl.constexpr,
@@ -752,6 +785,23 @@ def dkdv_operands(
         _rows_desc(delta, bh * seq_q),
     )
     return descs, dk, dv, do_lay + v_lay
+
+
+def check_ds_scales(name: str, argument: str, ds_scale: torch.Tensor, q_op: torch.Tensor, k_op: torch.Tensor) -> None:
+    """Refuse a dS scale tensor that is not :func:`ds_scales_shape`'s fp32, contiguous, on Q'^'s device: the kernels
+    index it as such, unchecked.
+
+    Raises:
+        ValueError: naming ``name`` (the launcher), ``argument``, what was received and what works.
+    """
+    shape = ds_scales_shape(tuple(q_op.shape), tuple(k_op.shape))
+    fits = ds_scale.dtype == torch.float32 and tuple(ds_scale.shape) == shape and ds_scale.is_contiguous()
+    if not fits or ds_scale.device != q_op.device:
+        raise ValueError(
+            f"{name}: {argument} must be fp32 {shape} (query heads, 128-query blocks, 64-key blocks), contiguous, on "
+            f"{q_op.device}; received {ds_scale.dtype} {tuple(ds_scale.shape)}, contiguous={ds_scale.is_contiguous()}, "
+            f"on {ds_scale.device}"
+        )
 
 
 def dq_operands(

@@ -66,6 +66,15 @@ quantization block and its scale. A bf16 dS's dQ product takes no scale over the
 value: each row's products and their order of addition are the two-warpgroup kernel's (bit for bit, device run 34).
 Three warpgroups at 152-168 registers (16 warps) give each scheduler three issuing warps instead of two; a 64-query
 tile costs 1.33x the instructions a score (offline sm_90: 234 against 351 for 128 queries).
+An INT8 dS takes three consumer warpgroups too when the backward has the ``wg`` dK/dV kernel store each tile's dS
+scale (``ds_scale``; :func:`.gluon_backward.gluon_dkdv`'s ``ds_scale_out``, one fp32 per query head, 128-query block
+and 64-key block): a warpgroup of 64 queries cannot take the max over the tile's 128, and the dK/dV kernel, which runs
+first, has it (each of its warpgroups holds 64 keys against all 128 queries of a tile). Each warpgroup reads its
+tile's scale with K's and codes dS with it, clamped to +-127 (a last-bit difference between the two kernels' dS
+cannot wrap a code); the rest is the bf16 three-warpgroup kernel's. The two kernels compute the same dS (the same
+int32 products, scales, exp2 and dP), so the scale is the one the two-warpgroup kernel reduces and dQ is the same
+bit for bit. Offline sm_90: 330 loop instructions a 64-query tile against 525 a 128-query one (1.26x a score), no
+spills; the dK/dV kernel's store costs it 9-21 instructions of 1,219-1,941.
 """
 
 from __future__ import annotations
@@ -75,7 +84,7 @@ import triton
 
 from ..tiles import LOG2E
 from .gluon_backward import WG_MAXNREG, WS_MAXNREG
-from .gluon_common import HAVE_GLUON, dq_operands
+from .gluon_common import HAVE_GLUON, check_ds_scales, dq_operands
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -92,6 +101,7 @@ if HAVE_GLUON:
     from .gluon_common import (
         _dq_block,
         _dq_ds_codes,
+        _dq_ds_codes_scaled,
         _dq_ds_values,
         _dq_smem,
         _dq_store,
@@ -136,27 +146,31 @@ WG_HEAD_CHUNK = 16
 #: explicitly; the first, the default partition, gets what the others leave of :data:`.gluon_backward.WG_MAXNREG`
 #: over 12 warps: (168 * 12 - 232 * 4 - 40 * 4) / 4 = 232 with the producer warpgroup's :data:`PRODUCER_REGS`).
 WG_CONSUMER_REGS = 232
-#: The ``wg`` variant with three consumer warpgroups (``consumers=3``: bf16 dS only, whose dQ product needs no scale
-#: across a 128-query tile): each warpgroup one block of :data:`WG3_ROWS` queries (half of Q's quantization block,
-#: whose scale it reads), three a program. Sixteen warps at the launch's cap of :data:`WG3_MAXNREG`: the two worker
-#: consumers hold :data:`WG3_CONSUMER_REGS`, the default partition (128 * 16 - 152 * 8 - 40 * 4) / 4 = 168.
+#: The ``wg`` variant with three consumer warpgroups (``consumers=3``: a bf16 dS, whose dQ product needs no scale
+#: across a 128-query tile, or an INT8 dS with the dK/dV kernel's tile scales): each warpgroup one block of
+#: :data:`WG3_ROWS` queries (half of Q's quantization block, whose scale it reads), three a program. Sixteen warps at
+#: the launch's cap of :data:`WG3_MAXNREG`: the two worker consumers hold :data:`WG3_CONSUMER_REGS`, the default
+#: partition (128 * 16 - 152 * 8 - 40 * 4) / 4 = 168.
 WG3_ROWS = 64
 WG3_MAXNREG = 128
 WG3_CONSUMER_REGS = 152
 
 
-def wg_consumers(ds_fmt: str, is_causal: bool) -> int:
+def wg_consumers(ds_fmt: str, is_causal: bool, ds_scale: bool = False) -> int:
     """The ``wg`` variant's consumer warpgroups when the caller names none: three for a causal call with a bf16 dS,
-    two otherwise. Measured on an H200 (device run 34, dQ bit for bit): three took 1.10-1.11x less time causal (the
-    training shape, B=64, 10/5 heads of 64, N=2048: 1.250 against 1.125 ms; N=4096) and 0.96x non-causal, where a
-    64-query block's fixed work a tile (1.33x the loop's instructions a score) is not repaid by the third
-    warpgroup's issue slots.
+    or with an INT8 dS whose tile scales the dK/dV kernel stored (``ds_scale``: the caller has them, or
+    :func:`..ops` asks whether to have them made), two otherwise. Measured on an H200 (device run 34, bf16 dS, dQ
+    bit for bit): three took 1.10-1.11x less time causal (the training shape, B=64, 10/5 heads of 64, N=2048: 1.250
+    against 1.125 ms; N=4096) and 0.96x non-causal, where a 64-query block's fixed work a tile (1.33x the loop's
+    instructions a score) is not repaid by the third warpgroup's issue slots. INT8 with the scales follows bf16's
+    rule on the offline figures alone (loop 328 against 525 instructions a 64- and a 128-query tile: 1.25x a score,
+    bf16's 1.33x) until a device run times it (``benchmarks/pending/r36/dq3_int8_check.py``).
 
     Example::
 
-        wg_consumers("bf16", True), wg_consumers("bf16", False), wg_consumers("int8", True)   # 3, 2, 2
+        wg_consumers("bf16", True), wg_consumers("int8", True), wg_consumers("int8", True, ds_scale=True)   # 3, 2, 3
     """
-    return 3 if ds_fmt == "bf16" and is_causal else 2
+    return 3 if is_causal and (ds_fmt == "bf16" or (ds_fmt == "int8" and ds_scale)) else 2
 
 
 if HAVE_GLUON:
@@ -275,7 +289,7 @@ if HAVE_GLUON:
         qk_scale, tau, full_hi, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         STAGES: gl.constexpr, CAUSAL: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, CODES_IN_REGISTERS: gl.constexpr,
         DEFER: gl.constexpr, DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0,
-        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0,
+        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0, DS_SCALE=None, DS_SCALED: gl.constexpr = False,
     ):  # fmt: skip
         """The consumer warpgroups: every key tile's S, dP, dS codes and dQ product, then dQ to global memory.
 
@@ -292,7 +306,12 @@ if HAVE_GLUON:
         warpgroup, one copy for both warpgroups.
 
         With a non-INT8 ``DS_FMT`` the dQ product runs in bf16 with fp32 accumulation (``_dq_kernel``'s): A = dS's
-        e4m3 codes or bf16 values, B = K'^ widened to bf16 (:func:`_widen_k`, by whoever would transpose it)."""
+        e4m3 codes or bf16 values, B = K'^ widened to bf16 (:func:`_widen_k`, by whoever would transpose it).
+
+        With ``DS_SCALED`` (``WG`` with three warpgroups of 64 queries, an INT8 dS) each tile's dS scale is read from
+        ``DS_SCALE`` (the dK/dV kernel's, one per 128-query x 64-key tile: :func:`.gluon_common.ds_scales_shape`), at
+        the query block of Q_BLOCK rows this block is half of, rather than reduced over the warpgroup's 64 queries,
+        and the codes take it (clamped: :func:`.gluon_common._dq_ds_codes_scaled`)."""
         q_all, do_all, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
         if not WARP_SPECIALIZE:
@@ -340,6 +359,10 @@ if HAVE_GLUON:
         if WG:
             # The keys' offsets are made in the masked branch, not held through the loop: here they would spill.
             offs_n_tile = None
+        if DS_SCALED:
+            gl.static_assert(WG and N_WG == 3 and DS_FMT == "int8", "DS_SCALED: three warpgroups, an INT8 dS")
+            # This block's row of tile scales: its query head, the 128-query block (of Q_BLOCK rows) it is half of.
+            ds_scales = DS_SCALE + (bh * gl.cdiv(SEQ_Q, Q_BLOCK) + (rows_block * BLOCK_M) // Q_BLOCK) * k_blocks
         mbarrier.wait(q_bar, 0)
         if DEFER:
             # The tile before's dQ product and its scale, finished in the next iteration.
@@ -357,6 +380,9 @@ if HAVE_GLUON:
                 _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             start_n = t * BLOCK_N
             k_scale = gl.load(K_SCALE + kv_bh * k_blocks + t)
+            if DS_SCALED:
+                # Loaded with K's scale, its latency under the tile's S and dP products.
+                ds_scale = gl.load(ds_scales + t)
             mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             # S = Q'^ K'^T (int32) and dP = dO V^T (fp32), both in flight at once; B = K'^ and V as stored
             # [64, D] read as [D, 64] (K-major over D).
@@ -385,8 +411,13 @@ if HAVE_GLUON:
                 else:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             # P, dS and its codes; one dS scale for the 128 x 64 tile (without WG a reduction across both
-            # warpgroups, with WG within the warpgroup).
-            if DS_FMT == "int8":
+            # warpgroups, with WG within the warpgroup; with DS_SCALED the dK/dV kernel's, read above).
+            if DS_SCALED:
+                codes = _dq_ds_codes_scaled(
+                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                    ds_scale, s_layout, BLOCK_N, CAUSAL,
+                )  # fmt: skip
+            elif DS_FMT == "int8":
                 ds_scale, codes = _dq_ds_codes(
                     s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
                     s_layout, BLOCK_N, CAUSAL,
@@ -476,7 +507,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0,
-        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0,
+        N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0, DS_SCALE=None, DS_SCALED: gl.constexpr = False,
     ):  # fmt: skip
         # A program's query blocks: one (both consumer warpgroups on it), or with WG N_WG (a warpgroup each; with
         # three, blocks of 64 rows, halves of Q's quantization blocks of Q_BLOCK rows).
@@ -522,19 +553,19 @@ if HAVE_GLUON:
                         _dq_compute,
                         (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
                          SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
-                         False, DS_FMT, True, 0, 3, Q_BLOCK),
+                         False, DS_FMT, True, 0, 3, Q_BLOCK, DS_SCALE, DS_SCALED),
                     ),
                     (
                         _dq_compute,
                         (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
                          SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
-                         False, DS_FMT, True, 1, 3, Q_BLOCK),
+                         False, DS_FMT, True, 1, 3, Q_BLOCK, DS_SCALE, DS_SCALED),
                     ),
                     (
                         _dq_compute,
                         (None, bufs, bars, n_tiles, None, None, pid, bh, kv_bh, Q_SCALE, K_SCALE, LSE, DELTA, DQ,
                          SEQ_Q, SEQ_K, qk_scale, tau, None, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CAUSAL, True, True,
-                         False, DS_FMT, True, 2, 3, Q_BLOCK),
+                         False, DS_FMT, True, 2, 3, Q_BLOCK, DS_SCALE, DS_SCALED),
                     ),
                     (
                         _dq_producer,
@@ -632,6 +663,7 @@ def gluon_dq(
     ds_fmt: str = "int8",
     wg: bool = False,
     consumers: int | None = None,
+    ds_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
     (:func:`..plan.plan_attention`) gives it.
@@ -664,9 +696,16 @@ def gluon_dq(
             for bit, for the head dims :func:`gluon_dq_wg_serves` accepts; it is warp-specialised with the codes in
             registers (``warp_specialize``, ``codes_in_registers`` and ``defer`` left as they are by default).
         consumers: the ``wg`` variant's consumer warpgroups a program: 2 (128 queries each) or 3 (64 queries each,
-            :data:`WG3_ROWS`; ``ds_fmt="bf16"`` only: an INT8 or FP8 dS takes one scale over 128 queries). The same dQ
-            bit for bit: each row's products and their order of addition are the same. ``None``: with ``wg``
-            :func:`wg_consumers`' measured choice, else 2.
+            :data:`WG3_ROWS`; ``ds_fmt="bf16"``, or ``"int8"`` with ``ds_scale``: an INT8 or FP8 dS takes one scale
+            over 128 queries, which a warpgroup of 64 cannot reduce). The same dQ bit for bit: each row's products and
+            their order of addition are the same (INT8: with the dK/dV kernel's scales, equal to this kernel's own
+            while both kernels compute the same dS). ``None``: with ``wg`` :func:`wg_consumers`' choice (given
+            ``ds_scale`` or not), else 2.
+        ds_scale: with ``wg`` and an INT8 dS, the dK/dV kernel's dS tile scales (:func:`.gluon_backward.gluon_dkdv`'s
+            ``ds_scale_out``, written by the backward's dK/dV launch before this one: fp32 ``[B, Hq, N / 128, Nk /
+            64]`` contiguous, :func:`.gluon_common.ds_scales_shape`), which three consumer warpgroups read in place of
+            their own reduction (the codes clamped to +-127 in case the two kernels' dS differ in a last bit); two
+            consumer warpgroups reduce their own and do not read it.
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
@@ -674,7 +713,9 @@ def gluon_dq(
     Raises:
         ValueError: a ring of fewer stages than the variant needs (2 with ``defer``, ``warp_specialize`` or
             ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant;
-            ``consumers`` not 2 or 3, or 3 without ``wg`` and ``ds_fmt="bf16"``.
+            ``consumers`` not 2 or 3, or 3 without ``wg`` and ``ds_fmt="bf16"`` or ``"int8"``; 3 with an INT8 dS and
+            no ``ds_scale``; a ``ds_scale`` without ``wg`` and an INT8 dS, or not of
+            :func:`.gluon_common.ds_scales_shape` in fp32, contiguous.
 
     Example::
 
@@ -691,11 +732,20 @@ def gluon_dq(
         raise ValueError(f"gluon_dq_wg: is warp-specialised with the codes in registers; received {received}")
     if ds_fmt not in ("int8", "fp8", "bf16"):
         raise ValueError(f"{name}: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
+    if ds_scale is not None:
+        if not (wg and ds_fmt == "int8"):
+            raise ValueError(f"{name}: ds_scale is read by the wg variant with an INT8 dS only (wg=True, "
+                             f"ds_fmt='int8'); received wg={wg}, ds_fmt={ds_fmt!r}")  # fmt: skip
+        check_ds_scales(name, "ds_scale", ds_scale, q_op, k_op)
     if consumers is None:
-        consumers = wg_consumers(ds_fmt, is_causal) if wg else 2
-    if consumers not in (2, 3) or (consumers == 3 and not (wg and ds_fmt == "bf16")):
-        raise ValueError(f"{name}: consumers must be 2, or 3 with wg=True and ds_fmt='bf16'; received "
+        consumers = wg_consumers(ds_fmt, is_causal, ds_scale is not None) if wg else 2
+    if consumers not in (2, 3) or (consumers == 3 and not (wg and ds_fmt in ("bf16", "int8"))):
+        raise ValueError(f"{name}: consumers must be 2, or 3 with wg=True and ds_fmt='bf16' or 'int8'; received "
                          f"consumers={consumers!r}, wg={wg}, ds_fmt={ds_fmt!r}")  # fmt: skip
+    if consumers == 3 and ds_fmt == "int8" and ds_scale is None:
+        raise ValueError(f"{name}: consumers=3 with ds_fmt='int8' reads the dK/dV kernel's dS tile scales "
+                         "(ds_scale=, gluon_dkdv's ds_scale_out): a warpgroup of 64 queries cannot reduce the scale "
+                         "over the tile's 128; received ds_scale=None. Pass ds_scale, or consumers=2")  # fmt: skip
     stages = stages if stages is not None else default_stages(head_dim)
     if wg and stages < 2:
         raise ValueError(f"gluon_dq_wg: stages must be at least 2 (the producer refills a stage one tile late); "
@@ -711,6 +761,8 @@ def gluon_dq(
         head_chunk = WG_HEAD_CHUNK
         variant = dict(WG=True, N_WG=3, Q_BLOCK=BLOCK_M, CONSUMER_REGS=WG3_CONSUMER_REGS, num_warps=4,
                        maxnreg=WG3_MAXNREG)  # fmt: skip
+        if ds_fmt == "int8":
+            variant.update(DS_SCALE=ds_scale, DS_SCALED=True)
     elif wg:
         programs = (seq_q // BLOCK_M + 1) // 2
         head_chunk = WG_HEAD_CHUNK
