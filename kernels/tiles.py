@@ -35,19 +35,26 @@ def rows_layout(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+#: The query and key tiles the Gluon backward kernels (:mod:`.hopper.gluon_backward`, :mod:`.hopper.gluon_dq`) are
+#: written for: here, so that the portable :mod:`.backward` sizes what it hands them without importing Hopper code.
+GLUON_BLOCK_M = 128
+GLUON_BLOCK_N = 64
+
+
 def ds_scales_shape(q_shape: tuple[int, ...], k_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
     """The shape of the dS tile scales the ``wg`` dK/dV kernel stores for the ``wg`` dQ kernel's three consumer
     warpgroups (:func:`.hopper.gluon_backward.gluon_dkdv`'s ``ds_scale_out``, :func:`.hopper.gluon_dq.gluon_dq`'s
-    ``ds_scale``): one fp32 per (query head, 128-query block, 64-key block), ``[B, Hq, N / 128, Nk / 64]``
-    contiguous, so that a dQ program's scales for one query block lie in a row of consecutive key tiles. Here, not in
-    :mod:`.hopper`, so that the portable :mod:`.backward`, which allocates them, imports no Hopper code.
+    ``ds_scale``): one fp32 per (query head, :data:`GLUON_BLOCK_M`-query block, :data:`GLUON_BLOCK_N`-key block),
+    ``[B, Hq, N / 128, Nk / 64]`` contiguous, so that a dQ program's scales for one query block lie in a row of
+    consecutive key tiles. Here, not in :mod:`.hopper`, so that the portable :mod:`.backward`, which allocates them,
+    imports no Hopper code.
 
     Example::
 
         ds_scales_shape((64, 10, 2048, 64), (64, 5, 2048, 64))   # (64, 10, 16, 32)
     """
     batch, heads, seq_q, _ = q_shape
-    return batch, heads, -(-seq_q // 128), -(-k_shape[2] // 64)
+    return batch, heads, -(-seq_q // GLUON_BLOCK_M), -(-k_shape[2] // GLUON_BLOCK_N)
 
 
 @triton.jit

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tiles import LOG2E
+from ..tiles import GLUON_BLOCK_M, GLUON_BLOCK_N, LOG2E
 from .gluon_common import HAVE_GLUON, check_ds_scales, dkdv_operands
 
 if HAVE_GLUON:  # Gluon's Hopper API as in Triton 3.6 (gluon_common); older Tritons keep the portable kernel.
@@ -125,8 +125,8 @@ GLUON_TRITON = ("3.6",)
 #: Head dims it serves.
 HEAD_DIMS = (64, 128)
 #: The query tile (the Q and dO quantization block) and key tile it is written for.
-BLOCK_M = 128
-BLOCK_N = 64
+BLOCK_M = GLUON_BLOCK_M
+BLOCK_N = GLUON_BLOCK_N
 #: Per head dim, the kv heads per chunk of the grid's order for causal calls (:func:`_head_chunk_order`; the chunk's
 #: query heads' Q'^, Q'^T, dO and dO^T codes, 2.5 MiB per head at D=128 and N=4096, stay in L2). Measured on an H100
 #: against one head at a time: 0.98-1.01x causal at D=128 without GQA, 1.14x with 4 query heads per kv head;

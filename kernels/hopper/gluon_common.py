@@ -16,7 +16,7 @@ import functools
 import torch
 import triton.language as tl
 
-from ..tiles import ds_scales_shape, rows_layout
+from ..tiles import GLUON_BLOCK_M, GLUON_BLOCK_N, ds_scales_shape, rows_layout
 
 try:  # Gluon's Hopper API as in Triton 3.6; older Tritons lack it and keep the portable kernels.
     from triton.experimental import gluon
@@ -615,15 +615,16 @@ if HAVE_GLUON:
         return offs_m, offs_n_tile, q_scale, lse, delta, s_zero, dp_zero, acc_zero, dq
 
     @gluon.jit
-    def _dq_ds_codes(
+    def _dq_ds(
         s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
     ):  # fmt: skip
         """A tile's S and dP products waited for (S first, dP after P is computed), P ``[queries, keys]`` (zero
-        above the diagonal on the tiles from ``full_hi`` on when ``CAUSAL``), ``dS = P (dP - delta)`` and its codes
-        with one scale for the tile; returns ``(ds_scale, codes)``. ``offs_n_tile``: the keys' offsets within a
-        tile, made once by the caller, or ``None`` to make them in the masked branch (where the registers are
-        scarce: :mod:`.gluon_dq`'s ``wg`` warpgroup would spill holding them through the loop)."""
+        above the diagonal on the tiles from ``full_hi`` on when ``CAUSAL``) and ``dS = P (dP - delta)`` in fp32, which
+        :mod:`.gluon_dq`'s kernel then codes for its dQ product (INT8 with the tile's scale or one it is given, FP8 or
+        bf16). ``offs_n_tile``: the keys' offsets within a tile, made once by the caller, or ``None`` to make them in
+        the masked branch (where the registers are scarce: :mod:`.gluon_dq`'s ``wg`` warpgroup would spill holding
+        them through the loop)."""
         s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
         p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
         if CAUSAL:
@@ -636,54 +637,7 @@ if HAVE_GLUON:
                     offs_n = start_n + offs_n_tile
                 p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
         dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-        ds = p * (dp - delta[:, None])
-        ds_scale = _tile_scale(ds)
-        return ds_scale, _int8_codes(ds, ds_scale)
-
-    @gluon.jit
-    def _dq_ds_codes_scaled(
-        s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, ds_scale, s_layout: gl.constexpr,
-        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-    ):  # fmt: skip
-        """:func:`_dq_ds_codes` with the tile's dS scale given (``ds_scale``: the dK/dV kernel's, stored per 128-query x
-        64-key tile) rather than reduced here: a warpgroup of :mod:`.gluon_dq`'s three-consumer kernel holds 64 of the
-        tile's 128 queries and cannot take the max over the other half. The same P and dS; the codes are clamped to
-        ``[-127, 127]`` (:func:`_int8_codes_clamped`). Returns the codes."""
-        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-        p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
-        if CAUSAL:
-            if start_n >= full_hi:
-                if offs_n_tile is None:
-                    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
-                else:
-                    offs_n = start_n + offs_n_tile
-                p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
-        dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-        ds = p * (dp - delta[:, None])
-        return _int8_codes_clamped(ds, ds_scale)
-
-    @gluon.jit
-    def _dq_ds_values(
-        s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
-        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, DS_FMT: gl.constexpr,
-    ):  # fmt: skip
-        """:func:`_dq_ds_codes` for a non-INT8 dS (``_dq_kernel``'s): the same P and dS, then dS as the dQ product's
-        bf16 operand (:func:`_ds_operand`); returns ``(ds_scale, values)`` (``ds_scale`` 1 for bf16)."""
-        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
-        p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
-        if CAUSAL:
-            if start_n >= full_hi:
-                if offs_n_tile is None:
-                    col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
-                    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_l)
-                else:
-                    offs_n = start_n + offs_n_tile
-                p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
-        dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-        ds = p * (dp - delta[:, None])
-        values, _amax, ds_scale = _ds_operand(ds, DS_FMT)
-        return ds_scale, values
+        return p * (dp - delta[:, None])
 
     @gluon.jit
     def _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -798,7 +752,8 @@ def check_ds_scales(name: str, argument: str, ds_scale: torch.Tensor, q_op: torc
     fits = ds_scale.dtype == torch.float32 and tuple(ds_scale.shape) == shape and ds_scale.is_contiguous()
     if not fits or ds_scale.device != q_op.device:
         raise ValueError(
-            f"{name}: {argument} must be fp32 {shape} (query heads, 128-query blocks, 64-key blocks), contiguous, on "
+            f"{name}: {argument} must be fp32 {shape} (query heads, {GLUON_BLOCK_M}-query blocks, {GLUON_BLOCK_N}-key "
+            f"blocks), contiguous, on "
             f"{q_op.device}; received {ds_scale.dtype} {tuple(ds_scale.shape)}, contiguous={ds_scale.is_contiguous()}, "
             f"on {ds_scale.device}"
         )

@@ -82,7 +82,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..tiles import LOG2E
+from ..tiles import GLUON_BLOCK_M, GLUON_BLOCK_N, LOG2E
 from .gluon_backward import WG_MAXNREG, WS_MAXNREG
 from .gluon_common import HAVE_GLUON, check_ds_scales, dq_operands
 
@@ -100,13 +100,15 @@ if HAVE_GLUON:
 
     from .gluon_common import (
         _dq_block,
-        _dq_ds_codes,
-        _dq_ds_codes_scaled,
-        _dq_ds_values,
+        _dq_ds,
         _dq_smem,
         _dq_store,
+        _ds_operand,
         _head_chunk_order,
+        _int8_codes,
+        _int8_codes_clamped,
         _int32_scaled,
+        _tile_scale,
         _view_lays,
         _view_origins,
         _wgmma_layout,
@@ -123,8 +125,8 @@ AUTO_MIN_SCORES = {128: 2**28, 64: 2**29}
 #: Head dims it serves.
 HEAD_DIMS = (64, 128)
 #: The query tile (the Q and dO quantization block) and key tile it is written for.
-BLOCK_M = 128
-BLOCK_N = 64
+BLOCK_M = GLUON_BLOCK_M
+BLOCK_N = GLUON_BLOCK_N
 #: Per head dim, the query heads per chunk of the grid's order for causal calls
 #: (:func:`.gluon_common._head_chunk_order`; the chunk's K'^, K'^T and V, 2 MiB per head at D=128 and N=4096, stay
 #: in L2). Measured on an H100 against one head at a time: 1.05-1.07x causal at D=128; non-causal calls keep one
@@ -162,9 +164,10 @@ def wg_consumers(ds_fmt: str, is_causal: bool, ds_scale: bool = False) -> int:
     :func:`..ops` asks whether to have them made), two otherwise. Measured on an H200 (device run 34, bf16 dS, dQ
     bit for bit): three took 1.10-1.11x less time causal (the training shape, B=64, 10/5 heads of 64, N=2048: 1.250
     against 1.125 ms; N=4096) and 0.96x non-causal, where a 64-query block's fixed work a tile (1.33x the loop's
-    instructions a score) is not repaid by the third warpgroup's issue slots. INT8 with the scales follows bf16's
-    rule on the offline figures alone (loop 328 against 525 instructions a 64- and a 128-query tile: 1.25x a score,
-    bf16's 1.33x) until a device run times it (``benchmarks/pending/r36/dq3_int8_check.py``).
+    instructions a score) is not repaid by the third warpgroup's issue slots. INT8 with the scales, on an H200
+    (device run 36c, dQ, dK and dV bit for bit): the dQ kernel 1.135x faster at the training shape and 1.099x at
+    N=4096 causal, the dK/dV kernel's scale store 0.979-0.995x, forward+backward 1.03x
+    (``benchmarks/results/speed-h200-20261128-dq3-int8-check-aa0a40d.md``).
 
     Example::
 
@@ -309,9 +312,9 @@ if HAVE_GLUON:
         e4m3 codes or bf16 values, B = K'^ widened to bf16 (:func:`_widen_k`, by whoever would transpose it).
 
         With ``DS_SCALED`` (``WG`` with three warpgroups of 64 queries, an INT8 dS) each tile's dS scale is read from
-        ``DS_SCALE`` (the dK/dV kernel's, one per 128-query x 64-key tile: :func:`.gluon_common.ds_scales_shape`), at
+        ``DS_SCALE`` (the dK/dV kernel's, one per 128-query x 64-key tile: :func:`..tiles.ds_scales_shape`), at
         the query block of Q_BLOCK rows this block is half of, rather than reduced over the warpgroup's 64 queries,
-        and the codes take it (clamped: :func:`.gluon_common._dq_ds_codes_scaled`)."""
+        and the codes take it (clamped: :func:`.gluon_common._int8_codes_clamped`)."""
         q_all, do_all, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
         if not WARP_SPECIALIZE:
@@ -412,21 +415,19 @@ if HAVE_GLUON:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             # P, dS and its codes; one dS scale for the 128 x 64 tile (without WG a reduction across both
             # warpgroups, with WG within the warpgroup; with DS_SCALED the dK/dV kernel's, read above).
+            ds = _dq_ds(
+                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                s_layout, BLOCK_N, CAUSAL,
+            )  # fmt: skip
             if DS_SCALED:
-                codes = _dq_ds_codes_scaled(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    ds_scale, s_layout, BLOCK_N, CAUSAL,
-                )  # fmt: skip
+                # Codes clamped to [-127, 127]: the scale was made from the whole tile, this warpgroup's half included.
+                codes = _int8_codes_clamped(ds, ds_scale)
             elif DS_FMT == "int8":
-                ds_scale, codes = _dq_ds_codes(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    s_layout, BLOCK_N, CAUSAL,
-                )  # fmt: skip
+                ds_scale = _tile_scale(ds)
+                codes = _int8_codes(ds, ds_scale)
             else:
-                ds_scale, codes = _dq_ds_values(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    s_layout, BLOCK_N, CAUSAL, DS_FMT,
-                )  # fmt: skip
+                # An FP8 or bf16 dS: the dQ product's bf16 operand (ds_scale 1 for bf16).
+                codes, _amax, ds_scale = _ds_operand(ds, DS_FMT)
             if WG:
                 # (Here, after dS, in this variant's order of operations: its instructions as they were.)
                 kt_tile = kt_smem.index(t % kt_smem.shape[0])
@@ -703,7 +704,7 @@ def gluon_dq(
             ``ds_scale`` or not), else 2.
         ds_scale: with ``wg`` and an INT8 dS, the dK/dV kernel's dS tile scales (:func:`.gluon_backward.gluon_dkdv`'s
             ``ds_scale_out``, written by the backward's dK/dV launch before this one: fp32 ``[B, Hq, N / 128, Nk /
-            64]`` contiguous, :func:`.gluon_common.ds_scales_shape`), which three consumer warpgroups read in place of
+            64]`` contiguous, :func:`..tiles.ds_scales_shape`), which three consumer warpgroups read in place of
             their own reduction (the codes clamped to +-127 in case the two kernels' dS differ in a last bit); two
             consumer warpgroups reduce their own and do not read it.
 
@@ -715,7 +716,7 @@ def gluon_dq(
             ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant;
             ``consumers`` not 2 or 3, or 3 without ``wg`` and ``ds_fmt="bf16"`` or ``"int8"``; 3 with an INT8 dS and
             no ``ds_scale``; a ``ds_scale`` without ``wg`` and an INT8 dS, or not of
-            :func:`.gluon_common.ds_scales_shape` in fp32, contiguous.
+            :func:`..tiles.ds_scales_shape` in fp32, contiguous.
 
     Example::
 
