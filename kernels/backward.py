@@ -463,7 +463,7 @@ def backward(
             portable kernel.
         widen_q: the preprocess launch also writes Q'^ in dO's dtype (``[B, Hq, N, D]``, 2 bytes an element while the
             dK/dV kernel runs), handed to ``dkdv_kernel`` as ``q_wide=``: a non-INT8 ``ds``'s dK product reads it
-            through TMA (:func:`.hopper.gluon_backward.gluon_dkdv`'s ``wg`` variant) instead of widening Q'^'s codes per
+            through TMA (:func:`.hopper.gluon_backward.gluon_dkdv`, either variant) instead of widening Q'^'s codes per
             tile.
         share_ds_scales: an fp32 tensor of one INT8 dS scale per 128-query x 64-key tile and query head
             (:func:`.tiles.ds_scales_shape`, N x Nk / 2048 bytes per query head, from before the dK/dV

@@ -197,10 +197,7 @@ def _sagebwd_backward(
         # An FP8 or bf16 dS (every Gluon kernel takes those): the kernel is told its format.
         dkdv_run = functools.partial(dkdv_run, ds_fmt=ds) if dkdv_run is not None else None
         dq_run = functools.partial(dq_run, ds_fmt=ds) if dq_run is not None else None
-    # The one-warpgroup dK/dV kernel's bf16 dK product reads Q'^ widened by the preprocess launch (N x D x 2 bytes per
-    # query head, only for that kernel and such a dS): each warpgroup widening every tile's codes itself cost it 10%
-    # of its loop (offline sm_90 compile, FP8 dS: 1,453 against 1,299 instructions, 248 against 196 bytes of spills).
-    widen_q = dkdv_kernel == GLUON_DKDV_WG and ds != "int8"
+    widen_q = widen_q_here(dkdv_kernel, ds)
     # With an INT8 dS the one-warpgroup dK/dV kernel stores each tile's dS scale for the one-warpgroup dQ kernel where
     # that kernel then takes three warpgroups of 64 queries (gluon_dq.wg_consumers: causal calls), which cannot reduce
     # the scale over the tile's 128 queries themselves (N x Nk / 2048 bytes per query head).
@@ -229,6 +226,23 @@ def _sagebwd_backward(
         widen_q=widen_q,
         share_ds_scales=share_ds_scales,
     )
+
+
+def widen_q_here(dkdv_kernel: str, ds: str) -> bool:
+    """Whether the backward's preprocess launch writes Q'^ in bf16 for the dK/dV kernel (``backward``'s ``widen_q``,
+    N x D x 2 bytes per query head while that kernel runs): either Gluon dK/dV kernel (:data:`.plan.GLUON_DKDV`,
+    :data:`.plan.GLUON_DKDV_WG`, both warp-specialised without ``defer`` as ``ops`` runs them) with an FP8 or bf16
+    dS, whose bf16 dK product then reads the copy through TMA instead of widening every tile's INT8 codes itself. In
+    the one-warpgroup kernel that widening cost 10% of its loop (offline sm_90 compile, FP8 dS: 1,453 against 1,299
+    instructions, 248 against 196 bytes of spills); in the two-warpgroup kernel at D=128 (bf16 dS) 14% of its stall
+    samples (issue 42, Nsight Compute on an H200). Looked up at each call: a benchmark patching it to return
+    ``False`` runs the kernels' own widening (the same gradients bit for bit).
+
+    Example::
+
+        widen_q_here("gluon_dkdv", "bf16")   # True
+    """
+    return dkdv_kernel in (GLUON_DKDV, GLUON_DKDV_WG) and ds != "int8"
 
 
 def share_ds_scales_here(dkdv_kernel: str, dq_kernel: str, ds: str, is_causal: bool) -> bool:

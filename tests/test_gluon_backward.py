@@ -158,8 +158,29 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
             gb.gluon_dkdv(
                 x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide, wg=True
             )
-    with pytest.raises(ValueError, match=r"gluon_dkdv: q_wide is read by the wg variant only"):
-        gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="fp8", q_wide=wide)
+    # Without wg: the warp-specialised variant without defer reads it too (one buffer beside the ring), the same
+    # checks of the copy; the variants that widen the codes themselves refuse it.
+    for variant, received in (
+        ({"warp_specialize": False}, "warp_specialize=False, defer=False"),
+        ({"defer": True}, "warp_specialize=True, defer=True"),
+    ):
+        refused_variant = (
+            r"gluon_dkdv: q_wide is read by the warp-specialised variants without defer \(warp_specialize=True, "
+            rf"defer=False\); received {received}"
+        )
+        with pytest.raises(ValueError, match=refused_variant):
+            gb.gluon_dkdv(
+                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="fp8", q_wide=wide, **variant
+            )
+    refused = r"gluon_dkdv: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
+    for ds_fmt, q_wide, received in [
+        ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
+        ("bf16", x, r"torch.int8 \(1, 1, 4096, 64\)"),
+    ]:
+        with pytest.raises(ValueError, match=refused + received):
+            gb.gluon_dkdv(
+                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide
+            )
     # The dS tile scales for the dQ kernel's three warpgroups: stored by the wg variant with an INT8 dS only, into
     # fp32 [B, Hq, N / 128, Nk / 64], contiguous.
     good = torch.zeros(1, 1, 32, 64, device="meta")
@@ -180,14 +201,15 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
 @pytest.mark.parametrize(
     ("dkdv_kernel", "ds", "widened"),
     [("gluon_dkdv_wg", "fp8", True), ("gluon_dkdv_wg", "bf16", True), ("gluon_dkdv_wg", "int8", False),
-     ("gluon_dkdv", "fp8", False)],
+     ("gluon_dkdv", "fp8", True), ("gluon_dkdv", "bf16", True), ("gluon_dkdv", "int8", False)],
 )  # fmt: skip
-def test_the_preprocess_widens_q_for_the_one_warpgroup_kernel_with_an_fp8_or_bf16_ds_only(
+def test_the_preprocess_widens_q_for_the_gluon_dkdv_kernels_with_an_fp8_or_bf16_ds_only(
     monkeypatch, dkdv_kernel, ds, widened
 ):
     """Issue 42: the backward's preprocess launch writes Q'^ in bf16 (N x D x 2 bytes per query head) only when the
-    plan runs ``gluon_dkdv_wg`` with an FP8 or bf16 dS, and hands it to that kernel as ``q_wide``: the values are the
-    INT8 codes, exactly. (The Gluon kernel is stood in for: the interpreter cannot run it; the portable dQ runs.)"""
+    plan runs a Gluon dK/dV kernel (``gluon_dkdv_wg``, or ``gluon_dkdv`` as ``ops`` runs it: warp-specialised without
+    defer) with an FP8 or bf16 dS, and hands it to that kernel as ``q_wide``: the values are the INT8 codes, exactly.
+    (The Gluon kernel is stood in for: the interpreter cannot run it; the portable dQ runs.)"""
     from sage_lightning.kernels import ops
 
     seen: dict[str, object] = {}
@@ -385,6 +407,51 @@ def test_q_widened_by_the_preprocess_gives_the_one_warpgroup_kernel_the_gradient
         return original(*args, **kwargs)
 
     monkeypatch.setattr(ops, "gluon_dkdv_wg", per_tile)
+    want = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True, False], widened
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "batch, hq, hkv, n, nk, head_dim, causal",
+    [
+        pytest.param(2, 4, 2, 1024, 1024, 128, False, id="d128-gqa"),
+        pytest.param(2, 4, 2, 1024, 1024, 128, True, id="d128-gqa-causal"),
+        pytest.param(2, 4, 2, 512, 384, 128, True, id="d128-causal-fewer-keys"),
+        pytest.param(1, 4, 2, 256, 512, 128, True, id="d128-causal-more-keys"),
+        pytest.param(2, 4, 2, 1024, 960, 64, False, id="d64-keys-not-of-128"),
+    ],
+)
+def test_q_widened_by_the_preprocess_gives_the_two_warpgroup_kernel_the_gradients_of_q_widened_per_tile(
+    monkeypatch, ds, batch, hq, hkv, n, nk, head_dim, causal
+):
+    """Issue 42: with an FP8 or bf16 dS, ``gluon_dkdv`` (two consumer warpgroups per 64 keys: D=128, and D=64 where
+    the key count is no multiple of 128) reading Q'^ in bf16 from the preprocess's copy (one buffer beside the TMA
+    ring, what the backward runs) against the same kernel widening each tile's codes itself (``q_wide`` dropped):
+    the same bf16 operand in the same shared-memory layout and the same wgmma, so dQ, dK, dV and the dS statistics
+    are equal, dK bit for bit."""
+    from sage_lightning.kernels import AttentionPrecision, ops
+
+    precision = AttentionPrecision(ds=ds)
+    widened: list[bool] = []
+    original = ops.gluon_dkdv
+    shape = (batch, hq, hkv, n, nk, head_dim, causal)
+    monkeypatch.setattr(
+        ops, "gluon_dkdv", lambda *a, **kw: widened.append(kw.get("q_wide") is not None) or original(*a, **kw)
+    )
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True], widened
+
+    def per_tile(*args, q_wide=None, **kwargs):
+        widened.append(False)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "gluon_dkdv", per_tile)
     want = _grads(monkeypatch, "force", *shape, precision=precision)
     assert widened == [True, False], widened
     for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):

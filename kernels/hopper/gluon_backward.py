@@ -26,7 +26,13 @@ dS in FP8 or bf16 (``DS_FMT``, issue 42: the precision the controller escalates 
 numerics for those formats: dS's e4m3 codes (one scale per tile, ``max|dS| / 448``) or dS rounded to bf16, as the
 bf16 A operand of a bf16 wgmma with fp32 accumulation whose B operand is Q'^'s INT8 codes widened to bf16 (exact)
 in shared memory by the consumers, then ``dK += acc * s_dS s_Q`` (``* s_Q`` for bf16). No Q'^T is loaded (16-bit
-wgmma reads B as stored); the dS statistics stay INT8's error, as the portable kernel's.
+wgmma reads B as stored); the dS statistics stay INT8's error, as the portable kernel's. Warp-specialised without
+``defer``, the backward hands it Q'^ in bf16 from its preprocess (``q_wide``, ``Q_WIDE``; every INT8 code is exact in
+bf16, so dK and dV are the same bit for bit): the load warp puts each tile's into the buffer the consumers widened
+into (one ``[128, D]`` bf16 tile beside the ring, with a ``ready``/``empty`` barrier pair of its own: a ring of them
+would take 242 KiB at D=128 and two stages), once the tile before's dK product has released it, and the consumers
+wait for it just before dK's product. Issue 42's profile (H200, D=128, bf16 dS) put 14% of the kernel's stall samples
+in the widening it replaces.
 
 Per program: one kv head's ``BLOCK_N = 64`` keys; it walks every query tile of every query head of the group
 (one flat loop, ``STAGES``-deep ring of TMA loads, ``ready``/``empty`` mbarriers per stage; the tile's lse and
@@ -171,7 +177,9 @@ if HAVE_GLUON:
         unused). Without ``WARP_SPECIALIZE`` they also issue the loads (``STAGES - 1`` iterations ahead; ``descs``,
         ``origins``: :func:`._dkdv_origins`). With a non-INT8 ``DS_FMT`` they widen each tile's Q'^ to bf16 in
         shared memory before its S and dP are issued (no Q'^T is loaded) and dK's product runs in bf16
-        (:func:`._dkdv_products_hp`).
+        (:func:`._dkdv_products_hp`); with ``Q_WIDE`` (warp-specialised, no ``DEFER``) they read it instead from the
+        preprocess's bf16 copy, which the load warp puts into one buffer beside the ring (its own barrier pair:
+        :func:`._load_wide`), waited for just before dK's product and released with the stage.
 
         With ``WG`` (warp-specialised, no ``DEFER``; ``descs``, ``origins`` and ``kv_row`` unused): one consumer
         warpgroup, keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 (key block ``2 * pid_n + HALF``)
@@ -208,6 +216,7 @@ if HAVE_GLUON:
         hp_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, HEAD_DIM // WARPS_N, 16)
         LOAD_QT: gl.constexpr = DS_FMT == "int8"
         gl.static_assert(not WRITE_DS_SCALE or (WG and DS_FMT == "int8"), "WRITE_DS_SCALE: the wg kernel, INT8 dS")
+        gl.static_assert(not Q_WIDE or (WARP_SPECIALIZE and not DEFER), "Q_WIDE: warp-specialised, no DEFER")
 
         if not WG:
             # The key block and kv head from the program's first key row (as this partition has always had them).
@@ -367,7 +376,13 @@ if HAVE_GLUON:
                     ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
                 qb_tile = qb_smem
                 if Q_WIDE:
-                    qb_tile = qt_smem.index(stage)  # the preprocess's bf16 copy of Q'^, through the ring
+                    if WG:
+                        qb_tile = qt_smem.index(stage)  # the preprocess's bf16 copy of Q'^, through the ring
+                    else:
+                        # The preprocess's bf16 copy of Q'^: one buffer beside the ring, its own barrier pair
+                        # (index STAGES; the load warp refills it once this iteration releases it).
+                        mbarrier.wait(ready.index(STAGES), t & 1)
+                        qb_tile = qt_smem
                 dv_tok, dk_tok = _dkdv_products_hp(
                     p_smem, ds_smem, dot_smem.index(stage), qb_tile, acc_zero,
                     gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
@@ -398,6 +413,8 @@ if HAVE_GLUON:
                 gl.thread_barrier()
                 if WARP_SPECIALIZE:
                     mbarrier.arrive(empty.index(stage), count=1)
+                    if Q_WIDE and not WG:
+                        mbarrier.arrive(empty.index(STAGES), count=1)
         if DEFER:
             dv_int = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok])
             dk_int = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
@@ -471,12 +488,12 @@ if HAVE_GLUON:
                         _dkdv_compute,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, SEQ_K, None, None,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT),
+                         CAUSAL, WITH_STATS, WARP_SPECIALIZE, DEFER, DS_FMT, False, 0, Q_WIDE),
                     ),
                     (
                         _dkdv_loader,
                         (descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q, HEAD_DIM, BLOCK_M,
-                         STAGES, 1, DS_FMT == "int8"),
+                         STAGES, 1, DS_FMT == "int8", Q_WIDE),
                     ),
                 ],
                 [1],
@@ -541,7 +558,9 @@ def gluon_dkdv(
         is_causal, scale: as the forward.
         stages: depth of the TMA ring; ``None``: 2 at D=128 (202.5 KiB; 3 would need 282), 3 at D=64 (151.6 KiB).
             With ``wg`` (3 at D=64): 40 KiB per stage beside 56 KiB of K, V and codes; with a non-INT8 dS and
-            ``q_wide`` 49 KiB per stage beside 72 KiB, without ``q_wide`` 33 KiB per stage beside 104 KiB.
+            ``q_wide`` 49 KiB per stage beside 72 KiB, without ``q_wide`` 33 KiB per stage beside 104 KiB. Without
+            ``wg``, a non-INT8 dS: 210.5 KiB at D=128 (65 KiB per stage beside 80 KiB, the widened tile's 32 among
+            them; with ``q_wide`` the same, its tile in the widened one's place), 151.6 KiB at D=64.
         warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or
             one partition of 8 warps that also issues the loads.
         defer: finish each tile's dV and dK products in the next iteration, after its S and dP are issued, so
@@ -552,10 +571,12 @@ def gluon_dkdv(
         wg: one warpgroup per 64 keys (the plan's ``gluon_dkdv_wg``: the module's docstring), the same dK and dV bit
             for bit, for the calls :func:`gluon_dkdv_wg_serves` accepts; it is warp-specialised without ``defer``
             (``warp_specialize`` and ``defer`` left as they are by default).
-        q_wide: with ``wg`` and a non-INT8 ``ds_fmt``, Q'^ widened to bf16, ``[B, Hq, N, D]`` contiguous
-            (``backward``'s ``widen_q``: the preprocess launch writes it), loaded through the TMA ring beside Q'^;
-            ``None``: each warpgroup widens every tile's codes in shared memory (the same dK and dV, more
-            instructions).
+        q_wide: with a non-INT8 ``ds_fmt``, Q'^ widened to bf16, ``[B, Hq, N, D]`` contiguous (``backward``'s
+            ``widen_q``: the preprocess launch writes it), read by the warp-specialised variants without ``defer``:
+            with ``wg`` loaded through the TMA ring beside Q'^; without, into one buffer beside the ring (in the
+            place of the widened tile: the same shared memory, 210 KiB at D=128), loaded once the tile before's dK
+            product has released it. ``None``: the consumers widen every tile's codes in shared memory (the same dK
+            and dV, more instructions: issue 42's D=128 profile put 14% of the kernel's stalls there).
         ds_scale_out: with ``wg`` and an INT8 dS, fp32 ``[B, Hq, N / 128, Nk / 64]`` contiguous
             (:func:`.gluon_common.ds_scales_shape`; ``backward``'s ``share_ds_scales`` allocates it) into which each
             tile's dS scale is stored, at its query head, query block and key block: what :func:`.gluon_dq.gluon_dq`'s
@@ -569,9 +590,9 @@ def gluon_dkdv(
 
     Raises:
         ValueError: a ``ds_fmt`` it does not take; with ``wg`` a call :func:`gluon_dkdv_wg_serves` refuses or another
-            variant; a ``q_wide`` without ``wg``, with an INT8 dS or not of Q'^'s shape in bf16, contiguous; a
-            ``ds_scale_out`` without ``wg`` and an INT8 dS, or not of :func:`.gluon_common.ds_scales_shape` in fp32,
-            contiguous.
+            variant; a ``q_wide`` with ``defer`` or without ``warp_specialize``, with an INT8 dS or not of Q'^'s shape
+            in bf16, contiguous; a ``ds_scale_out`` without ``wg`` and an INT8 dS, or not of
+            :func:`.gluon_common.ds_scales_shape` in fp32, contiguous.
 
     Example::
 
@@ -593,13 +614,16 @@ def gluon_dkdv(
         raise ValueError(f"gluon_dkdv_wg: is warp-specialised without defer; received {received}")
     if ds_fmt not in ("int8", "fp8", "bf16"):
         raise ValueError(f"{name}: ds_fmt must be 'int8', 'fp8' or 'bf16'; received {ds_fmt!r}")
-    if q_wide is not None and not wg:
-        raise ValueError("gluon_dkdv: q_wide is read by the wg variant only (wg=True)")
+    if q_wide is not None and not (warp_specialize and not defer):
+        raise ValueError(
+            f"{name}: q_wide is read by the warp-specialised variants without defer (warp_specialize=True, "
+            f"defer=False); received warp_specialize={warp_specialize}, defer={defer}"
+        )
     if q_wide is not None and (
         ds_fmt == "int8" or q_wide.dtype != torch.bfloat16 or q_wide.shape != q_op.shape or not q_wide.is_contiguous()
     ):
         raise ValueError(
-            f"gluon_dkdv_wg: q_wide must be Q'^ in bf16 {tuple(q_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
+            f"{name}: q_wide must be Q'^ in bf16 {tuple(q_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
             f"received {q_wide.dtype} {tuple(q_wide.shape)}, contiguous={q_wide.is_contiguous()}, ds_fmt={ds_fmt!r}"
         )
     if ds_scale_out is not None:
@@ -626,7 +650,10 @@ def gluon_dkdv(
     else:
         programs = seq_k // BLOCK_N
         head_chunk = HEAD_CHUNK[head_dim] if is_causal else 1
-        variant = dict(num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}))
+        variant = dict(
+            num_warps=8, **({"maxnreg": WS_MAXNREG} if warp_specialize else {}),
+            **({} if q_wide is None else {"Q_WIDE": True}),
+        )  # fmt: skip
     _gluon_dkdv_kernel[(programs * bkv,)](
         *descs, q_scale, k_scale, do_scale, dk, dv, stats if stats is not None else delta, *layouts,
         bkv, heads, heads // kv_heads, seq_q, seq_k, scale * LOG2E, scale,

@@ -240,7 +240,12 @@ if HAVE_GLUON:
         With ``HP_DS`` (a non-INT8 dS) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile per half, Q'^
         widened by that half's consumer (the dK product's B operand; two halves run apart, so each widens its own),
         and dS^T's tiles are bf16. With ``Q_WIDE`` as well, ``desc_qt`` is Q'^ already widened to bf16 (the backward's
-        preprocess makes the copy) and the slot is a ring of its ``[BLOCK_M, D]`` tiles, loaded beside Q'^'s."""
+        preprocess makes the copy): with two halves the slot is a ring of its ``[BLOCK_M, D]`` tiles, loaded beside
+        Q'^'s; with one (:func:`_load_wide`) it is one such tile outside the ring, loaded for each iteration once the
+        one before has released it, behind a ``ready``/``empty`` pair of its own (index ``STAGES`` of both: at D=128 a
+        ring of them would take 2 x 16 KiB more than the 227 KiB there are at two stages)."""
+        # Q'^ in bf16 from the preprocess in one buffer beside the ring (the two-warpgroup kernel).
+        WIDE_ONE: gl.constexpr = HP_DS and Q_WIDE and HALVES == 1
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
         if HALVES == 1:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
@@ -249,7 +254,9 @@ if HAVE_GLUON:
             k_smem = gl.allocate_shared_memory(desc_k.dtype, [HALVES] + desc_k.block_type.shape, desc_k.layout)
             v_smem = gl.allocate_shared_memory(desc_v.dtype, [HALVES] + desc_v.block_type.shape, desc_v.layout)
         q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES] + desc_q.block_type.shape, desc_q.layout)
-        if not HP_DS or Q_WIDE:
+        if WIDE_ONE:
+            qt_smem = gl.allocate_shared_memory(desc_qt.dtype, desc_qt.block_type.shape, desc_qt.layout)
+        elif not HP_DS or Q_WIDE:
             qt_smem = gl.allocate_shared_memory(desc_qt.dtype, [STAGES] + desc_qt.block_type.shape, desc_qt.layout)
         else:
             qb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(desc_q.block_type.shape, gl.bfloat16)
@@ -277,10 +284,11 @@ if HAVE_GLUON:
             else:
                 ds_all_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
                 ds_smem = gl.allocate_shared_memory(gl.bfloat16, [HALVES, BLOCK_N, BLOCK_M], ds_all_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        BARRIERS: gl.constexpr = STAGES + 1 if WIDE_ONE else STAGES
+        ready = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(BARRIERS):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=HALVES)
         mbarrier.init(kv_bar, count=1)
@@ -350,6 +358,19 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc_delta, [row], bar, delta_smem.index(s), pred=live)
 
     @gluon.jit
+    def _load_wide(t, n_m, lo_tile, row_q0, desc_qt, qt_smem, ready, empty, SEQ_Q, BLOCK_M: gl.constexpr,
+                   STAGES: gl.constexpr):  # fmt: skip
+        """Iteration ``t``'s tile of Q'^ in bf16 (``desc_qt``, ``[B*H*N, D]``: the preprocess's copy) into the one
+        buffer ``qt_smem`` beside the ring (:func:`_dkdv_smem` with ``Q_WIDE`` and one half), once the consumers have
+        released iteration ``t - 1``'s (``empty.index(STAGES)``); it lands on ``ready.index(STAGES)``."""
+        mbarrier.wait(empty.index(STAGES), (t & 1) ^ 1)
+        start_m = (lo_tile + t % n_m) * BLOCK_M
+        row = row_q0 + (t // n_m) * SEQ_Q + start_m
+        bar = ready.index(STAGES)
+        mbarrier.expect(bar, desc_qt.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_qt, [row, 0], bar, qt_smem)
+
+    @gluon.jit
     def _dkdv_loader(
         descs, bufs, bars, total, n_m, lo_tile, row_q0, origins, kv_row, SEQ_Q,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
@@ -358,7 +379,8 @@ if HAVE_GLUON:
         """The load partition (one warp): K'^ and V once (:func:`_load_kv`), then every iteration's Q'^, Q'^T (or
         with ``Q_WIDE`` Q'^ in bf16), dO and dO^T tiles (with lse and delta) into the ring, each stage refilled once the
         consumers have released it (``empty``). With one half its loads are predicated on ``t < total``
-        (:func:`_issue_loads`)."""
+        (:func:`_issue_loads`); with one half and ``Q_WIDE`` (``LOAD_QT`` false: no Q'^T) each iteration's Q'^ in bf16
+        goes into one buffer beside the ring (:func:`_load_wide`) after the iteration's ring loads."""
         desc_q, desc_qt, desc_k, desc_v, desc_do, desc_dot, desc_lse, desc_delta = descs
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
@@ -373,6 +395,8 @@ if HAVE_GLUON:
                 q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready, SEQ_Q, HEAD_DIM, BLOCK_M, STAGES,
                 HALVES == 1, LOAD_QT, Q_WIDE,
             )  # fmt: skip
+            if Q_WIDE and HALVES == 1:
+                _load_wide(t, n_m, lo_tile, row_q0, desc_qt, qt_smem, ready, empty, SEQ_Q, BLOCK_M, STAGES)
 
     @gluon.jit
     def _dkdv_zeros(
