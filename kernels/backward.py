@@ -408,7 +408,8 @@ def _dq_kernel(
 DkdvKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 #: A kernel computing dQ in place of the portable one, called as
 #: ``(grad_out, delta, q_op, q_scale, k_op, k_scale, v, lse, *, is_causal, scale)``, and ``ds_scale=`` with
-#: ``backward``'s ``share_ds_scales``; it takes dO and V as they lie and K'^ as it is (no ``[D, N]`` copy).
+#: ``backward``'s ``share_ds_scales``, ``k_wide=`` with its ``widen_k``; it takes dO and V as they lie and K'^ as it
+#: is (no ``[D, N]`` copy).
 DqKernel = Callable[..., torch.Tensor]
 
 
@@ -437,6 +438,7 @@ def backward(
     dq_kernel: DqKernel | None = None,
     widen_q: bool = False,
     share_ds_scales: bool = False,
+    widen_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dO's codes and the operands' transposed (or widened) copies, then the dK/dV and dQ kernels; returns
     ``(dQ, dK, dV)`` contiguous in dO's dtype.
@@ -470,10 +472,13 @@ def backward(
             kernel to after the dQ kernel) is handed to ``dkdv_kernel`` as ``ds_scale_out=``, which stores each tile's
             scale into it, and to ``dq_kernel`` as ``ds_scale=``, which reads them in place of its own reduction (the
             ``wg`` dQ kernel's three warpgroups of 64 queries: :func:`.hopper.gluon_dq.gluon_dq`).
+        widen_k: K'^ in bf16 (``[B, Hkv, Nk, D]``, exact: 2 bytes an element while the dQ kernel runs) is handed to
+            ``dq_kernel`` as ``k_wide=``: a non-INT8 ``ds``'s dQ product reads it through TMA
+            (:func:`.hopper.gluon_dq.gluon_dq`'s producer) instead of widening K'^'s codes per tile.
 
     Raises:
-        ValueError: ``widen_q`` without a ``dkdv_kernel`` (the portable kernel reads no such copy); ``share_ds_scales``
-            without both planned kernels or with a non-INT8 ``ds``.
+        ValueError: ``widen_q`` without a ``dkdv_kernel`` or ``widen_k`` without a ``dq_kernel`` (the portable
+            kernels read no such copy); ``share_ds_scales`` without both planned kernels or with a non-INT8 ``ds``.
 
     Example::
 
@@ -481,6 +486,8 @@ def backward(
                               is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
                               dv="int8", dp="bf16", ds="int8")
     """
+    if widen_k and dq_kernel is None:
+        raise ValueError("backward: widen_k makes K'^'s copy for a planned dQ kernel; received dq_kernel=None")
     if widen_q and dkdv_kernel is None:
         raise ValueError("backward: widen_q makes Q'^'s copy for a planned dK/dV kernel; received dkdv_kernel=None")
     if share_ds_scales and (dkdv_kernel is None or dq_kernel is None or ds != "int8"):
@@ -569,6 +576,8 @@ def backward(
         grad_q = dq_kernel(
             grad_out, delta, q_op, q_scale, k_op, k_scale, v_dp, lse, is_causal=is_causal, scale=scale,
             **({"ds_scale": ds_scales} if share_ds_scales else {}),
+            # K'^ in bf16 (every code exact), Nk x D x 2 bytes per kv head while the dQ kernel runs.
+            **({"k_wide": k_op.to(torch.bfloat16)} if widen_k else {}),
         )  # fmt: skip
     else:
         k_op_t = transpose_rows(k_op) if transposed else k_op

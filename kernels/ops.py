@@ -202,6 +202,7 @@ def _sagebwd_backward(
     # that kernel then takes three warpgroups of 64 queries (gluon_dq.wg_consumers: causal calls), which cannot reduce
     # the scale over the tile's 128 queries themselves (N x Nk / 2048 bytes per query head).
     share_ds_scales = share_ds_scales_here(dkdv_kernel, dq_kernel, ds, is_causal)
+    widen_k = widen_k_here(dq_kernel, ds)
     return backward(
         grad_out,
         out,
@@ -225,6 +226,7 @@ def _sagebwd_backward(
         dq_kernel=dq_run,
         widen_q=widen_q,
         share_ds_scales=share_ds_scales,
+        widen_k=widen_k,
     )
 
 
@@ -243,6 +245,21 @@ def widen_q_here(dkdv_kernel: str, ds: str) -> bool:
         widen_q_here("gluon_dkdv", "bf16")   # True
     """
     return dkdv_kernel in (GLUON_DKDV, GLUON_DKDV_WG) and ds != "int8"
+
+
+def widen_k_here(dq_kernel: str, ds: str) -> bool:
+    """Whether the backward hands the dQ kernel K'^ in bf16 (``backward``'s ``widen_k``, Nk x D x 2 bytes per kv head
+    while that kernel runs): either Gluon dQ kernel (:data:`.plan.GLUON_DQ`, :data:`.plan.GLUON_DQ_WG`, both with their
+    producer warpgroup as ``ops`` runs them) with an FP8 or bf16 dS, whose bf16 dQ product then reads the copy, loaded
+    by the producer through TMA, instead of the producer widening every key tile's INT8 codes (device run 37's ncu: the
+    D=128 kernel's consumers waited 28% of their samples for that tile). Looked up at each call: a benchmark patching
+    it to return ``False`` runs the producer's own widening (the same dQ bit for bit).
+
+    Example::
+
+        widen_k_here("gluon_dq_wg", "bf16")   # True
+    """
+    return dq_kernel in (GLUON_DQ, GLUON_DQ_WG) and ds != "int8"
 
 
 def share_ds_scales_here(dkdv_kernel: str, dq_kernel: str, ds: str, is_causal: bool) -> bool:

@@ -375,74 +375,35 @@ def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gra
 @needs_hopper
 @pytest.mark.parametrize("ds", ["fp8", "bf16"])
 @pytest.mark.parametrize(
-    "batch, hq, hkv, n, nk, causal",
+    "kernel, batch, hq, hkv, n, nk, head_dim, causal",
     [
-        pytest.param(2, 4, 2, 1024, 1024, False, id="gqa"),
-        pytest.param(2, 4, 2, 1024, 1024, True, id="gqa-causal"),
-        pytest.param(2, 4, 2, 512, 384, True, id="causal-fewer-keys"),
-        pytest.param(1, 4, 2, 256, 512, True, id="causal-more-keys"),
+        pytest.param("gluon_dkdv_wg", 2, 4, 2, 1024, 1024, 64, False, id="wg-gqa"),
+        pytest.param("gluon_dkdv_wg", 2, 4, 2, 1024, 1024, 64, True, id="wg-gqa-causal"),
+        pytest.param("gluon_dkdv_wg", 2, 4, 2, 512, 384, 64, True, id="wg-causal-fewer-keys"),
+        pytest.param("gluon_dkdv_wg", 1, 4, 2, 256, 512, 64, True, id="wg-causal-more-keys"),
+        pytest.param("gluon_dkdv", 2, 4, 2, 1024, 1024, 128, False, id="d128-gqa"),
+        pytest.param("gluon_dkdv", 2, 4, 2, 1024, 1024, 128, True, id="d128-gqa-causal"),
+        pytest.param("gluon_dkdv", 2, 4, 2, 512, 384, 128, True, id="d128-causal-fewer-keys"),
+        pytest.param("gluon_dkdv", 1, 4, 2, 256, 512, 128, True, id="d128-causal-more-keys"),
+        pytest.param("gluon_dkdv", 2, 4, 2, 1024, 960, 64, False, id="d64-keys-not-of-128"),
     ],
-)
-def test_q_widened_by_the_preprocess_gives_the_one_warpgroup_kernel_the_gradients_of_q_widened_per_tile(
-    monkeypatch, ds, batch, hq, hkv, n, nk, causal
+)  # fmt: skip
+def test_q_widened_by_the_preprocess_gives_the_gluon_dkdv_kernels_the_gradients_of_q_widened_per_tile(
+    monkeypatch, ds, kernel, batch, hq, hkv, n, nk, head_dim, causal
 ):
-    """Issue 42: at D=64 with an FP8 or bf16 dS, ``gluon_dkdv_wg`` reading Q'^ in bf16 from the preprocess's copy
-    through the TMA ring (what the backward runs) against the same kernel widening each tile's codes per warpgroup
-    (``q_wide`` dropped): the same bf16 operands in the same shared-memory layout and the same wgmma, so dQ, dK, dV
-    and the dS statistics are equal, dK bit for bit."""
+    """Issue 42: with an FP8 or bf16 dS, each Gluon dK/dV kernel reading Q'^ in bf16 from the preprocess's copy (what
+    the backward runs: ``gluon_dkdv_wg`` at D=64 through the TMA ring; ``gluon_dkdv``, two consumer warpgroups per 64
+    keys at D=128 and at D=64 where the key count is no multiple of 128, in one buffer beside the ring) against the
+    same kernel widening each tile's codes itself (``q_wide`` dropped): the same bf16 operand in the same
+    shared-memory layout and the same wgmma, so dQ, dK, dV and the dS statistics are equal, dK bit for bit."""
     from sage_lightning.kernels import AttentionPrecision, ops
 
     precision = AttentionPrecision(ds=ds)
     widened: list[bool] = []
-    original = ops.gluon_dkdv_wg
-    shape = (batch, hq, hkv, n, nk, 64, causal)
-    monkeypatch.setattr(
-        ops, "gluon_dkdv_wg", lambda *a, **kw: widened.append(kw.get("q_wide") is not None) or original(*a, **kw)
-    )
-    got = _grads(monkeypatch, "force", *shape, precision=precision)
-    assert widened == [True], widened
-
-    def per_tile(*args, q_wide=None, **kwargs):
-        widened.append(False)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "gluon_dkdv_wg", per_tile)
-    want = _grads(monkeypatch, "force", *shape, precision=precision)
-    assert widened == [True, False], widened
-    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
-        assert torch.isfinite(a).all(), name
-        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
-    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
-
-
-@needs_hopper
-@pytest.mark.parametrize("ds", ["fp8", "bf16"])
-@pytest.mark.parametrize(
-    "batch, hq, hkv, n, nk, head_dim, causal",
-    [
-        pytest.param(2, 4, 2, 1024, 1024, 128, False, id="d128-gqa"),
-        pytest.param(2, 4, 2, 1024, 1024, 128, True, id="d128-gqa-causal"),
-        pytest.param(2, 4, 2, 512, 384, 128, True, id="d128-causal-fewer-keys"),
-        pytest.param(1, 4, 2, 256, 512, 128, True, id="d128-causal-more-keys"),
-        pytest.param(2, 4, 2, 1024, 960, 64, False, id="d64-keys-not-of-128"),
-    ],
-)
-def test_q_widened_by_the_preprocess_gives_the_two_warpgroup_kernel_the_gradients_of_q_widened_per_tile(
-    monkeypatch, ds, batch, hq, hkv, n, nk, head_dim, causal
-):
-    """Issue 42: with an FP8 or bf16 dS, ``gluon_dkdv`` (two consumer warpgroups per 64 keys: D=128, and D=64 where
-    the key count is no multiple of 128) reading Q'^ in bf16 from the preprocess's copy (one buffer beside the TMA
-    ring, what the backward runs) against the same kernel widening each tile's codes itself (``q_wide`` dropped):
-    the same bf16 operand in the same shared-memory layout and the same wgmma, so dQ, dK, dV and the dS statistics
-    are equal, dK bit for bit."""
-    from sage_lightning.kernels import AttentionPrecision, ops
-
-    precision = AttentionPrecision(ds=ds)
-    widened: list[bool] = []
-    original = ops.gluon_dkdv
+    original = getattr(ops, kernel)
     shape = (batch, hq, hkv, n, nk, head_dim, causal)
     monkeypatch.setattr(
-        ops, "gluon_dkdv", lambda *a, **kw: widened.append(kw.get("q_wide") is not None) or original(*a, **kw)
+        ops, kernel, lambda *a, **kw: widened.append(kw.get("q_wide") is not None) or original(*a, **kw)
     )
     got = _grads(monkeypatch, "force", *shape, precision=precision)
     assert widened == [True], widened
@@ -451,7 +412,7 @@ def test_q_widened_by_the_preprocess_gives_the_two_warpgroup_kernel_the_gradient
         widened.append(False)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ops, "gluon_dkdv", per_tile)
+    monkeypatch.setattr(ops, kernel, per_tile)
     want = _grads(monkeypatch, "force", *shape, precision=precision)
     assert widened == [True, False], widened
     for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):

@@ -553,3 +553,124 @@ def test_three_consumer_warpgroups_with_the_dkdv_kernels_scales_give_two_warpgro
     assert torch.isfinite(three).all()
     assert torch.equal(three, two), f"max |diff| {(three.float() - two.float()).abs().max().item()}"
     assert torch.equal(_wg_dq(x, 2, scales), two)  # two warpgroups reduce their own: the scales are not read
+
+
+@pytest.mark.parametrize(
+    ("dq_kernel", "ds", "widened"),
+    [("gluon_dq_wg", "fp8", True), ("gluon_dq_wg", "bf16", True), ("gluon_dq_wg", "int8", False),
+     ("gluon_dq", "fp8", True), ("gluon_dq", "bf16", True), ("gluon_dq", "int8", False)],
+)  # fmt: skip
+def test_the_backward_hands_the_gluon_dq_kernels_k_in_bf16_with_an_fp8_or_bf16_ds_only(
+    monkeypatch, dq_kernel, ds, widened
+):
+    """Issue 42: the backward makes K'^ in bf16 (Nk x D x 2 bytes per kv head) only when the plan runs a Gluon dQ
+    kernel (``gluon_dq`` or ``gluon_dq_wg``, with their producer warpgroup as ``ops`` runs them) with an FP8 or bf16
+    dS, and hands it to that kernel as ``k_wide``: the values are the INT8 codes, exactly. (The Gluon kernel is stood
+    in for: the interpreter cannot run it; the preprocess and the portable dK/dV kernel run.)"""
+    from sage_lightning.kernels import ops
+
+    seen: dict[str, object] = {}
+
+    def stand_in(grad_out, delta, q_op, q_scale, k_op, *rest, **kwargs):
+        seen.update(kwargs, k_op=k_op)
+        return torch.zeros(q_op.shape, dtype=grad_out.dtype, device=grad_out.device)
+
+    monkeypatch.setattr(ops, dq_kernel, stand_in)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and ds == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("an FP8 dS needs FP8 tensor cores (compute capability 8.9 or newer)")
+    gen = torch.Generator().manual_seed(42)
+    batch, heads, seq, head_dim = 1, 2, 128, 64
+    shape = (batch, heads, seq, head_dim)
+    q_op = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+    k_op = torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8).to(device)
+    grad_out, out, v = (torch.randn(shape, generator=gen).to(device, torch.bfloat16) for _ in range(3))
+    scales = (
+        torch.full((batch, heads, seq // 128), 1e-3, device=device),
+        torch.full((batch, heads, seq // 64), 1e-3, device=device),
+    )
+    lse = torch.zeros(batch, heads, seq, device=device)
+    ops._sagebwd_backward(
+        grad_out, out, lse, q_op, scales[0], torch.empty(0, device=device), k_op, scales[1], v, None, False, 0.125,
+        "int8", "int8", "bf16", ds, 128, 64, "triton_dkdv", dq_kernel,
+    )  # fmt: skip
+    assert seen["k_op"] is k_op and seen.get("ds_fmt", "int8") == ds
+    if widened:
+        k_wide = seen["k_wide"]
+        assert k_wide.dtype == torch.bfloat16 and k_wide.is_contiguous()
+        assert torch.equal(k_wide, k_op.to(torch.bfloat16))
+    else:
+        assert "k_wide" not in seen
+
+
+def test_k_in_bf16_is_refused_where_the_producer_does_not_load_it():
+    from sage_lightning.kernels.backward import backward
+
+    q = torch.zeros(1, 1, 128, 128, dtype=torch.int8, device="meta")
+    wide = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"gluon_dq: k_wide is loaded by the producer warpgroup .*; received "
+                                         r"warp_specialize=False"):  # fmt: skip
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="bf16", warp_specialize=False,
+                    k_wide=wide)  # fmt: skip
+    refused = r"gluon_dq: k_wide must be K'\^ in bf16 \(1, 1, 128, 128\), contiguous, with ds_fmt 'fp8' or 'bf16'; "
+    with pytest.raises(ValueError, match=refused + r"received torch.bfloat16 .* ds_fmt='int8'"):
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, k_wide=wide)
+    with pytest.raises(ValueError, match=refused + r"received torch.float16 \(1, 1, 128, 128\)"):
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="fp8", k_wide=wide.half())
+    with pytest.raises(ValueError, match=refused + r"received torch.bfloat16 \(1, 1, 64, 128\)"):
+        gq.gluon_dq(q, q, q, q, q, q, q, q, is_causal=False, scale=0.1, ds_fmt="fp8", k_wide=wide[:, :, :64])
+    x = torch.zeros(1, 1, 128, 64)
+    with pytest.raises(ValueError, match=r"backward: widen_k makes K'\^'s copy for a planned dQ kernel; received "
+                                         r"dq_kernel=None"):  # fmt: skip
+        backward(
+            x, x, x, x, None, x, x, x, x, None, is_causal=True, scale=0.125, block_m=128, block_n=64, qk="int8",
+            dv="int8", dp="bf16", ds="bf16", widen_k=True,
+        )  # fmt: skip
+
+
+@needs_hopper
+@pytest.mark.parametrize("ds", ["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "kernel, batch, hq, hkv, n, nk, head_dim, causal",
+    [
+        pytest.param("gluon_dq", 2, 4, 2, 1024, 1024, 128, False, id="d128-gqa"),
+        pytest.param("gluon_dq", 2, 4, 2, 1024, 1024, 128, True, id="d128-gqa-causal"),
+        pytest.param("gluon_dq", 1, 2, 2, 1024, 320, 128, True, id="d128-causal-fewer-keys"),
+        pytest.param("gluon_dq", 1, 4, 2, 256, 512, 128, True, id="d128-causal-more-keys"),
+        # D=64, one warpgroup per block (three of 64 queries on causal calls with a bf16 dS): odd blocks, GQA with
+        # more keys, more queries than keys.
+        pytest.param("gluon_dq_wg", 1, 2, 2, 384, 384, 64, True, id="wg-odd-blocks-causal"),
+        pytest.param("gluon_dq_wg", 2, 4, 2, 640, 768, 64, True, id="wg-gqa-causal-more-keys"),
+        pytest.param("gluon_dq_wg", 1, 2, 2, 1024, 320, 64, True, id="wg-causal-fewer-keys"),
+        pytest.param("gluon_dq_wg", 1, 2, 2, 384, 256, 64, False, id="wg-odd-blocks"),
+    ],
+)  # fmt: skip
+def test_k_in_bf16_from_the_backward_gives_the_gluon_dq_kernels_the_gradients_of_k_widened_per_tile(
+    monkeypatch, ds, kernel, batch, hq, hkv, n, nk, head_dim, causal
+):
+    """Issue 42: with an FP8 or bf16 dS, each Gluon dQ kernel loading K'^ in bf16 from the backward's copy (what the
+    backward runs: the producer's TMA load into the dQ product's B buffer) against the same kernel's producer widening
+    each tile's codes (``k_wide`` dropped): the same bf16 operand in the same shared-memory layout and the same wgmma,
+    so dQ, dK and dV are equal bit for bit."""
+    from sage_lightning.kernels import AttentionPrecision, ops
+
+    precision = AttentionPrecision(ds=ds)
+    widened: list[bool] = []
+    original = getattr(ops, kernel)
+    shape = (batch, hq, hkv, n, nk, head_dim, causal)
+    monkeypatch.setattr(
+        ops, kernel, lambda *a, **kw: widened.append(kw.get("k_wide") is not None) or original(*a, **kw)
+    )
+    got = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True], widened
+
+    def per_tile(*args, k_wide=None, **kwargs):
+        widened.append(False)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ops, kernel, per_tile)
+    want = _grads(monkeypatch, "force", *shape, precision=precision)
+    assert widened == [True, False], widened
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=True):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"

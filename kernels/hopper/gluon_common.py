@@ -783,6 +783,19 @@ def check_ds_scales(name: str, argument: str, ds_scale: torch.Tensor, q_op: torc
         )
 
 
+def k_wide_desc(k_wide: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """The TMA descriptor of the backward's bf16 copy of K'^ (``[B, Hkv, Nk, D]`` contiguous, read ``[B*Hkv*Nk, D]``
+    in tiles of ``block_n`` keys) for the dQ kernels' producer, in the shared-memory layout of their widened K'^ tiles
+    (:func:`_dq_smem` with ``HP_DS``).
+
+    Example::
+
+        desc = k_wide_desc(k_op.to(torch.bfloat16), 64)
+    """
+    batch, kv_heads, seq_k, head_dim = k_wide.shape
+    return _desc(k_wide, batch * kv_heads * seq_k, head_dim, [block_n, head_dim])
+
+
 def dq_operands(
     grad_out: torch.Tensor, q_op: torch.Tensor, k_op: torch.Tensor, v: torch.Tensor, block_m: int, block_n: int
 ) -> tuple[tuple[TensorDescriptor, ...], torch.Tensor, tuple[int, ...]]:

@@ -84,7 +84,7 @@ import triton
 
 from ..tiles import GLUON_BLOCK_M, GLUON_BLOCK_N, LOG2E
 from .gluon_backward import WG_MAXNREG, WS_MAXNREG
-from .gluon_common import HAVE_GLUON, check_ds_scales, dq_operands
+from .gluon_common import HAVE_GLUON, check_ds_scales, dq_operands, k_wide_desc
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -252,6 +252,7 @@ if HAVE_GLUON:
     def _dq_producer(
         descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BLOCKS: gl.constexpr, HP_DS: gl.constexpr = False,
+        desc_kw=None, K_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         """The producer partition (one warpgroup): the program's ``Q_BLOCKS`` blocks of Q'^ and dO once
         (:func:`_issue_q`), every key tile into the ring, and each tile's
@@ -262,7 +263,10 @@ if HAVE_GLUON:
         the consumers' arrival and this one), and the stage of tile ``t - 1`` is refilled with tile
         ``t - 1 + STAGES`` once the consumers have released it too. The producer thus runs at most two tiles ahead
         of the consumers' dQ products. With ``HP_DS`` (a non-INT8 dS) the tile is widened to bf16
-        (:func:`_widen_k`) in place of the transposition."""
+        (:func:`_widen_k`) in place of the transposition; with ``K_WIDE`` as well it is not made here but loaded: the
+        backward's bf16 copy of K'^ (``desc_kw``, ``[B*Hkv*Nk, D]``) goes by TMA straight into the buffer, on
+        ``kt_ready`` with its bytes, as soon as the consumers have released the buffer (before the ring's tile has
+        landed, which the stage's release still waits for)."""
         desc_q, desc_do, desc_k, desc_v = descs
         q_smem, do_smem, k_smem, kt_smem, v_smem = bufs[0], bufs[1], bufs[2], bufs[3], bufs[4]
         ready, empty, q_bar, kt_ready, kt_empty = bars
@@ -272,14 +276,26 @@ if HAVE_GLUON:
         for t in range(n_tiles):
             stage = t % STAGES
             kb = t % 2
-            mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
-            # A fresh mbarrier counts as having completed the phase before its first: the first pass does not wait.
-            mbarrier.wait(kt_empty.index(kb), ((t // 2) & 1) ^ 1)
-            if HP_DS:
-                _widen_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, BLOCK_N, 4)
+            if K_WIDE:
+                # A fresh mbarrier counts as having completed the phase before its first: the first pass does not
+                # wait. The tile's bf16 K'^ lands on kt_ready (one arrival, with its bytes).
+                mbarrier.wait(kt_empty.index(kb), ((t // 2) & 1) ^ 1)
+                kt_bar = kt_ready.index(kb)
+                mbarrier.expect(kt_bar, desc_kw.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_kw, [kv_row0[0] + t * BLOCK_N, 0], kt_bar, kt_smem.index(kb))
+                # The stage is released once its own loads have landed: a consumer that skips the tile (WG: past
+                # its block's diagonal) releases it after kt_ready alone, so this keeps its refill behind them.
+                mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
             else:
-                _transpose_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, 4)
-            mbarrier.arrive(kt_ready.index(kb), count=1)
+                mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+                # A fresh mbarrier counts as having completed the phase before its first: the first pass does not
+                # wait.
+                mbarrier.wait(kt_empty.index(kb), ((t // 2) & 1) ^ 1)
+                if HP_DS:
+                    _widen_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, BLOCK_N, 4)
+                else:
+                    _transpose_k(k_smem.index(stage), kt_smem.index(kb), HEAD_DIM, 4)
+                mbarrier.arrive(kt_ready.index(kb), count=1)
             mbarrier.arrive(empty.index(stage), count=1)
             if t > 0:
                 prev = (t - 1) % STAGES
@@ -509,10 +525,12 @@ if HAVE_GLUON:
         CODES_IN_REGISTERS: gl.constexpr, DEFER: gl.constexpr, PRODUCER_REGS: gl.constexpr,
         DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 0,
         N_WG: gl.constexpr = 2, Q_BLOCK: gl.constexpr = 0, DS_SCALE=None, DS_SCALED: gl.constexpr = False,
+        DESC_KW=None, K_WIDE: gl.constexpr = False,
     ):  # fmt: skip
         # A program's query blocks: one (both consumer warpgroups on it), or with WG N_WG (a warpgroup each; with
         # three, blocks of 64 rows, halves of Q's quantization blocks of Q_BLOCK rows).
         Q_BLOCKS: gl.constexpr = N_WG if WG else 1
+        gl.static_assert(not K_WIDE or (WARP_SPECIALIZE and DS_FMT != "int8"), "K_WIDE: the producer, a non-INT8 dS")
         m_blocks = gl.cdiv(SEQ_Q, BLOCK_M)
         n_programs = gl.cdiv(m_blocks, N_WG) if WG else m_blocks
         pid, bh = _head_chunk_order(gl.program_id(0), n_programs, BH, HEAD_CHUNK)
@@ -571,7 +589,7 @@ if HAVE_GLUON:
                     (
                         _dq_producer,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 3,
-                         DS_FMT != "int8"),
+                         DS_FMT != "int8", DESC_KW, K_WIDE),
                     ),
                 ],
                 [4, 4, 4],
@@ -596,7 +614,7 @@ if HAVE_GLUON:
                     (
                         _dq_producer,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 2,
-                         DS_FMT != "int8"),
+                         DS_FMT != "int8", DESC_KW, K_WIDE),
                     ),
                 ],
                 [4, 4],
@@ -614,7 +632,7 @@ if HAVE_GLUON:
                     (
                         _dq_producer,
                         (descs, bufs, bars, n_tiles, q_row, kv_row0, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, 1,
-                         DS_FMT != "int8"),
+                         DS_FMT != "int8", DESC_KW, K_WIDE),
                     ),
                 ],
                 [4],
@@ -665,6 +683,7 @@ def gluon_dq(
     wg: bool = False,
     consumers: int | None = None,
     ds_scale: torch.Tensor | None = None,
+    k_wide: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dQ as ``backward()``'s ``_dq_kernel`` launch returns it, for the calls the plan
     (:func:`..plan.plan_attention`) gives it.
@@ -707,6 +726,11 @@ def gluon_dq(
             64]`` contiguous, :func:`..tiles.ds_scales_shape`), which three consumer warpgroups read in place of
             their own reduction (the codes clamped to +-127 in case the two kernels' dS differ in a last bit); two
             consumer warpgroups reduce their own and do not read it.
+        k_wide: with a non-INT8 ``ds_fmt``, K'^ widened to bf16, ``[B, Hkv, Nk, D]`` contiguous (``backward``'s
+            ``widen_k``: ``k_op.to(torch.bfloat16)``, exact), which the producer warpgroup loads by TMA into the
+            dQ product's B buffer in place of widening each key tile's codes there. ``None``: the producer widens
+            them (the same dQ bit for bit; device run 37's ncu had the D=128 kernel's consumers waiting 28% of their
+            samples for that tile).
 
     Returns:
         dQ ``[B, Hq, N, D]`` bf16, contiguous.
@@ -716,7 +740,8 @@ def gluon_dq(
             ``wg``), a ``ds_fmt`` it does not take, or with ``wg`` a head dim it does not serve or another variant;
             ``consumers`` not 2 or 3, or 3 without ``wg`` and ``ds_fmt="bf16"`` or ``"int8"``; 3 with an INT8 dS and
             no ``ds_scale``; a ``ds_scale`` without ``wg`` and an INT8 dS, or not of
-            :func:`..tiles.ds_scales_shape` in fp32, contiguous.
+            :func:`..tiles.ds_scales_shape` in fp32, contiguous; a ``k_wide`` without ``warp_specialize``, with an
+            INT8 dS, or not K'^'s shape in bf16, contiguous.
 
     Example::
 
@@ -738,6 +763,18 @@ def gluon_dq(
             raise ValueError(f"{name}: ds_scale is read by the wg variant with an INT8 dS only (wg=True, "
                              f"ds_fmt='int8'); received wg={wg}, ds_fmt={ds_fmt!r}")  # fmt: skip
         check_ds_scales(name, "ds_scale", ds_scale, q_op, k_op)
+    if k_wide is not None and not warp_specialize:
+        raise ValueError(
+            f"{name}: k_wide is loaded by the producer warpgroup (warp_specialize=True); received "
+            "warp_specialize=False. Pass k_wide=None: the consumers widen K'^'s codes themselves"
+        )
+    if k_wide is not None and (
+        ds_fmt == "int8" or k_wide.dtype != torch.bfloat16 or k_wide.shape != k_op.shape or not k_wide.is_contiguous()
+    ):
+        raise ValueError(
+            f"{name}: k_wide must be K'^ in bf16 {tuple(k_op.shape)}, contiguous, with ds_fmt 'fp8' or 'bf16'; "
+            f"received {k_wide.dtype} {tuple(k_wide.shape)}, contiguous={k_wide.is_contiguous()}, ds_fmt={ds_fmt!r}"
+        )
     if consumers is None:
         consumers = wg_consumers(ds_fmt, is_causal, ds_scale is not None) if wg else 2
     if consumers not in (2, 3) or (consumers == 3 and not (wg and ds_fmt in ("bf16", "int8"))):
@@ -780,6 +817,7 @@ def gluon_dq(
         WARP_SPECIALIZE=warp_specialize, CODES_IN_REGISTERS=codes_in_registers, DEFER=defer,
         PRODUCER_REGS=PRODUCER_REGS,
         **({} if ds_fmt == "int8" else {"DS_FMT": ds_fmt}),
+        **({} if k_wide is None else {"DESC_KW": k_wide_desc(k_wide, BLOCK_N), "K_WIDE": True}),
         **variant,
     )  # fmt: skip
     return dq
