@@ -141,25 +141,35 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
     for variant in ({"warp_specialize": False}, {"defer": True}):
         with pytest.raises(ValueError, match=r"gluon_dkdv_wg: is warp-specialised without defer; received "):
             gb.gluon_dkdv(x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, wg=True, **variant)
-    # Q'^ in bf16 from the preprocess: for an FP8 or bf16 dS only, of Q'^'s shape, contiguous.
+    # Q'^ in bf16 from the preprocess: for an FP8 or bf16 dS only, of Q'^'s shape, contiguous; the same checks of the
+    # copy in both variants that read it (without wg: the warp-specialised one without defer, one buffer beside the
+    # ring).
     wide = torch.zeros(1, 1, 4096, 64, dtype=torch.bfloat16, device="meta")
-    refused = r"gluon_dkdv_wg: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
-    for ds_fmt, q_wide, received in [
-        ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
-        ("fp8", x, r"torch.int8 \(1, 1, 4096, 64\)"),
-        ("fp8", wide[:, :, :2048], r"torch.bfloat16 \(1, 1, 2048, 64\)"),
-        (
-            "bf16",
-            wide.new_zeros(1, 1, 64, 4096).transpose(2, 3),
-            r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=False",
-        ),
-    ]:
-        with pytest.raises(ValueError, match=refused + received):
-            gb.gluon_dkdv(
-                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide, wg=True
-            )
-    # Without wg: the warp-specialised variant without defer reads it too (one buffer beside the ring), the same
-    # checks of the copy; the variants that widen the codes themselves refuse it.
+    refused_copies = {
+        "gluon_dkdv_wg": [
+            ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
+            ("fp8", x, r"torch.int8 \(1, 1, 4096, 64\)"),
+            ("fp8", wide[:, :, :2048], r"torch.bfloat16 \(1, 1, 2048, 64\)"),
+            (
+                "bf16",
+                wide.new_zeros(1, 1, 64, 4096).transpose(2, 3),
+                r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=False",
+            ),
+        ],
+        "gluon_dkdv": [
+            ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
+            ("bf16", x, r"torch.int8 \(1, 1, 4096, 64\)"),
+        ],
+    }
+    for name, cases in refused_copies.items():
+        refused = rf"{name}: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
+        for ds_fmt, q_wide, received in cases:
+            with pytest.raises(ValueError, match=refused + received):
+                gb.gluon_dkdv(
+                    x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide,
+                    wg=name == "gluon_dkdv_wg",
+                )  # fmt: skip
+    # The variants that widen the codes themselves refuse it.
     for variant, received in (
         ({"warp_specialize": False}, "warp_specialize=False, defer=False"),
         ({"defer": True}, "warp_specialize=True, defer=True"),
@@ -171,15 +181,6 @@ def test_the_one_warpgroup_per_half_switch_refuses_an_unknown_setting(kernel_swi
         with pytest.raises(ValueError, match=refused_variant):
             gb.gluon_dkdv(
                 x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt="fp8", q_wide=wide, **variant
-            )
-    refused = r"gluon_dkdv: q_wide must be Q'\^ in bf16 \(1, 1, 4096, 64\), contiguous, .*; received "
-    for ds_fmt, q_wide, received in [
-        ("int8", wide, r"torch.bfloat16 \(1, 1, 4096, 64\), contiguous=True, ds_fmt='int8'"),
-        ("bf16", x, r"torch.int8 \(1, 1, 4096, 64\)"),
-    ]:
-        with pytest.raises(ValueError, match=refused + received):
-            gb.gluon_dkdv(
-                x, x, x, x, x, x, x, x, x, x, x, None, is_causal=False, scale=0.1, ds_fmt=ds_fmt, q_wide=q_wide
             )
     # The dS tile scales for the dQ kernel's three warpgroups: stored by the wg variant with an INT8 dS only, into
     # fp32 [B, Hq, N / 128, Nk / 64], contiguous.
