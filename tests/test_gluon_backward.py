@@ -543,3 +543,32 @@ def test_the_backward_hands_both_planned_kernels_one_readable_do_and_v(layout):
         assert torch.equal(handed, original)
         assert (handed.data_ptr() == original.data_ptr()) == (layout == "model")
         assert rows_view(handed)[0].data_ptr() == handed.data_ptr()  # each kernel's view copies nothing
+
+
+@pytest.mark.skipif(not gluon_backward.HAVE_GLUON, reason="the helper is a Gluon constexpr function")
+@pytest.mark.parametrize("seed", range(12))
+def test_warp_split_reduces_only_within_a_warp_and_keeps_every_warp_apart(seed):
+    """``gluon_common._warp_split``, which ``_tile_amax`` and ``_row_max`` reshape a tile by: reducing the axes it
+    returns merges only elements of one warp, and what is left holds each warp's (or, for the rows' variant, each
+    row's and warp's) elements apart, for random tiles and warp bases (the wgmma layouts' among them)."""
+    import numpy as np
+    from sage_lightning.kernels.hopper.gluon_common import _warp_split
+
+    rng = np.random.default_rng(seed)
+    bits = (int(rng.integers(3, 8)), int(rng.integers(3, 8)))
+    shape = (2 ** bits[0], 2 ** bits[1])
+    places = [(dim, bit) for dim in (0, 1) for bit in range(bits[dim])]
+    chosen = [places[i] for i in rng.choice(len(places), size=int(rng.integers(1, 4)), replace=False)]
+    bases = [[2**bit if d == dim else 0 for d in (0, 1)] for dim, bit in chosen] + [[0, 0]]  # one warp bit unused
+    rows, cols = np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij")
+    warp = sum(((rows if dim == 0 else cols) >> bit & 1) << i for i, (dim, bit) in enumerate(chosen))
+    for dims in ((0, 1), (1,)):
+        split, axes = _warp_split(shape, bases, dims)
+        assert list(axes) == sorted(axes, reverse=True)
+        key = warp if dims == (0, 1) else warp * shape[0] + rows  # the rows' variant keeps each row apart too
+        grouped = np.moveaxis(key.reshape(split), list(axes), list(range(len(axes))))
+        groups = grouped.reshape(int(np.prod([split[a] for a in axes])), -1)
+        assert (groups == groups[:1]).all()  # one warp (and row) in each reduced group
+        assert len(set(groups[0].tolist())) == groups.shape[1]  # and every kept index a different one
+    with pytest.raises(ValueError, match="warp_bases"):
+        _warp_split(shape, [[3, 0]], (0, 1))

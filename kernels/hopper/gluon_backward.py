@@ -16,8 +16,10 @@ The numerics are ``_dkdv_kernel``'s (:mod:`..backward`) for SageBwd's default fo
 The layout is transposed against ``_dkdv_kernel``'s: a program holds ``S^T``, ``dP^T`` ``[64 keys, 128
 queries]`` over two warpgroups (``warps_per_cta=[4, 2]``: each warpgroup computes the 64 keys against its 64
 of the tile's 128 queries). P's per-key scale (a reduction over queries) and dS's tile scale (over the whole
-tile) therefore cross both warpgroups; the reductions go through shared memory, so both warpgroups see the
-same scales and the granularity is SageBwd's (one scale per 128 x 64 tile). The codes of P^T and dS^T are
+tile) therefore cross both warpgroups; each warp reduces its own part, then one exchange through shared memory
+completes each (:func:`.gluon_common._row_max`, :func:`.gluon_common._tile_amax`: one barrier each where Triton's
+nested reductions took two and five), so both warpgroups see the same scales and the granularity is SageBwd's (one
+scale per 128 x 64 tile). The codes of P^T and dS^T are
 written to shared memory once per tile and are the A operands of ``dV`` and ``dK``'s INT8 wgmma (each
 warpgroup computes half of D's columns). B operands are K-major as 8-bit wgmma requires: ``dO^`` and ``Q'^``
 are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
@@ -48,8 +50,8 @@ same int32 products summed in the same order; dK and dV are bit for bit the same
 
 * The kernel above gives a program 64 keys and splits each ``[64 keys, 128 queries]`` tile between its two consumer
   warpgroups by queries. P's per-key scale and dS's tile scale are then reductions across both warpgroups, through
-  shared memory and CTA-wide barriers (eleven ``BAR.SYNC`` in its loop at D=64): the warpgroups run in lockstep and
-  the tensor cores idle while both quantize.
+  shared memory and CTA-wide barriers (six ``BAR.SYNC`` in its loop at D=64 with an INT8 dS, eleven before
+  :func:`.gluon_common._tile_amax`): the warpgroups run in lockstep and the tensor cores idle while both quantize.
 * With ``WG`` a program holds 128 keys, and each consumer warpgroup owns one 64-key half against all 128 queries of
   every tile. P's scale is a reduction within a thread quad (shuffles), dS's scale one within the warpgroup; the two
   warpgroups share only the TMA ring (each releases a stage on its own), so one quantizes while the other's products

@@ -6,7 +6,9 @@ memory, the TMA loads, a tile's scores, codes and products, the epilogue; on the
 
 Each helper is the code the kernels had inline, moved here unchanged (the same operations in the same order): the
 kernels compile to the same instructions. Where the partitions differ (the order in which a tile's products are
-issued and waited for, the barriers, who loads what), the kernels keep their own code.
+issued and waited for, the barriers, who loads what), the kernels keep their own code. The exceptions are the
+scales' maxima across warps (:func:`_tile_amax`, :func:`_row_max`), which replaced Triton's nested reductions
+with one exchange each: the same values (a maximum is exact in any order), fewer barriers.
 """
 
 from __future__ import annotations
@@ -77,10 +79,117 @@ if HAVE_GLUON:
         rounded = gl.minimum(gl.maximum(rounded, _ROUNDER - 127.0), _ROUNDER + 127.0)
         return rounded.to(gl.int32, bitcast=True).to(gl.int8)
 
+    @gluon.constexpr_function
+    def _warp_split(shape, warp_bases, dims):
+        """How :func:`_tile_amax` and :func:`_row_max` reshape a tile so that each warp's elements are apart.
+
+        Each of ``dims`` of ``shape`` is split into runs of its index bits (most significant first) that the warps
+        tell apart (a warp basis of the layout, ``warp_bases``) or do not; the other dims stay whole. Returns the new
+        shape and, descending, the axes of the runs no warp tells apart (those a warp reduces alone, in registers and
+        shuffles). A ``[64, 128]`` tile over warps ``[4, 2]`` (warp bases rows 16 and 32, column 64) splits into
+        ``[4, 16, 2, 64]``, axes ``(3, 1)``; its columns alone into ``[64, 2, 64]``, axis ``(2,)``."""
+        warp_bits = set()
+        for basis in warp_bases:
+            placed = [(dim, value) for dim, value in enumerate(basis) if value]
+            if len(placed) > 1 or (placed and placed[0][1] & (placed[0][1] - 1)):
+                raise ValueError(f"warp_bases must each hold one power of two; received {warp_bases}")
+            if placed:
+                warp_bits.add((placed[0][0], placed[0][1].bit_length() - 1))
+        split, axes = [], []
+        for dim, size in enumerate(shape):
+            if dim not in dims:
+                split.append(size)
+                continue
+            runs = []
+            for bit in reversed(range(size.bit_length() - 1)):
+                by_warps = (dim, bit) in warp_bits
+                if runs and runs[-1][0] == by_warps:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([by_warps, 1])
+            for by_warps, bits in runs:
+                if not by_warps:
+                    axes.append(len(split))
+                split.append(2**bits)
+        return tuple(split), tuple(sorted(axes, reverse=True))
+
+    @gluon.constexpr_function
+    def _kept(shape, axes):
+        """The number of elements of ``shape`` over the dims not in ``axes``."""
+        count = 1
+        for dim, size in enumerate(shape):
+            if dim not in axes:
+                count *= size
+        return count
+
+    @gluon.constexpr_function
+    def _whole_in_threads(count, lanes, warps):
+        """The layout of a ``[count]`` tensor that every thread holds whole (``lanes`` and ``warps`` bases, none
+        apart)."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[2**bit] for bit in range(count.bit_length() - 1)], lane_bases=[[0]] * lanes,
+            warp_bases=[[0]] * warps, block_bases=[], shape=[count],
+        )  # fmt: skip
+
+    @gluon.constexpr_function
+    def _rows_with_columns(rows, count):
+        """The layout ``rows`` (a 1-D linear layout) with a second dim of ``count`` held in each thread's registers."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[b[0], 0] for b in rows.reg_bases] + [[0, 2**bit] for bit in range(count.bit_length() - 1)],
+            lane_bases=[[b[0], 0] for b in rows.lane_bases], warp_bases=[[b[0], 0] for b in rows.warp_bases],
+            block_bases=[], shape=[rows.shape[0], count],
+        )  # fmt: skip
+
+    @gluon.constexpr_function
+    def _columns_by_warps(warp_bases):
+        """Whether any warp basis of a 2-D layout lies along its columns (a row's elements in several warps)."""
+        return any(basis[1] for basis in warp_bases)
+
+    @gluon.jit
+    def _tile_amax(x):
+        """The largest magnitude of the 2-D tile ``x`` (NaN if any element is), in every thread.
+
+        The same value as ``_nan_max(_nan_max(|x|, 1), 0)`` (a maximum is exact in any order), with one exchange
+        between the warps instead of one pair of barriers per axis the warps split (five in the dK/dV kernel's
+        ``[64, 128]`` tile over two warpgroups): each warp reduces its own elements (registers, then shuffles), then
+        one write of the warps' maxima to shared memory, one barrier, and every thread reads them all."""
+        lin: gl.constexpr = gl.to_linear_layout(x.type.layout, x.shape)
+        SPLIT: gl.constexpr = _warp_split(lin.shape, lin.warp_bases, (0, 1))
+        part = gl.reshape(gl.abs(x), SPLIT[0])
+        for i in gl.static_range(len(SPLIT[1])):
+            part = gl.reduce(part, SPLIT[1][i], _max_nan)
+        WARPS: gl.constexpr = _kept(SPLIT[0], SPLIT[1])
+        part = gl.reshape(part, [WARPS])
+        whole = gl.convert_layout(part, _whole_in_threads(WARPS, len(lin.lane_bases), len(lin.warp_bases)))
+        return gl.reduce(whole, 0, _max_nan)
+
+    @gluon.jit
+    def _row_max(x):
+        """``_nan_max(x, 1)``: each row's largest element of the 2-D tile ``x`` (NaN if any is), in the threads of the
+        row's layout (``SliceLayout(1, x's)``). Where a row lies in several warps (the dK/dV kernel's two
+        warpgroups, 64 of a key's 128 queries each), each reduces its part alone and one exchange through shared
+        memory (one barrier) gives every thread of the row the others' (two barriers before); elsewhere the
+        reduction as it was."""
+        lin: gl.constexpr = gl.to_linear_layout(x.type.layout, x.shape)
+        row_l: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+        if _columns_by_warps(lin.warp_bases):
+            SPLIT: gl.constexpr = _warp_split(lin.shape, lin.warp_bases, (1,))
+            part = gl.reshape(x, SPLIT[0])
+            for i in gl.static_range(len(SPLIT[1])):
+                part = gl.reduce(part, SPLIT[1][i], _max_nan)
+            ROWS: gl.constexpr = x.shape[0]
+            WARPS: gl.constexpr = _kept(SPLIT[0], SPLIT[1]) // ROWS
+            part = gl.reshape(part, [ROWS, WARPS])
+            whole = gl.convert_layout(part, _rows_with_columns(gl.to_linear_layout(row_l, [ROWS]), WARPS))
+            result = gl.convert_layout(gl.reduce(whole, 1, _max_nan), row_l, assert_trivial=True)
+        else:
+            result = _nan_max(x, 1)
+        return result
+
     @gluon.jit
     def _tile_scale(x):
         """One INT8 scale for the whole 2-D tile ``x`` (dS's granularity): its largest magnitude over 127."""
-        return _int8_scale(_nan_max(_nan_max(gl.abs(x), 1), 0))
+        return _int8_scale(_tile_amax(x))
 
     @gluon.jit
     def _fp8_scale(amax):
@@ -94,7 +203,7 @@ if HAVE_GLUON:
         ``(amax, scale)``: ``"fp8"``, its e4m3 codes for one scale over the tile (``quant.fp8_codes``: one multiply by
         the reciprocal) widened to bf16 (exact); ``"bf16"``, dS rounded to bf16 (scale 1, amax not computed: 0)."""
         if DS_FMT == "fp8":
-            amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
+            amax = _tile_amax(ds)
         else:
             amax = gl.to_tensor(0.0)
         values, scale = _ds_operand_from(ds, amax, DS_FMT)
@@ -313,6 +422,15 @@ if HAVE_GLUON:
                 tma.async_copy_global_to_shared(desc_v, [v_row + h * half, v_col], kv_bar, v_smem.index(h))
 
     @gluon.jit
+    def _tile_rows(t, n_m, lo_tile, row_q0, SEQ_Q, BLOCK_M: gl.constexpr):
+        """Flat iteration ``t`` of a dK/dV program (group member ``t // n_m``, query tile ``lo_tile + t % n_m``):
+        ``(g, start_m, row)``, the member, its tile's first query and that query's row in the ``[B*H*N, D]`` views
+        (``row_q0``: the group's first head's first row)."""
+        g = t // n_m
+        start_m = (lo_tile + t % n_m) * BLOCK_M
+        return g, start_m, row_q0 + g * SEQ_Q + start_m
+
+    @gluon.jit
     def _issue_loads(
         t, total, n_m, lo_tile, row_q0, origins, desc_q, desc_qt, desc_do, desc_dot, desc_lse, desc_delta,
         q_smem, qt_smem, do_smem, dot_smem, lse_smem, delta_smem, ready,
@@ -330,9 +448,7 @@ if HAVE_GLUON:
             live = t < total
         else:
             live = True
-        g = t // n_m
-        start_m = (lo_tile + t % n_m) * BLOCK_M
-        row = row_q0 + g * SEQ_Q + start_m
+        g, start_m, row = _tile_rows(t, n_m, lo_tile, row_q0, SEQ_Q, BLOCK_M)
         col_t0, do_org, _ = origins
         row_t = col_t0 + g * HEAD_DIM
         # dO's first row and column of the group's first head, and a head's step (its query heads are consecutive)
@@ -364,8 +480,7 @@ if HAVE_GLUON:
         buffer ``qt_smem`` beside the ring (:func:`_dkdv_smem` with ``Q_WIDE`` and one half), once the consumers have
         released iteration ``t - 1``'s (``empty.index(STAGES)``); it lands on ``ready.index(STAGES)``."""
         mbarrier.wait(empty.index(STAGES), (t & 1) ^ 1)
-        start_m = (lo_tile + t % n_m) * BLOCK_M
-        row = row_q0 + (t // n_m) * SEQ_Q + start_m
+        _, _, row = _tile_rows(t, n_m, lo_tile, row_q0, SEQ_Q, BLOCK_M)
         bar = ready.index(STAGES)
         mbarrier.expect(bar, desc_qt.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_qt, [row, 0], bar, qt_smem)
@@ -434,7 +549,7 @@ if HAVE_GLUON:
             if masked:
                 p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
         # P's codes, one scale per key over the tile's 128 queries.
-        p_scale = _int8_scale(_nan_max(p, 1))
+        p_scale = _int8_scale(_row_max(p))
         p_smem.store(_int8_codes(p, p_scale[:, None]))
         return p, p_scale
 
@@ -450,7 +565,7 @@ if HAVE_GLUON:
             if masked:
                 offs_q = start_m + gl.arange(0, BLOCK_M, layout=query_l)
                 p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
-        p_scale = _int8_scale(_nan_max(p, 1))
+        p_scale = _int8_scale(_row_max(p))
         p_smem.store(_int8_codes(p, p_scale[:, None]))
         return p, p_scale
 
@@ -511,7 +626,7 @@ if HAVE_GLUON:
         and ``norm2``; the ``wg`` kernel keeps those in shared memory)."""
         ds = p * (dp - delta[None, :])
         # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
-        amax = _nan_max(_nan_max(gl.abs(ds), 1), 0)
+        amax = _tile_amax(ds)
         values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
         ds_smem.store(values)
         stat_scale = _int8_scale(amax)
