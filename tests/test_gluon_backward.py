@@ -546,20 +546,25 @@ def test_the_backward_hands_both_planned_kernels_one_readable_do_and_v(layout):
 
 
 @pytest.mark.skipif(not gluon_backward.HAVE_GLUON, reason="the helper is a Gluon constexpr function")
+def test_warp_split_splits_the_kernels_own_wgmma_layouts_as_their_docstrings_say():
+    """``gluon_common._warp_split`` on the layouts the kernels reduce: the two-warpgroup dK/dV tile [64 keys, 128
+    queries] over warps [4, 2], whole and by columns; the D=64 dQ warpgroup's [128, 64] over 4 warps, whose rows 64-127
+    are a second register repeat (a warp bit between two that are not)."""
+    from sage_lightning.kernels.hopper.gluon_common import _warp_split
+
+    assert _warp_split((64, 128), [[16, 0], [32, 0], [0, 64]], (0, 1)) == ((4, 16, 2, 64), (3, 1))
+    assert _warp_split((64, 128), [[16, 0], [32, 0], [0, 64]], (1,)) == ((64, 2, 64), (2,))
+    assert _warp_split((128, 64), [[16, 0], [32, 0]], (0, 1)) == ((2, 4, 16, 64), (3, 2, 0))
+
+
+@pytest.mark.skipif(not gluon_backward.HAVE_GLUON, reason="the helper is a Gluon constexpr function")
 @pytest.mark.parametrize("seed", range(12))
 def test_warp_split_reduces_only_within_a_warp_and_keeps_every_warp_apart(seed):
     """``gluon_common._warp_split``, which ``_tile_amax`` and ``_row_max`` reshape a tile by: reducing the axes it
     returns merges only elements of one warp, and what is left holds each warp's (or, for the rows' variant, each
-    row's and warp's) elements apart, for random tiles and warp bases; and the kernels' own wgmma layouts split as
-    their docstrings say."""
+    row's and warp's) elements apart, for random tiles and warp bases."""
     import numpy as np
     from sage_lightning.kernels.hopper.gluon_common import _warp_split
-
-    # The two-warpgroup dK/dV tile [64 keys, 128 queries] over warps [4, 2]; the D=64 dQ warpgroup's [128, 64] over
-    # 4 warps, whose rows 64-127 are a second register repeat (a warp bit between two that are not).
-    assert _warp_split((64, 128), [[16, 0], [32, 0], [0, 64]], (0, 1)) == ((4, 16, 2, 64), (3, 1))
-    assert _warp_split((64, 128), [[16, 0], [32, 0], [0, 64]], (1,)) == ((64, 2, 64), (2,))
-    assert _warp_split((128, 64), [[16, 0], [32, 0]], (0, 1)) == ((2, 4, 16, 64), (3, 2, 0))
 
     rng = np.random.default_rng(seed)
     bits = (int(rng.integers(3, 8)), int(rng.integers(3, 8)))
