@@ -258,6 +258,13 @@ if HAVE_GLUON:
             stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
             err2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], stats_layout, err2)
             norm2_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N], stats_layout, norm2)
+        # Without WG, the two exchanges between the warpgroups (P's per-key maxima, dS's per-warp maxima) in buffers of
+        # their own: in Triton's shared scratch dS's write waited for P's readers (a barrier a tile).
+        p_x = None
+        ds_x = None
+        if not WG:
+            p_x = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            ds_x = gl.allocate_shared_memory(gl.float32, [8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         mbarrier.wait(kv_bar, 0)
         if DEFER:
             # The tile before's dV and dK products, finished in the next iteration (their scales with them).
@@ -344,12 +351,12 @@ if HAVE_GLUON:
                 masked = start_m + 1 < (pid_n + 1) * BLOCK_N
             if DS_FMT == "int8":
                 p, p_scale = _p_codes(
-                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL
+                    s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL, p_x
                 )
             else:
                 p, p_scale = _p_codes_lean(
                     s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, start_m, masked, CAUSAL, BLOCK_M,
-                    query_l,
+                    query_l, p_x,
                 )  # fmt: skip
             if WG:
                 dp_tok = warpgroup_mma(
@@ -362,7 +369,7 @@ if HAVE_GLUON:
                 delta = delta_smem.index(stage).load(query_l)
             # One dS scale for the 64 x 128 tile (a reduction across both warpgroups; with WG within the warpgroup).
             if DS_FMT == "int8":
-                ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS)
+                ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, ds_x)
                 dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
             else:
                 if STATS_SMEM:

@@ -114,15 +114,6 @@ if HAVE_GLUON:
         return tuple(split), tuple(sorted(axes, reverse=True))
 
     @gluon.constexpr_function
-    def _kept(shape, axes):
-        """The number of elements of ``shape`` over the dims not in ``axes``."""
-        count = 1
-        for dim, size in enumerate(shape):
-            if dim not in axes:
-                count *= size
-        return count
-
-    @gluon.constexpr_function
     def _whole_in_threads(count, lanes, warps):
         """The layout of a ``[count]`` tensor that every thread holds whole (``lanes`` and ``warps`` bases, none
         apart)."""
@@ -146,50 +137,71 @@ if HAVE_GLUON:
         return any(basis[1] for basis in warp_bases)
 
     @gluon.jit
-    def _tile_amax(x):
+    def _warp_maxima(x, DIMS: gl.constexpr):
+        """``x`` reshaped by :func:`_warp_split` over ``DIMS`` and reduced (NaN-propagating maximum) over the axes no
+        warp tells apart: each warp's maxima of its own elements (registers, then shuffles), no exchange yet."""
+        lin: gl.constexpr = gl.to_linear_layout(x.type.layout, x.shape)
+        SPLIT: gl.constexpr = _warp_split(lin.shape, lin.warp_bases, DIMS)
+        part = gl.reshape(x, SPLIT[0])
+        for i in gl.static_range(len(SPLIT[1])):
+            part = gl.reduce(part, SPLIT[1][i], _max_nan)
+        return part
+
+    @gluon.jit
+    def _tile_amax(x, scratch=None):
         """The largest magnitude of the 2-D tile ``x`` (NaN if any element is), in every thread.
 
         The same value as ``_nan_max(_nan_max(|x|, 1), 0)`` (a maximum is exact in any order), with one exchange
         between the warps instead of one pair of barriers per axis the warps split (five in the dK/dV kernel's
         ``[64, 128]`` tile over two warpgroups): each warp reduces its own elements (registers, then shuffles), then
-        one write of the warps' maxima to shared memory, one barrier, and every thread reads them all."""
+        one write of the warps' maxima to shared memory, one barrier, and every thread reads them all. ``scratch``: a
+        ``[warps]`` fp32 buffer of the caller's for that exchange (allocated once, outside its loop: Triton's scratch
+        for the conversion is shared with the kernel's other exchanges, and the barrier pass then waits for their
+        readers before this write); ``None``, a layout conversion through Triton's scratch."""
         lin: gl.constexpr = gl.to_linear_layout(x.type.layout, x.shape)
-        SPLIT: gl.constexpr = _warp_split(lin.shape, lin.warp_bases, (0, 1))
-        part = gl.reshape(gl.abs(x), SPLIT[0])
-        for i in gl.static_range(len(SPLIT[1])):
-            part = gl.reduce(part, SPLIT[1][i], _max_nan)
-        WARPS: gl.constexpr = _kept(SPLIT[0], SPLIT[1])
+        part = _warp_maxima(gl.abs(x), (0, 1))
+        WARPS: gl.constexpr = part.numel
         part = gl.reshape(part, [WARPS])
-        whole = gl.convert_layout(part, _whole_in_threads(WARPS, len(lin.lane_bases), len(lin.warp_bases)))
+        whole_l: gl.constexpr = _whole_in_threads(WARPS, len(lin.lane_bases), len(lin.warp_bases))
+        if scratch is None:
+            whole = gl.convert_layout(part, whole_l)
+        else:
+            gl.static_assert(scratch.shape[0] == WARPS, "scratch: one fp32 per warp")
+            scratch.store(part)
+            whole = scratch.load(whole_l)
         return gl.reduce(whole, 0, _max_nan)
 
     @gluon.jit
-    def _row_max(x):
+    def _row_max(x, scratch=None):
         """``_nan_max(x, 1)``: each row's largest element of the 2-D tile ``x`` (NaN if any is), in the threads of the
         row's layout (``SliceLayout(1, x's)``). Where a row lies in several warps (the dK/dV kernel's two
         warpgroups, 64 of a key's 128 queries each), each reduces its part alone and one exchange through shared
         memory (one barrier) gives every thread of the row the others' (two barriers before); elsewhere the
-        reduction as it was."""
+        reduction as it was. ``scratch``: a ``[rows, warps along a row]`` fp32 buffer for that exchange, as
+        :func:`_tile_amax`'s."""
         lin: gl.constexpr = gl.to_linear_layout(x.type.layout, x.shape)
         row_l: gl.constexpr = gl.SliceLayout(1, x.type.layout)
         if _columns_by_warps(lin.warp_bases):
-            SPLIT: gl.constexpr = _warp_split(lin.shape, lin.warp_bases, (1,))
-            part = gl.reshape(x, SPLIT[0])
-            for i in gl.static_range(len(SPLIT[1])):
-                part = gl.reduce(part, SPLIT[1][i], _max_nan)
+            part = _warp_maxima(x, (1,))
             ROWS: gl.constexpr = x.shape[0]
-            WARPS: gl.constexpr = _kept(SPLIT[0], SPLIT[1]) // ROWS
+            WARPS: gl.constexpr = part.numel // ROWS
             part = gl.reshape(part, [ROWS, WARPS])
-            whole = gl.convert_layout(part, _rows_with_columns(gl.to_linear_layout(row_l, [ROWS]), WARPS))
+            whole_l: gl.constexpr = _rows_with_columns(gl.to_linear_layout(row_l, [ROWS]), WARPS)
+            if scratch is None:
+                whole = gl.convert_layout(part, whole_l)
+            else:
+                gl.static_assert(scratch.shape[1] == WARPS, "scratch: one fp32 per row and warp along it")
+                scratch.store(part)
+                whole = scratch.load(whole_l)
             result = gl.convert_layout(gl.reduce(whole, 1, _max_nan), row_l, assert_trivial=True)
         else:
             result = _nan_max(x, 1)
         return result
 
     @gluon.jit
-    def _tile_scale(x):
+    def _tile_scale(x, scratch=None):
         """One INT8 scale for the whole 2-D tile ``x`` (dS's granularity): its largest magnitude over 127."""
-        return _int8_scale(_tile_amax(x))
+        return _int8_scale(_tile_amax(x, scratch))
 
     @gluon.jit
     def _fp8_scale(amax):
@@ -541,7 +553,7 @@ if HAVE_GLUON:
         return start_m, offs_q, q_scale, do_scale
 
     @gluon.jit
-    def _p_codes(s_int, scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL: gl.constexpr):
+    def _p_codes(s_int, scale, lse, p_smem, offs_key, offs_q, masked, CAUSAL: gl.constexpr, scratch=None):
         """P^T ``[keys, queries]`` of a tile from S^T's int32 product (zero where a key comes after its query when
         ``CAUSAL`` and ``masked``), its codes into ``p_smem``, one scale per key; returns ``(p, p_scale)``."""
         p = gl.exp2(_int32_scaled(s_int, scale) - lse[None, :])
@@ -549,14 +561,14 @@ if HAVE_GLUON:
             if masked:
                 p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
         # P's codes, one scale per key over the tile's 128 queries.
-        p_scale = _int8_scale(_row_max(p))
+        p_scale = _int8_scale(_row_max(p, scratch))
         p_smem.store(_int8_codes(p, p_scale[:, None]))
         return p, p_scale
 
     @gluon.jit
     def _p_codes_lean(
         s_int, scale, lse, p_smem, offs_key, start_m, masked, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-        query_l: gl.constexpr,
+        query_l: gl.constexpr, scratch=None,
     ):  # fmt: skip
         """:func:`_p_codes` with the queries' offsets made in the masked branch (from the tile's first query
         ``start_m``) rather than held through the loop: the registers a non-INT8 dS's path needs."""
@@ -565,17 +577,17 @@ if HAVE_GLUON:
             if masked:
                 offs_q = start_m + gl.arange(0, BLOCK_M, layout=query_l)
                 p = gl.where(offs_key[:, None] > offs_q[None, :], 0.0, p)
-        p_scale = _int8_scale(_row_max(p))
+        p_scale = _int8_scale(_row_max(p, scratch))
         p_smem.store(_int8_codes(p, p_scale[:, None]))
         return p, p_scale
 
     @gluon.jit
-    def _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr):
+    def _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, scratch=None):
         """dS^T ``= P^T (dP^T - delta)``, its codes into ``ds_smem`` with one scale for the tile, and with
         ``WITH_STATS`` its quantization error and norm added per key into ``err2`` and ``norm2``; returns
         ``(ds_scale, err2, norm2)``."""
         ds = p * (dp - delta[None, :])
-        ds_scale = _tile_scale(ds)
+        ds_scale = _tile_scale(ds, scratch)
         ds_smem.store(_int8_codes(ds, ds_scale))
         if WITH_STATS:
             err = ds - ((ds / ds_scale + _ROUNDER) - _ROUNDER) * ds_scale
