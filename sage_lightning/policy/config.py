@@ -136,8 +136,9 @@ class PolicyConfig:
         large_step_rung: the rung the tokens-per-step and noise-scale rules take, by name: a rung of the ladder
             that changes ``ds`` alone. ``None`` (the default): the cheapest measured on the fit's device, which the
             callback picks (:func:`sage_lightning.checks.for_device`): ``ds_bf16`` on Hopper, whose kernels run bf16
-            dS's backward 1.20-1.29x as fast as FP8 dS's and 0.97-1.10x INT8's (``docs/controller.md``, Which dS
-            rung); ``ds_fp8`` on other GPUs with FP8 and on the CPU; ``ds_bf16`` without FP8.
+            dS's backward 1.20-1.29x as fast as FP8 dS's on an H100 (``docs/controller.md``, Which dS rung) and
+            forward+backward 1.05-1.13x as fast as INT8 dS's on an H200 from N=2048 (``docs/performance.md``);
+            ``ds_fp8`` on other GPUs with FP8 and on the CPU; ``ds_bf16`` without FP8.
 
     Raises:
         ValueError: a value out of range; the message names the argument, the value and what works.
