@@ -221,11 +221,11 @@ class AttentionPrecision:
     @classmethod
     def hopper(cls, **changes: object) -> AttentionPrecision:
         """The measured best mix on Hopper for training at large tokens per step: SageBwd's INT8 Q K, P V and dV with
-        dS's two products in bf16 (``ds="bf16"``; ``dp`` bf16 as always). On an H100 its backward runs 0.97-1.10x
-        the INT8 default's, and 1.20-1.29x FP8 dS's. Its dQ and dK errors against float64 are about a third of the
-        default's at sigma 1, and it closed SageBwd's pretraining gap at 131K tokens per step in both seeds. It is
-        not the default: its speed misses issue 42's bars (``docs/performance.md``). The INT8 default stays
-        ``AttentionPrecision()``.
+        dS's two products in bf16 (``ds="bf16"``; ``dp`` bf16 as always). On an H200 its forward+backward runs
+        1.05-1.13x the INT8 default's from N=2048; on an H100 its backward ran 1.20-1.29x FP8 dS's. Its dQ and dK
+        errors against float64 are about a third of the default's at sigma 1, and it closed SageBwd's pretraining gap
+        at 131K tokens per step in both seeds. It is not the default: its speed misses issue 42's bars
+        (``docs/performance.md``). The INT8 default stays ``AttentionPrecision()``.
 
         Example::
 

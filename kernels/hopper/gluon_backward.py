@@ -66,7 +66,8 @@ the tile (512 bytes each per stage) rather than as 64 global loads per thread: 1
 An FP8 or bf16 dS with ``WG``: dS^T's e4m3 codes widened to bf16, or dS rounded to bf16, against the tile's Q'^ codes
 in bf16 as above. The backward's preprocess launch writes Q'^ in bf16 once (``q_wide``, N x D x 2 bytes per query
 head) and its tile comes through the TMA ring beside Q'^'s codes (``Q_WIDE``: 16 KiB more per stage at D=64, 8 KiB
-less without Q'^T; dS^T's bf16 tiles take 8 KiB more per warpgroup). Without that copy each warpgroup widens the
+less without Q'^T; dS^T takes none: each warpgroup's stays in its registers as the dK product's A operand, where
+the accumulator layout of S^T and dP^T is already a 16-bit A operand's). Without that copy each warpgroup widens the
 tile's codes into a buffer of its own (the two run apart; 16 KiB each), 160 more instructions per iteration and
 spills (offline sm_90 compile, ``benchmarks/NOTES.md``). Design, offline figures and the device results:
 ``benchmarks/NOTES.md`` (device run 7) and ``benchmarks/results/speed-h100-20261124-gluon-dkdv-wg.md``.
@@ -185,11 +186,12 @@ if HAVE_GLUON:
 
         With ``WG`` (warp-specialised, no ``DEFER``; ``descs``, ``origins`` and ``kv_row`` unused): one consumer
         warpgroup, keys ``HALF * 64`` to ``HALF * 64 + 63`` of the program's 128 (key block ``2 * pid_n + HALF``)
-        against every query tile. With a non-INT8 ``DS_FMT`` dK's product runs in bf16 against the tile's Q'^ in
-        bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its own buffer before the tile's S is
-        issued. With ``WRITE_DS_SCALE`` (``WG`` and an INT8 dS) each tile's dS scale is also stored into
-        ``DS_SCALE`` (``[B*Hq, m_blocks, k_blocks]``, fp32: :func:`.gluon_common.ds_scales_shape`), at its query head,
-        query block and key block, for the dQ kernel's three consumer warpgroups."""
+        against every query tile. With a non-INT8 ``DS_FMT`` dK's product runs in bf16, A = dS^T from registers,
+        against the tile's Q'^ in bf16: from the ring with ``Q_WIDE``, else widened by the warpgroup into its own
+        buffer before the tile's S is issued. With ``WRITE_DS_SCALE`` (``WG`` and an INT8 dS) each tile's dS scale
+        is also stored into ``DS_SCALE`` (``[B*Hq, m_blocks, k_blocks]``, fp32:
+        :func:`.gluon_common.ds_scales_shape`), at its query head, query block and key block, for the dQ kernel's
+        three consumer warpgroups."""
         k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, lse_smem, delta_smem = bufs
         ready, empty, kv_bar = bars
         if not WARP_SPECIALIZE:
@@ -217,6 +219,9 @@ if HAVE_GLUON:
         # A non-INT8 dS: dK's bf16 product (k16 instructions), its fp32 accumulator.
         hp_layout: gl.constexpr = _wgmma_layout(4, WARPS_N, HEAD_DIM // WARPS_N, 16)
         LOAD_QT: gl.constexpr = DS_FMT == "int8"
+        # With WG and a non-INT8 dS: dS^T stays in registers as the dK product's A operand.
+        DS_REGS: gl.constexpr = WG and DS_FMT != "int8"
+        ds_a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=hp_layout, k_width=2)
         gl.static_assert(not WRITE_DS_SCALE or (WG and DS_FMT == "int8"), "WRITE_DS_SCALE: the wg kernel, INT8 dS")
         gl.static_assert(not Q_WIDE or (WARP_SPECIALIZE and not DEFER), "Q_WIDE: warp-specialised, no DEFER")
 
@@ -372,8 +377,9 @@ if HAVE_GLUON:
                 ds_scale, err2, norm2 = _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, ds_x)
                 dv_tok, dk_tok = _dkdv_products(p_smem, ds_smem, dot_smem.index(stage), qt_smem.index(stage), acc_zero)
             else:
+                ds_dst = None if DS_REGS else ds_smem
                 if STATS_SMEM:
-                    ds_scale, tile_err2, tile_norm2 = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
+                    ds_scale, tile_err2, tile_norm2, ds_vals = _ds_values_sums(p, dp, delta, ds_dst, DS_FMT)
                     # The same additions into err2 and norm2 as _ds_values', in shared memory (each key's sums are its
                     # thread quad's; Triton puts a barrier between these reads and writes, and the products' and the
                     # loop's barriers come before the next tile's reads).
@@ -382,7 +388,7 @@ if HAVE_GLUON:
                     err2_smem.store(err2_t)
                     norm2_smem.store(norm2_t)
                 else:
-                    ds_scale, err2, norm2 = _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS, DS_FMT)
+                    ds_scale, err2, norm2, ds_vals = _ds_values(p, dp, delta, ds_dst, err2, norm2, WITH_STATS, DS_FMT)
                 qb_tile = qb_smem
                 if Q_WIDE:
                     if WG:
@@ -392,8 +398,13 @@ if HAVE_GLUON:
                         # (index STAGES; the load warp refills it once this iteration releases it).
                         mbarrier.wait(ready.index(STAGES), t & 1)
                         qb_tile = qt_smem
+                ds_a = ds_smem
+                if DS_REGS:
+                    # dS^T's bf16 operand as the dK product's A from registers: the accumulator layout of S^T and
+                    # dP^T holds it as a 16-bit A operand wants it (no data moves), and dS skips shared memory.
+                    ds_a = gl.convert_layout(ds_vals, ds_a_layout)
                 dv_tok, dk_tok = _dkdv_products_hp(
-                    p_smem, ds_smem, dot_smem.index(stage), qb_tile, acc_zero,
+                    p_smem, ds_a, dot_smem.index(stage), qb_tile, acc_zero,
                     gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
                 )  # fmt: skip
             if DEFER:
@@ -567,7 +578,7 @@ def gluon_dkdv(
         is_causal, scale: as the forward.
         stages: depth of the TMA ring; ``None``: 2 at D=128 (202.5 KiB; 3 would need 282), 3 at D=64 (151.6 KiB).
             With ``wg`` (3 at D=64): 40 KiB per stage beside 56 KiB of K, V and codes; with a non-INT8 dS and
-            ``q_wide`` 49 KiB per stage beside 72 KiB, without ``q_wide`` 33 KiB per stage beside 104 KiB. Without
+            ``q_wide`` 49 KiB per stage beside 40 KiB, without ``q_wide`` 33 KiB per stage beside 72 KiB. Without
             ``wg``, a non-INT8 dS: 210.5 KiB at D=128 (65 KiB per stage beside 80 KiB, the widened tile's 32 among
             them; with ``q_wide`` the same, its tile in the widened one's place), 151.6 KiB at D=64.
         warp_specialize: a one-warp load partition beside the two consumer warpgroups (FA3's structure), or

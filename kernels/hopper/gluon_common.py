@@ -132,6 +132,11 @@ if HAVE_GLUON:
         )  # fmt: skip
 
     @gluon.constexpr_function
+    def _same_shape(a, b):
+        """Whether two shapes are the same dims (a shared buffer's against a tensor's)."""
+        return [int(d) for d in a] == [int(d) for d in b]
+
+    @gluon.constexpr_function
     def _columns_by_warps(warp_bases):
         """Whether any warp basis of a 2-D layout lies along its columns (a row's elements in several warps)."""
         return any(basis[1] for basis in warp_bases)
@@ -148,6 +153,19 @@ if HAVE_GLUON:
         return part
 
     @gluon.jit
+    def _exchange(part, whole_l: gl.constexpr, scratch=None):
+        """The warps' maxima ``part`` (one per warp, :func:`_warp_maxima`'s) in the layout ``whole_l`` that gives each
+        thread all it needs: through the caller's ``scratch`` buffer of ``part``'s shape (one write, one barrier, one
+        read), or with ``None`` a layout conversion through Triton's scratch."""
+        if scratch is None:
+            whole = gl.convert_layout(part, whole_l)
+        else:
+            gl.static_assert(_same_shape(scratch.shape, part.shape), "scratch: the shape of the warps' maxima")
+            scratch.store(part)
+            whole = scratch.load(whole_l)
+        return whole
+
+    @gluon.jit
     def _tile_amax(x, scratch=None):
         """The largest magnitude of the 2-D tile ``x`` (NaN if any element is), in every thread.
 
@@ -162,13 +180,7 @@ if HAVE_GLUON:
         part = _warp_maxima(gl.abs(x), (0, 1))
         WARPS: gl.constexpr = part.numel
         part = gl.reshape(part, [WARPS])
-        whole_l: gl.constexpr = _whole_in_threads(WARPS, len(lin.lane_bases), len(lin.warp_bases))
-        if scratch is None:
-            whole = gl.convert_layout(part, whole_l)
-        else:
-            gl.static_assert(scratch.shape[0] == WARPS, "scratch: one fp32 per warp")
-            scratch.store(part)
-            whole = scratch.load(whole_l)
+        whole = _exchange(part, _whole_in_threads(WARPS, len(lin.lane_bases), len(lin.warp_bases)), scratch)
         return gl.reduce(whole, 0, _max_nan)
 
     @gluon.jit
@@ -186,13 +198,7 @@ if HAVE_GLUON:
             ROWS: gl.constexpr = x.shape[0]
             WARPS: gl.constexpr = part.numel // ROWS
             part = gl.reshape(part, [ROWS, WARPS])
-            whole_l: gl.constexpr = _rows_with_columns(gl.to_linear_layout(row_l, [ROWS]), WARPS)
-            if scratch is None:
-                whole = gl.convert_layout(part, whole_l)
-            else:
-                gl.static_assert(scratch.shape[1] == WARPS, "scratch: one fp32 per row and warp along it")
-                scratch.store(part)
-                whole = scratch.load(whole_l)
+            whole = _exchange(part, _rows_with_columns(gl.to_linear_layout(row_l, [ROWS]), WARPS), scratch)
             result = gl.convert_layout(gl.reduce(whole, 1, _max_nan), row_l, assert_trivial=True)
         else:
             result = _nan_max(x, 1)
@@ -360,11 +366,12 @@ if HAVE_GLUON:
 
         With ``HP_DS`` (a non-INT8 dS) no Q'^T is loaded: its slot holds one bf16 ``[BLOCK_M, D]`` tile per half, Q'^
         widened by that half's consumer (the dK product's B operand; two halves run apart, so each widens its own),
-        and dS^T's tiles are bf16. With ``Q_WIDE`` as well, ``desc_qt`` is Q'^ already widened to bf16 (the backward's
-        preprocess makes the copy): with two halves the slot is a ring of its ``[BLOCK_M, D]`` tiles, loaded beside
-        Q'^'s; with one (:func:`_load_wide`) it is one such tile outside the ring, loaded for each iteration once the
-        one before has released it, behind a ``ready``/``empty`` pair of its own (index ``STAGES`` of both: at D=128 a
-        ring of them would take 2 x 16 KiB more than the 227 KiB there are at two stages)."""
+        and dS^T's tiles are bf16 (with two halves there are none: each half's stays in registers). With ``Q_WIDE``
+        as well, ``desc_qt`` is Q'^ already widened to bf16 (the backward's preprocess makes the copy): with two
+        halves the slot is a ring of its ``[BLOCK_M, D]`` tiles, loaded beside Q'^'s; with one (:func:`_load_wide`)
+        it is one such tile outside the ring, loaded for each iteration once the one before has released it, behind a
+        ``ready``/``empty`` pair of its own (index ``STAGES`` of both: at D=128 a ring of them would take 2 x 16 KiB
+        more than the 227 KiB there are at two stages)."""
         # Q'^ in bf16 from the preprocess in one buffer beside the ring (the two-warpgroup kernel).
         WIDE_ONE: gl.constexpr = HP_DS and Q_WIDE and HALVES == 1
         codes_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.int8)
@@ -403,8 +410,7 @@ if HAVE_GLUON:
             if not HP_DS:
                 ds_smem = gl.allocate_shared_memory(gl.int8, [HALVES, BLOCK_N, BLOCK_M], codes_layout)
             else:
-                ds_all_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
-                ds_smem = gl.allocate_shared_memory(gl.bfloat16, [HALVES, BLOCK_N, BLOCK_M], ds_all_layout)
+                ds_smem = p_smem  # unused: each half's dS^T stays in registers, the dK product's A operand
         BARRIERS: gl.constexpr = STAGES + 1 if WIDE_ONE else STAGES
         ready = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [BARRIERS, 1], mbarrier.MBarrierLayout())
@@ -617,39 +623,42 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr):
-        """:func:`_ds_codes` for a non-INT8 dS (``_dkdv_kernel``'s): dS^T as the dK product's bf16 operand into
-        ``ds_smem`` (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded), and with ``WITH_STATS``
-        the INT8 error of dS (what the controller would return to) as :func:`_ds_codes` adds it; returns
-        ``(ds_scale, err2, norm2)`` (``ds_scale`` 1 for bf16)."""
+        """:func:`_ds_codes` for a non-INT8 dS (``_dkdv_kernel``'s): dS^T as the dK product's bf16 operand
+        (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded), stored into ``ds_smem`` unless it
+        is None, and with ``WITH_STATS`` the INT8 error of dS (what the controller would return to) as
+        :func:`_ds_codes` adds it; returns ``(ds_scale, err2, norm2, values)`` (``ds_scale`` 1 for bf16)."""
         if WITH_STATS:
-            ds_scale, err, norm = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
+            ds_scale, err, norm, values = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
             err2 += err
             norm2 += norm
         else:
             ds = p * (dp - delta[None, :])
             values, _, ds_scale = _ds_operand(ds, DS_FMT)
-            ds_smem.store(values)
-        return ds_scale, err2, norm2
+            if ds_smem is not None:
+                ds_smem.store(values)
+        return ds_scale, err2, norm2, values
 
     @gluon.jit
     def _ds_values_sums(p, dp, delta, ds_smem, DS_FMT: gl.constexpr):
-        """:func:`_ds_values` with the statistics, which it leaves to the caller to add: ``(ds_scale, err, norm)``,
-        the tile's per-key sums of the INT8 error squared and of dS squared (``_ds_values`` adds them into ``err2``
-        and ``norm2``; the ``wg`` kernel keeps those in shared memory)."""
+        """:func:`_ds_values` with the statistics, which it leaves to the caller to add: ``(ds_scale, err, norm,
+        values)``, the tile's per-key sums of the INT8 error squared and of dS squared (``_ds_values`` adds them into
+        ``err2`` and ``norm2``; the ``wg`` kernel keeps those in shared memory)."""
         ds = p * (dp - delta[None, :])
         # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
         amax = _tile_amax(ds)
         values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
-        ds_smem.store(values)
+        if ds_smem is not None:
+            ds_smem.store(values)
         stat_scale = _int8_scale(amax)
         err = ds - ((ds / stat_scale + _ROUNDER) - _ROUNDER) * stat_scale
-        return ds_scale, gl.sum(err * err, axis=1), gl.sum(ds * ds, axis=1)
+        return ds_scale, gl.sum(err * err, axis=1), gl.sum(ds * ds, axis=1), values
 
     @gluon.jit
     def _dkdv_products_hp(p_smem, ds_smem, dot_tile, qb_tile, acc_zero, dk_zero):
         """:func:`_dkdv_products` for a non-INT8 dS: dV's INT8 product as there; dK's in bf16 with fp32
-        accumulation, A = dS^T's bf16 operand ``[64 keys, 128 queries]``, B = Q'^ widened to bf16 ``[128, D]`` as
-        stored (16-bit wgmma reads B either way: no transposed copy)."""
+        accumulation, A = dS^T's bf16 operand ``[64 keys, 128 queries]`` (``ds_smem``: in shared memory, or a
+        register tensor in a dot-operand layout), B = Q'^ widened to bf16 ``[128, D]`` as stored (16-bit wgmma reads
+        B either way: no transposed copy)."""
         fence_async_shared()
         gl.thread_barrier()
         dv_tok = warpgroup_mma(p_smem, dot_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
