@@ -208,15 +208,16 @@ def int8_codes(x, scale, EXACT: tl.constexpr = False):
     needs clamping.
     """
     if EXACT:
-        ratio = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-        codes = round_half_even(ratio)
-        codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
-        return codes.to(tl.int8)
+        # Clamped before rounding, which gives the same code (127 <= |ratio| < 127.5 rounds to 127 either way, a
+        # NaN clamps to -127 in both orders).
+        ratio = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.zeros_like(x) + scale), -127.0), 127.0)
+        rounded = ratio + _ROUNDER
     else:
-        # |ratio| <= 127 up to 2 ulp (scale = max|x| / 127 over the values coded), so adding 1.5 * 2**23 rounds
-        # it half to even into the low bits, whose low byte is the code: no clamp and no conversion instruction
-        # (see _ROUNDER_BITS).
-        return tl.fma(x, 1.0 / scale, _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
+        # |ratio| <= 127 up to 2 ulp (scale = max|x| / 127 over the values coded): no clamp.
+        rounded = tl.fma(x, 1.0 / scale, _ROUNDER)
+    # Adding 1.5 * 2**23 rounds the ratio half to even into the low bits, whose low byte is the code: no float
+    # subtract and no conversion instruction an element (see _ROUNDER_BITS).
+    return rounded.to(tl.int32, bitcast=True).to(tl.int8)
 
 
 @triton.jit
@@ -368,11 +369,15 @@ def _quantize_rows_kernel(
     CONFINE: tl.constexpr,
     ROWS_OUT: tl.constexpr,
     FIRST_OUT: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
 
+    ``EVEN``: every row of the block exists and ``D_PAD`` is the head dim, so loads and stores take no mask.
+
     ``CONFINE``: NaN and infinities read as 0 (:func:`confine_rows`) before the means, the scale and the codes; the
-    rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``).
+    rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``). A block's
+    NaN-propagating maximum decides first whether it holds any: most blocks hold none and skip ``confine_rows``.
 
     ``SUBTRACT_MEAN``: subtract the per-(batch, head) mean ``MEAN_IN`` (K-smoothing).
     ``BLOCK_MEAN``: subtract the mean of the block's valid rows and write it to ``MEAN_OUT`` (Q-smoothing).
@@ -388,29 +393,47 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, D_PAD)
     valid = (rows[:, None] < SEQ) & (cols[None, :] < HEAD_DIM)
     x_ptrs = X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xn + cols[None, :] * stride_xd
-    x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    if EVEN:
+        x = tl.load(x_ptrs).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+    # Without smoothing, the codes' maximum is the one taken here (confinement changes nothing in a finite block).
+    SAME_MAX: tl.constexpr = CONFINE and not SUBTRACT_MEAN and not BLOCK_MEAN and FMT != "bf16"
     if CONFINE:
-        x, bad = confine_rows(x)
+        # One NaN-propagating maximum an element finds a block without NaN or infinity (nearly every block), which
+        # confinement leaves as it is; only a block holding one pays for confine_rows' per-element work.
+        amax = nan_max(tl.abs(x))
+        if amax < float("inf"):
+            bad = rows < 0
+        else:
+            x, bad = confine_rows(x)
+            if SAME_MAX:
+                amax = tl.max(tl.abs(x))
         _report_bad_rows(ROW_POISON, FIRST_BAD, bad, rows, SEQ, pid_bh, ROWS_OUT, FIRST_OUT)
     if SUBTRACT_MEAN:
         mean = tl.load(MEAN_IN + b * stride_mib + h * stride_mih + cols, mask=cols < HEAD_DIM, other=0.0)
-        x = tl.where(valid, x - mean[None, :], 0.0)
+        x = x - mean[None, :] if EVEN else tl.where(valid, x - mean[None, :], 0.0)
     if BLOCK_MEAN:
         count = tl.minimum(SEQ - pid_m * BLOCK, BLOCK).to(tl.float32)
         mean = tl.sum(x, axis=0) / count
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
-        x = tl.where(valid, x - mean[None, :], 0.0)
+        x = x - mean[None, :] if EVEN else tl.where(valid, x - mean[None, :], 0.0)
     out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
-    if FMT == "int8":
+    if not SAME_MAX:
         amax = nan_max(tl.abs(x))
+    if FMT == "int8":
         scale = int8_scale(amax)
-        tl.store(out_ptrs, int8_codes(x, scale, True), mask=valid)
+        codes = int8_codes(x, scale, True)
     elif FMT == "fp8":
-        scale = fp8_scale(nan_max(tl.abs(x)))
-        tl.store(out_ptrs, fp8_codes(x, scale, True), mask=valid)
+        scale = fp8_scale(amax)
+        codes = fp8_codes(x, scale, True)
     else:
         scale = 1.0
-        tl.store(out_ptrs, to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION), mask=valid)
+        codes = to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION)
+    if EVEN:
+        tl.store(out_ptrs, codes)
+    else:
+        tl.store(out_ptrs, codes, mask=valid)
     tl.store(SCALE + b * stride_sb + h * stride_sh + pid_m, scale)
 
 
@@ -683,6 +706,7 @@ def quantize_rows(
     mean_out = means if means is not None else scale
     mi_strides = (mean.stride(0), mean.stride(1)) if mean is not None else (0, 0)
     mo_strides = (means.stride(0), means.stride(1), means.stride(2)) if means is not None else (0, 0, 0)
+    d_pad = padded_head_dim(head_dim)
     if blocks and batch * heads:
         _quantize_rows_kernel[(blocks, batch * heads)](
             x,
@@ -701,7 +725,7 @@ def quantize_rows(
             seq,
             head_dim,
             BLOCK=block,
-            D_PAD=padded_head_dim(head_dim),
+            D_PAD=d_pad,
             SUBTRACT_MEAN=mean is not None,
             BLOCK_MEAN=block_mean,
             FMT=fmt,
@@ -709,6 +733,7 @@ def quantize_rows(
             CONFINE=confine,
             ROWS_OUT=confine and row_poison is not None,
             FIRST_OUT=confine and first_bad is not None,
+            EVEN=seq % block == 0 and d_pad == head_dim,
             num_warps=rows_warps(block, head_dim),
         )
     return op, scale, means
