@@ -116,7 +116,10 @@ def _sagebwd_forward(
     q_op, q_scale, q_mean = quantize_rows(q, block_m, fmt=qk, block_mean=smooth_q, confine=True, row_poison=row_poison)
     k_op, k_scale, _ = quantize_rows(k, block_n, fmt=qk, mean=k_mean, confine=True, first_bad=first_bad)
     if pv == "int8":
-        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True, confine=True, first_bad=first_bad)
+        # The Hopper forward takes V^'s keys in its registers' order (quant.MMA_KEY_ORDER).
+        mma = forward_kernel == HOPPER_FORWARD
+        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True, mma_order=mma, confine=True,
+                                         first_bad=first_bad)  # fmt: skip
     elif pv == "fp8":
         v_op, v_scale = quantize_channels_fp8(v, confine=True, first_bad=first_bad)
     else:

@@ -333,6 +333,21 @@ def quantize_p_rows(p, ROWS: tl.constexpr, COLS: tl.constexpr):
     return nvfp4_values(p / row_scale[:, None], ROWS, COLS, False), row_scale
 
 
+#: With ``mma_order``, the key each slot of 16 holds: slot ``p`` holds key ``MMA_KEY_ORDER[p]``. Bit by bit, key
+#: ``8 b3 + 4 b2 + 2 b1 + b0`` sits at slot ``8 b2 + 4 b1 + 2 b3 + b0``: the order in which a thread's registers hold
+#: the 8-bit A operand of a Hopper ``wgmma`` (``k``: 4 consecutive codes a register, at ``4 t`` and ``16 + 4 t`` for
+#: lane ``t`` of its four) when they come from the accumulator of the product before (columns ``2 t``, ``2 t + 1``,
+#: ``8 + 2 t``, ``9 + 2 t``, ...), so the Hopper forward feeds P^ to ``P^ V^`` from ``Q K^T``'s registers as they are.
+MMA_KEY_ORDER = tuple((p & 1) | ((p >> 1) & 1) << 3 | ((p >> 2) & 3) << 1 for p in range(16))
+
+
+@triton.jit
+def mma_key_slots(keys):
+    """The slot of each of ``keys`` (int32) in :data:`MMA_KEY_ORDER`'s storage: the inverse of that order within
+    each 16 keys."""
+    return (keys & -16) | (keys & 1) | ((keys >> 2) & 2) | ((keys << 1) & 12)
+
+
 @triton.jit
 def _quantize_rows_kernel(
     X,
@@ -370,10 +385,12 @@ def _quantize_rows_kernel(
     ROWS_OUT: tl.constexpr,
     FIRST_OUT: tl.constexpr,
     EVEN: tl.constexpr = False,
+    MMA_ORDER: tl.constexpr = False,
 ):
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
 
     ``EVEN``: every row of the block exists and ``D_PAD`` is the head dim, so loads and stores take no mask.
+    ``MMA_ORDER``: row ``n`` is stored at :func:`mma_key_slots` ``(n)`` (``SEQ`` a multiple of 16).
 
     ``CONFINE``: NaN and infinities read as 0 (:func:`confine_rows`) before the means, the scale and the codes; the
     rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``). A block's
@@ -418,7 +435,8 @@ def _quantize_rows_kernel(
         mean = tl.sum(x, axis=0) / count
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
         x = x - mean[None, :] if EVEN else tl.where(valid, x - mean[None, :], 0.0)
-    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
+    slots = mma_key_slots(rows) if MMA_ORDER else rows
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + slots[:, None] * stride_on + cols[None, :] * stride_od
     if not SAME_MAX:
         amax = nan_max(tl.abs(x))
     if FMT == "int8":
@@ -664,6 +682,7 @@ def quantize_rows(
     mean: torch.Tensor | None = None,
     block_mean: bool = False,
     transposed: bool = False,
+    mma_order: bool = False,
     confine: bool = False,
     row_poison: torch.Tensor | None = None,
     first_bad: torch.Tensor | None = None,
@@ -679,6 +698,8 @@ def quantize_rows(
         block_mean: subtract each block's mean over its valid rows first, returned (Q-smoothing).
         transposed: write ``op`` as ``[B, H, D, N]`` (V^ for the forward's ``P V``: 8-bit tensor-core products
             on Hopper take the operand that is summed over, here the keys, contiguous).
+        mma_order: with ``transposed``, each 16 keys in :data:`MMA_KEY_ORDER` (the Hopper forward's INT8 ``P V``
+            takes V^ so: :func:`.hopper.forward.hopper_forward`); N must be a multiple of 16.
         confine: read NaN and infinities as 0 first, so a bad value changes neither its block's scale nor its means
             (Q, K, V in the forward). Without it (dO) a NaN makes
             its block's scale NaN.
@@ -696,6 +717,11 @@ def quantize_rows(
         codes, scale, _ = quantize_rows(k, 64, fmt="int8", mean=k.float().mean(dim=2))
     """
     batch, heads, seq, head_dim = x.shape
+    if mma_order and not (transposed and seq % 16 == 0):
+        raise ValueError(
+            f"quantize_rows: mma_order=True orders keys within groups of 16 of a transposed operand; received "
+            f"transposed={transposed} and N={seq} (use transposed=True with N a multiple of 16, or mma_order=False)"
+        )
     blocks = triton.cdiv(seq, block)
     op_shape = (batch, heads, head_dim, seq) if transposed else x.shape
     op = torch.empty(op_shape, dtype=CODE_DTYPES.get(fmt, x.dtype), device=x.device)
@@ -734,6 +760,7 @@ def quantize_rows(
             ROWS_OUT=confine and row_poison is not None,
             FIRST_OUT=confine and first_bad is not None,
             EVEN=seq % block == 0 and d_pad == head_dim,
+            MMA_ORDER=mma_order,
             num_warps=rows_warps(block, head_dim),
         )
     return op, scale, means

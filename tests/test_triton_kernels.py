@@ -21,6 +21,8 @@ from sage_lightning.kernels import AttentionPrecision, sage_attention, use_backe
 from sage_lightning.kernels.ops import sage_attention_triton
 from sage_lightning.kernels.quant import (
     MAX_PRODUCT_TERMS,
+    MMA_KEY_ORDER,
+    NO_BAD_KEY,
     backward_preprocess,
     e4m3_round,
     int8_codes,
@@ -199,6 +201,31 @@ def test_quantize_rows_block_mean_is_mean_of_valid_rows():
     assert torch.allclose(means[0, 0, 0], x[0, 0, :64].mean(0), atol=1e-6)
     assert torch.allclose(means[0, 0, 1], x[0, 0, 64:].mean(0), atol=1e-6)  # 36 valid rows, not 64
     assert torch.allclose(op[0, 0, 64:], x[0, 0, 64:] - means[0, 0, 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("seq, block, d, confine", [(128, 64, 64, True), (208, 64, 128, False), (96, 128, 64, True)])
+def test_mma_order_stores_each_16_keys_in_the_hopper_forwards_order(seq, block, d, confine):
+    """``mma_order`` moves V^'s keys within each 16 (slot ``p`` holds key ``MMA_KEY_ORDER[p]``) and nothing else: the
+    codes of the plain transposed operand, bit for bit, and the same scales, with ragged blocks and a NaN confined."""
+    gen = torch.Generator().manual_seed(seq + d)
+    x = torch.randn(2, 3, seq, d, generator=gen).to(DEVICE, torch.bfloat16)
+    x[1, 2, 37, 5] = float("nan") if confine else x[1, 2, 37, 5]
+    firsts = [torch.full((6,), NO_BAD_KEY, dtype=torch.int32, device=DEVICE) for _ in range(2)]
+    runs = [quantize_rows(x, block, fmt="int8", transposed=True, mma_order=mma, confine=confine, first_bad=first)
+            for mma, first in zip((False, True), firsts, strict=True)]  # fmt: skip
+    (plain, plain_scale, _), (ordered, scale, _) = runs
+    assert sorted(MMA_KEY_ORDER) == list(range(16)) and MMA_KEY_ORDER[:4] == (0, 1, 8, 9)
+    keys = torch.tensor([16 * (n // 16) + MMA_KEY_ORDER[n % 16] for n in range(seq)], device=DEVICE)
+    assert torch.equal(ordered, plain[..., keys]) and not torch.equal(ordered, plain)
+    assert torch.equal(scale, plain_scale) and torch.equal(firsts[0], firsts[1])
+    assert (firsts[1][5] == 37) == confine
+
+
+@pytest.mark.parametrize("kw, seq", [({"transposed": False}, 64), ({"transposed": True}, 72)])
+def test_mma_order_refuses_what_it_cannot_order(kw, seq):
+    x = torch.randn(1, 1, seq, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"mma_order=True .* received transposed={kw['transposed']} and N={seq}"):
+        quantize_rows(x, 64, fmt="int8", mma_order=True, **kw)
 
 
 def test_quantizer_edge_cases():

@@ -14,6 +14,9 @@ instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
   softmax sum. The portable loop takes ``exp2(S - m)`` and then multiplies each score by ``127 / rowmax``.
 * ``P^ V^``'s int32 product is converted and scaled by one fused multiply-add per element
   (:func:`..quant.int32_scaled`, which the portable kernels use too).
+* V^ holds each 16 keys in :data:`..quant.MMA_KEY_ORDER` (``quantize_rows(..., mma_order=True)``), the order in
+  which a thread's registers hold ``Q K^T``'s accumulator, so ``P^`` goes from those registers into ``P^ V^`` as the
+  8-bit A operand with no exchange between threads (a sum of int32 products: the order of its terms changes no bit).
 
 With ``pv="fp8"`` (``PV_FMT``) P is coded ``e4m3(448 P~)`` against the running max and V^ per channel, so each tile's
 FP8 product adds into O's fp32 accumulator inside the tensor core: no int32 conversion and no per-tile scaling.
@@ -188,6 +191,9 @@ def _hopper_forward_kernel(
             beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
             l_i = l_i * alpha + tl.sum(e, axis=1) * beta
             codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
+            # Each 16 keys in V^'s order (quant.MMA_KEY_ORDER): the A operand's registers are the accumulator's.
+            codes = codes.reshape(BLOCK_M, BLOCK_N // 16, 2, 2, 2, 2).permute(0, 1, 3, 4, 2, 5)
+            codes = codes.reshape(BLOCK_M, BLOCK_N)
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
             # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
             pv = int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])
@@ -314,8 +320,10 @@ def hopper_forward(
     Args:
         q_op, q_scale, q_mean, k_op, k_scale: as :func:`..forward.forward`: int8 codes, or for ``qk="fp8"`` e4m3
             (``float8_e4m3fn``) codes, contiguous ``[B, H, N, D]`` (:func:`..quant.quantize_rows`).
-        v_op, v_scale: V^ ``[B, Hkv, D, Nk]``: int8 with scales ``[B, Hkv, Nk / block_n]``, or for ``pv="fp8"`` e4m3
-            with one scale per channel ``[B, Hkv, D]`` (:func:`..quant.quantize_channels_fp8`).
+        v_op, v_scale: V^ ``[B, Hkv, D, Nk]``: int8 with scales ``[B, Hkv, Nk / block_n]``, its keys in
+            :data:`..quant.MMA_KEY_ORDER` (``quantize_rows(v, block_n, fmt="int8", transposed=True,
+            mma_order=True)``), or for ``pv="fp8"`` e4m3 with one scale per channel ``[B, Hkv, D]``
+            (:func:`..quant.quantize_channels_fp8`).
         out_dtype, is_causal, scale, block_m, block_n: as :func:`..forward.forward`; ``block_m`` is the Q
             quantization block (programs take 128 or 64 of its rows), ``block_n`` the key tile.
         qk: the format of ``Q K^T``, ``"int8"`` or ``"fp8"``, matching ``q_op`` and ``k_op``.
