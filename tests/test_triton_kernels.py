@@ -209,7 +209,8 @@ def test_mma_order_stores_each_16_keys_in_the_hopper_forwards_order(seq, block, 
     codes of the plain transposed operand, bit for bit, and the same scales, with ragged blocks and a NaN confined."""
     gen = torch.Generator().manual_seed(seq + d)
     x = torch.randn(2, 3, seq, d, generator=gen).to(DEVICE, torch.bfloat16)
-    x[1, 2, 37, 5] = float("nan") if confine else x[1, 2, 37, 5]
+    if confine:
+        x[1, 2, 37, 5] = float("nan")
     firsts = [torch.full((6,), NO_BAD_KEY, dtype=torch.int32, device=DEVICE) for _ in range(2)]
     runs = [quantize_rows(x, block, fmt="int8", transposed=True, mma_order=mma, confine=confine, first_bad=first)
             for mma, first in zip((False, True), firsts, strict=True)]  # fmt: skip
