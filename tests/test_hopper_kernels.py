@@ -188,21 +188,23 @@ FP8_QK_CASES = [
 ]
 
 
-def _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k, mma_order=False):
-    """Q'^, K'^ in e4m3 and V^ in ``pv``, quantized as ``ops._sagebwd_forward`` does for ``qk="fp8"`` (INT8 V^ with
-    ``mma_order`` for the Hopper forward)."""
+def _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k):
+    """Q'^, K'^ in e4m3 and V^ in ``pv``, quantized as ``ops._sagebwd_forward`` does for ``qk="fp8"``: the portable
+    forward's operands and the Hopper forward's (the same but an INT8 V^, whose keys it takes in ``mma_order``)."""
     gen = torch.Generator().manual_seed(n + nk + d)
     q = torch.randn(1, hq, n, d, generator=gen).to(DEVICE, torch.bfloat16)
     k = (torch.randn(1, hkv, nk, d, generator=gen) + 0.5).to(DEVICE, torch.bfloat16)
     v = torch.randn(1, hkv, nk, d, generator=gen).to(DEVICE, torch.bfloat16)
     q_op, q_scale, q_mean = quantize_rows(q, 128, fmt="fp8", block_mean=smooth_q, confine=True)
     k_op, k_scale, _ = quantize_rows(k, block_n, fmt="fp8", mean=finite_mean(k) if smooth_k else None, confine=True)
-    if pv == "int8":
-        v_op, v_scale, _ = quantize_rows(v, block_n, fmt="int8", transposed=True, mma_order=mma_order, confine=True)
-    else:
-        v_op, v_scale = quantize_channels_fp8(v, confine=True)
     assert q_op.dtype == k_op.dtype == torch.float8_e4m3fn and q_op.is_contiguous() and k_op.is_contiguous()
-    return q_op, q_scale, q_mean, k_op, k_scale, v_op, v_scale
+    qk_parts = (q_op, q_scale, q_mean, k_op, k_scale)
+    if pv == "fp8":
+        v_parts = quantize_channels_fp8(v, confine=True)
+        return (*qk_parts, *v_parts), (*qk_parts, *v_parts)
+    plain, ordered = (quantize_rows(v, block_n, fmt="int8", transposed=True, mma_order=mma, confine=True)[:2]
+                      for mma in (False, True))  # fmt: skip
+    return (*qk_parts, *plain), (*qk_parts, *ordered)
 
 
 @needs_kernels
@@ -214,9 +216,8 @@ def test_hopper_fp8_qk_equals_the_portable_forward(pv, hq, hkv, n, nk, d, block_
     INT8 P codes come from ``127 * exp2(S - tile_max)``, the portable loop's from ``exp2(S - m) * 127 / rowmax``, so a
     code can flip at a rounding boundary and the row sum adds in another order; compiled, the exp2's argument is one
     fused multiply-add and the tensor core adds P V into the running O)."""
-    operands = _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k)
+    operands, hopper_operands = _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k)
     kw = dict(out_dtype=torch.bfloat16, is_causal=causal, scale=d**-0.5, block_m=128, block_n=block_n)
-    hopper_operands = _forward_operands(hq, hkv, n, nk, d, block_n, pv, smooth_q, smooth_k, mma_order=True)
     out, lse = hopper_forward(*hopper_operands, **kw, qk="fp8", pv=pv)
     ref_out, ref_lse = forward(*operands, **kw, qk="fp8", pv=pv)
     assert out.shape == ref_out.shape and torch.isfinite(out).all() and torch.isfinite(lse).all()
