@@ -342,10 +342,18 @@ MMA_KEY_ORDER = tuple((p & 1) | ((p >> 1) & 1) << 3 | ((p >> 2) & 3) << 1 for p 
 
 
 @triton.jit
-def mma_key_slots(keys):
-    """The slot of each of ``keys`` (int32) in :data:`MMA_KEY_ORDER`'s storage: the inverse of that order within
-    each 16 keys."""
-    return (keys & -16) | (keys & 1) | ((keys >> 2) & 2) | ((keys << 1) & 12)
+def mma_key_order(x, AXIS: tl.constexpr):
+    """The 2-D ``x`` with its keys along ``AXIS`` in :data:`MMA_KEY_ORDER`: index ``16 g + p`` takes key
+    ``16 g + MMA_KEY_ORDER[p]`` (``x.shape[AXIS]`` a multiple of 16). V^'s codes are stored so (``AXIS=0``), and the
+    Hopper forward relabels P^'s columns so (``AXIS=1``): a reshape and permute, which moves no data between threads
+    where the layout already holds them in that order."""
+    ROWS: tl.constexpr = x.shape[0]
+    COLS: tl.constexpr = x.shape[1]
+    if AXIS == 0:
+        x = x.reshape(ROWS // 16, 2, 2, 2, 2, COLS).permute(0, 2, 3, 1, 4, 5)
+    else:
+        x = x.reshape(ROWS, COLS // 16, 2, 2, 2, 2).permute(0, 1, 3, 4, 2, 5)
+    return x.reshape(ROWS, COLS)
 
 
 @triton.jit
@@ -390,7 +398,7 @@ def _quantize_rows_kernel(
     """One program per (block of ``BLOCK`` rows, batch x head): optional smoothing, then codes and a scale.
 
     ``EVEN``: every row of the block exists and ``D_PAD`` is the head dim, so loads and stores take no mask.
-    ``MMA_ORDER``: row ``n`` is stored at :func:`mma_key_slots` ``(n)`` (``SEQ`` a multiple of 16).
+    ``MMA_ORDER``: row ``16 g + p`` holds row ``16 g + MMA_KEY_ORDER[p]`` (``SEQ`` a multiple of 16).
 
     ``CONFINE``: NaN and infinities read as 0 (:func:`confine_rows`) before the means, the scale and the codes; the
     rows that held one reported per row (``ROWS_OUT``) or as the head's first (``FIRST_OUT``). A block's
@@ -435,8 +443,7 @@ def _quantize_rows_kernel(
         mean = tl.sum(x, axis=0) / count
         tl.store(MEAN_OUT + b * stride_mob + h * stride_moh + pid_m * stride_mom + cols, mean, mask=cols < HEAD_DIM)
         x = x - mean[None, :] if EVEN else tl.where(valid, x - mean[None, :], 0.0)
-    slots = mma_key_slots(rows) if MMA_ORDER else rows
-    out_ptrs = OUT + b * stride_ob + h * stride_oh + slots[:, None] * stride_on + cols[None, :] * stride_od
+    out_ptrs = OUT + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od
     if not SAME_MAX:
         amax = nan_max(tl.abs(x))
     if FMT == "int8":
@@ -448,6 +455,9 @@ def _quantize_rows_kernel(
     else:
         scale = 1.0
         codes = to_dtype(x, OUT.dtype.element_ty, DOT_PRECISION)
+    if MMA_ORDER:
+        # Reordered in registers (a whole 16 rows valid or not: SEQ a multiple of 16), so the stores stay contiguous.
+        codes = mma_key_order(codes, 0)
     if EVEN:
         tl.store(out_ptrs, codes)
     else:

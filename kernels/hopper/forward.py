@@ -50,6 +50,7 @@ from ..quant import (
     dot_precision,
     int32_scaled,
     low_bit_dot,
+    mma_key_order,
     seq_bucket,
     to_dtype,
     to_e4m3,
@@ -191,9 +192,8 @@ def _hopper_forward_kernel(
             beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
             l_i = l_i * alpha + tl.sum(e, axis=1) * beta
             codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)
-            # Each 16 keys in V^'s order (quant.MMA_KEY_ORDER): the A operand's registers are the accumulator's.
-            codes = codes.reshape(BLOCK_M, BLOCK_N // 16, 2, 2, 2, 2).permute(0, 1, 3, 4, 2, 5)
-            codes = codes.reshape(BLOCK_M, BLOCK_N)
+            # Each 16 keys in V^'s order: the A operand's registers are the accumulator's.
+            codes = mma_key_order(codes, 1)
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
             # P~ V = (codes . V^) * (rowmax(P~) / 127) * s_V, rowmax(P~) = beta relative to the running max.
             pv = int32_scaled(tl.dot(codes, tl.trans(vt)), (beta * (v_scale / 127.0))[:, None])

@@ -194,6 +194,34 @@ if HAVE_GLUON:
         tma.async_copy_global_to_shared(desc_k, [kv_row0[0] + start_n, 0], bar, k_smem.index(s), pred=live)
         tma.async_copy_global_to_shared(desc_v, [kv_row0[1] + start_n, kv_row0[2]], bar, v_smem.index(s), pred=live)
 
+    @gluon.constexpr_function
+    def _mma_order_layout(keys, head_dim, warps):
+        """The layout :func:`_transpose_k` loads a ``[keys, D]`` tile in: each thread 4 dims of keys ``k, k + 1, k + 8,
+        k + 9`` (slots ``4 j ... 4 j + 3`` of :data:`..quant.MMA_KEY_ORDER`: one 32-bit store a dim once reordered), a
+        warp's lanes 4 x 4 dims and keys ``2, 4, 16`` apart, its warps the dims first, then the keys; what they do not
+        cover repeats in registers."""
+        regs = [[0, 1], [0, 2], [1, 0], [8, 0]]
+        lanes = [[0, 4], [0, 8], [2, 0], [4, 0], [16, 0]]
+        warps_k = (warps * 16 + head_dim - 1) // head_dim
+        warp_bases = []
+        d, n = 16, warps // warps_k
+        while n > 1:
+            warp_bases.append([0, d])
+            d, n = d * 2, n // 2
+        kb, n = 32, warps_k
+        while n > 1:
+            warp_bases.append([kb, 0])
+            kb, n = kb * 2, n // 2
+        while d < head_dim:
+            regs.append([0, d])
+            d *= 2
+        while kb < keys:
+            regs.append([kb, 0])
+            kb *= 2
+        return gl.DistributedLinearLayout(
+            reg_bases=regs, lane_bases=lanes, warp_bases=warp_bases, block_bases=[], shape=[keys, head_dim]
+        )
+
     @gluon.jit
     def _transpose_k(k_tile, kt_tile, HEAD_DIM: gl.constexpr, WARPS: gl.constexpr):
         """``kt_tile [D, 64] = k_tile [64, D]^T`` through registers, by the ``WARPS`` warps that call it (4 or 8),
@@ -202,18 +230,17 @@ if HAVE_GLUON:
 
         8-bit wgmma wants its B operand K-major, here over the keys, and TMA copies without transposing: the
         ``[64, D]`` tile the ring brings (D contiguous, as S's product reads it) is stored again with the keys
-        contiguous. Each thread holds 4 keys x 4 dims (32-bit loads along the dims, 32-bit stores along the keys); a
-        warp's lanes span 8 x 4 such blocks (32 keys, 16 dims), its warps the dims first (the tile repeats over
-        the warps where they cover less). Under the copy engine's swizzle of the source (128 bytes at D=128) and
-        the 64-byte swizzle of the ``[D, 64]`` tile, a warp's load takes 4 shared-memory wavefronts and its store 2
-        (each thread's block being 4 dims wide keeps every store within rows of one parity): 384 per D=128 tile,
-        against 1,088 for 32 lanes along the dims (16-way conflicts on the stores). Both layouts are modelled in
-        ``benchmarks/NOTES.md`` (device run 10)."""
-        warps_k: gl.constexpr = (WARPS * 16 + HEAD_DIM - 1) // HEAD_DIM
-        layout: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[4, 4], threads_per_warp=[8, 4], warps_per_cta=[warps_k, WARPS // warps_k], order=[1, 0]
-        )
-        kt_tile.store(gl.permute(k_tile.load(layout), (1, 0)))
+        contiguous, each 16 in :data:`..quant.MMA_KEY_ORDER` (the dQ kernel's dS codes enter the product in the
+        order their accumulator holds them). Each thread holds 4 keys x 4 dims, keys ``k, k + 1, k + 8, k + 9``,
+        which that order puts in 4 consecutive slots (32-bit loads along the dims, 32-bit stores along the slots;
+        :func:`_mma_order_layout`). Device run 10 modelled the shared-memory wavefronts for 4 consecutive keys a
+        thread (a warp's load 4, its store 2: 384 per D=128 tile, against 1,088 for 32 lanes along the dims;
+        ``benchmarks/NOTES.md``); this order's lanes span keys 2, 4 and 16 apart instead of 4, 8 and 16."""
+        k = k_tile.load(_mma_order_layout(k_tile.shape[0], HEAD_DIM, WARPS))
+        # Slot p of each 16 keys holds key MMA_KEY_ORDER[p] (quant.py): the dQ product's A operand, dS's codes, then
+        # comes from the registers of dS's accumulator as they are.
+        k = k.reshape([k.shape[0] // 16, 2, 2, 2, 2, HEAD_DIM]).permute((0, 2, 3, 1, 4, 5))
+        kt_tile.store(gl.permute(k.reshape([k_tile.shape[0], HEAD_DIM]), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -428,6 +455,11 @@ if HAVE_GLUON:
             else:
                 # An FP8 or bf16 dS: the dQ product's bf16 operand (ds_scale 1 for bf16).
                 codes, _amax, ds_scale = _ds_operand(ds, DS_FMT)
+            if DS_FMT == "int8":
+                # Each 16 keys in K'^T's order (_transpose_k, quant.MMA_KEY_ORDER): as the 8-bit A operand from
+                # registers the codes are then the accumulator's registers as they are.
+                codes = codes.reshape([BLOCK_M, BLOCK_N // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5))
+                codes = codes.reshape([BLOCK_M, BLOCK_N])
             if WG:
                 # (Here, after dS, in this variant's order of operations: its instructions as they were.)
                 kt_tile = kt_smem.index(t % kt_smem.shape[0])
