@@ -9,7 +9,9 @@ so the two see the same dS and its INT8 codes. Per tile (as the reference):
   scale), one per block of dO;
 * ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 / FP8 when ``dp`` says so);
 * ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS (INT8 or FP8; where dS and
-  Q'^, K'^ differ in format, both are cast to the input dtype, which holds every code exactly);
+  Q'^, K'^ differ in format, both are cast to the input dtype, which holds every code exactly); with dS in the input
+  dtype (``"bf16"``) dQ's operand is ``P fma(dP, s_K, -(delta s_K))`` rounded, dS times K's tile scale, so each
+  tile's product adds into dQ inside the tensor core (the reference rounds ``P (dP s_K - delta s_K)``);
 * Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
 
 Simulated NVFP4 (Attn-QAT): ``dv="nvfp4"`` re-quantizes P per row of the tile as the forward did
@@ -88,10 +90,12 @@ def _tile_gradients(
     DP_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     masked,
+    ds_fold=None,
 ):
     """``P`` and ``dS`` (fp32) of one tile; both are zero where the pair takes no part. ``masked`` (the same
     for the whole program): whether the tile may hold such a pair; only then are the mask's compares and
-    selects run."""
+    selects run. ``ds_fold``: a scalar ``c`` the returned dS is times, as ``P fma(dP, c, -(delta c))`` (a bf16 dS's
+    dQ operand takes K's tile scale so: :func:`_dq_kernel`)."""
     s, _ = scores_tile(
         q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q,
         DOT_PRECISION, False,
@@ -107,7 +111,9 @@ def _tile_gradients(
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION) * v_scale  # dO in the input dtype, V's NVFP4 values
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
-    return p, p * (dp - delta[:, None])
+    if ds_fold is None:
+        return p, p * (dp - delta[:, None])
+    return p, p * tl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
 
 
 # restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.
@@ -367,10 +373,12 @@ def _dq_kernel(
         v_scale = 1.0
         if DP_FMT != "bf16":
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
+        # A bf16 dS enters dQ's product times K's tile scale (dS_K = P (dP s_K - delta s_K), rounded), so the product
+        # adds into dQ in the tensor core; an INT8 or FP8 dS is coded against its own scale over the tile.
         _, ds = _tile_gradients(
             q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
             SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION,
-            partial_rows | (start_n >= full_hi),
+            partial_rows | (start_n >= full_hi), k_scale if DS_FMT == "bf16" else None,
         )  # fmt: skip
         if DS_FMT == "int8":
             ds_scale = int8_scale(nan_max(tl.abs(ds)))
@@ -392,7 +400,7 @@ def _dq_kernel(
                 dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * k_scale)
         else:
             ds_hp = to_dtype(ds, io_dtype, DOT_PRECISION)
-            dq += hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION) * k_scale
+            dq = hp_dot(ds_hp, to_dtype(k, io_dtype, DOT_PRECISION), DOT_PRECISION, dq)
     tl.store(
         DQ + bh * SEQ_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + cols[None, :],
         to_dtype(dq * tau, io_dtype, DOT_PRECISION),

@@ -573,8 +573,14 @@ def _backward(
 
         k_op = _key_tile(saved.k_op, geo, tile)
         k_scale = saved.k_scale[:, :, tile, None]
-        dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
-        dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
+        if formats["ds"] == "bf16":
+            # dQ's operand is dS times the tile's K scale, rounded to the input dtype: dS_K = P (dP s_K - delta s_K),
+            # so the kernels add each tile's product into dQ inside the tensor core (no scaling after it).
+            ds_k = (p * (dp * k_scale - delta[..., None] * k_scale)).masked_fill(invalid, 0.0)
+            dq += (_to_io(ds_k, geo.io_dtype) @ k_op) * tau
+        else:
+            dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
+            dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
         # Per row block, so each block's Q scale (its query head's, for NVFP4 under GQA) applies to its own part.
         dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
         dk[:, :, keys] = dk_parts.sum(dim=2) * tau

@@ -149,7 +149,7 @@ def _bin(name: str) -> str:
 
 def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | None, bool]:
     """Registers, spill bytes (stores, loads) of a PTX module from ``ptxas -v``, and whether ptxas serialized its
-    wgmma (its note C7514, "wgmma.mma_async instructions are serialized ...": every wgmma waited for at once)."""
+    wgmma (its notes C7512 and C7514, "wgmma.mma_async instructions are serialized ...": each waited for at once)."""
     log = ""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
@@ -166,7 +166,7 @@ def _ptxas_usage(ptx: str, arch: str) -> tuple[int | None, int | None, int | Non
         int(regs.group(1)) if regs else None,
         int(spill.group(1)) if spill else None,
         int(spill.group(2)) if spill else None,
-        "C7514" in log,
+        "wgmma.mma_async instructions are serialized" in log,
     )
 
 
@@ -399,7 +399,7 @@ def report(
             f"{row.shared / 1024:>7.1f}{'' if row.fits else '!'} {row.registers or 0:>4} {row.spill_stores or 0:>5} "
             f"{row.local_memory_ops if row.local_memory_ops is not None else '?':>7} "
             f"{row.blocks_per_sm if row.blocks_per_sm is not None else '?':>6} {_loop_cell(row):>14} "
-            f"{'C7514' if row.wgmma_serialized else '-':>6}  {mma}"
+            f"{'yes' if row.wgmma_serialized else '-':>6}  {mma}"
         )
     if out:
         found = {"triton": triton.__version__, "target": "sm_90", "seq": seq, "rows": [asdict(r) for r in _RECORDS]}

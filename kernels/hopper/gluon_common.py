@@ -271,6 +271,18 @@ if HAVE_GLUON:
         return within // heads, head0 + within % heads
 
     @gluon.jit
+    def _mma_key_order(x, AXIS: gl.constexpr):
+        """:func:`..quant.mma_key_order` in Gluon (a Gluon kernel cannot call a ``tl`` function): the 2-D ``x`` with
+        its keys along ``AXIS`` in :data:`..quant.MMA_KEY_ORDER`, a reshape and permute."""
+        ROWS: gl.constexpr = x.shape[0]
+        COLS: gl.constexpr = x.shape[1]
+        if AXIS == 0:
+            x = x.reshape([ROWS // 16, 2, 2, 2, 2, COLS]).permute((0, 2, 3, 1, 4, 5))
+        else:
+            x = x.reshape([ROWS, COLS // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5))
+        return x.reshape([ROWS, COLS])
+
+    @gluon.jit
     def _int32_scaled(x, scale):
         """``quant.int32_scaled``: ``x.to(fp32) * scale`` for an int32 INT8 product, one fma per element."""
         c = (scale.to(gl.int32, bitcast=True) & -4).to(gl.float32, bitcast=True)
@@ -777,15 +789,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _dq_ds(
         s_tok, dp_tok, scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi, s_layout: gl.constexpr,
-        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, ds_fold=None, keep=None,
     ):  # fmt: skip
         """A tile's S and dP products waited for (S first, dP after P is computed), P ``[queries, keys]`` (zero
         above the diagonal on the tiles from ``full_hi`` on when ``CAUSAL``) and ``dS = P (dP - delta)`` in fp32, which
         :mod:`.gluon_dq`'s kernel then codes for its dQ product (INT8 with the tile's scale or one it is given, FP8 or
         bf16). ``offs_n_tile``: the keys' offsets within a tile, made once by the caller, or ``None`` to make them in
         the masked branch (where the registers are scarce: :mod:`.gluon_dq`'s ``wg`` warpgroup would spill holding
-        them through the loop)."""
-        s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        them through the loop). ``ds_fold``: a scalar ``c`` dS is times, as ``P fma(dP, c, -(delta c))`` (a bf16 dS
+        takes K's tile scale so, as ``_dq_kernel``'s). ``keep``: a register operand of a product still in flight
+        (the tile before's dQ), kept alive until S's wait, which that product finishes before."""
+        if keep is None:
+            s_int = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        else:
+            s_int, _ = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok, keep])
         p = gl.exp2(_int32_scaled(s_int, scale) - lse[:, None])
         if CAUSAL:
             # _dq_kernel's masked tiles: those from full_hi on (the key tiles that reach the diagonal).
@@ -797,7 +814,9 @@ if HAVE_GLUON:
                     offs_n = start_n + offs_n_tile
                 p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
         dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-        return p * (dp - delta[:, None])
+        if ds_fold is None:
+            return p * (dp - delta[:, None])
+        return p * gl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
 
     @gluon.jit
     def _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
