@@ -112,8 +112,10 @@ def _tile_gradients(
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
     if ds_fold is None:
-        return p, p * (dp - delta[:, None])
-    return p, p * tl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
+        ds = p * (dp - delta[:, None])
+    else:
+        ds = p * tl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
+    return p, ds
 
 
 # restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.

@@ -815,8 +815,10 @@ if HAVE_GLUON:
                 p = gl.where(offs_n[None, :] > offs_m[:, None], 0.0, p)
         dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
         if ds_fold is None:
-            return p * (dp - delta[:, None])
-        return p * gl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
+            ds = p * (dp - delta[:, None])
+        else:
+            ds = p * gl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
+        return ds
 
     @gluon.jit
     def _dq_store(dq, m_block, bh, SEQ_Q, DQ, tau, acc_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
