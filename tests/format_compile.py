@@ -1,12 +1,12 @@
 """Compile the kernels every product format reaches for sm_90 without a GPU, and exit 1 when one does not compile.
 
-``benchmarks.kernels.sm90_compile`` compiles a forward and backward at the default precision (INT8 Q K, P V, dV, dS)
-and the Gluon compile scripts compile the Gluon kernels with an INT8 dS. This adds the other formats, one change of
-the default at a time: a forward and backward through ``sage_attention_triton`` on the portable path and on the Hopper
-path (``SAGE_LIGHTNING_HOPPER=off`` and ``force``), and with ``--gluon`` the Gluon dQ and dK/dV launchers with an FP8
-and a bf16 dS (the variants the backward launches: one warpgroup per block at D=64, two consumer warpgroups at D=128).
-Device run 46 is why: a change to a helper every backward kernel calls left the portable kernels uncompilable with
-an FP8 dS, and neither the interpreter nor the default precision's compile saw it::
+``benchmarks.kernels.sm90_compile`` compiles a forward and backward at the default precision (INT8 Q K, P V, dV, dS) and
+the Gluon compile scripts compile the Gluon kernels with an INT8 dS. This adds the other formats (two precisions,
+:data:`CHANGES`, between them every format of every product): a forward and backward through ``sage_attention_triton``
+on the portable path and on the Hopper path (``SAGE_LIGHTNING_HOPPER=off`` and ``force``), and with ``--gluon`` the
+Gluon dQ and dK/dV launchers with an FP8 and a bf16 dS (the variants the backward launches: one warpgroup per block at
+D=64, two consumer warpgroups at D=128). Device run 46 is why: a change to a helper every backward kernel calls left the
+portable kernels uncompilable with an FP8 dS, and neither the interpreter nor the default precision's compile saw it::
 
     python -m tests.format_compile --gluon --out /tmp/formats-sm90.json
 """
@@ -24,13 +24,11 @@ from benchmarks.kernels import sm90_compile as offline  # first: it sets a fresh
 import torch
 # isort: on
 
-#: The precisions compiled: the default with one product (or one group of products) changed.
+#: The precisions compiled, between them every format of every product beside the default's: an FP8 dS against INT8
+#: Q'^ and K'^ (their codes widened) with Q-smoothing, and FP8 Q K, P V, dV and dP with a bf16 dS.
 CHANGES = (
-    {"ds": "fp8"},
-    {"ds": "bf16"},
-    {"qk": "fp8", "pv": "fp8"},
-    {"dv": "fp8", "dp": "fp8"},
-    {"smooth_q": True},
+    {"ds": "fp8", "smooth_q": True},
+    {"qk": "fp8", "pv": "fp8", "dv": "fp8", "dp": "fp8", "ds": "bf16"},
 )
 #: The Gluon backward's dS formats beside INT8 (what the Gluon compile scripts take).
 GLUON_DS = ("fp8", "bf16")

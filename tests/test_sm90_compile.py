@@ -178,10 +178,11 @@ FORMAT_SCRIPT = ["-m", "tests.format_compile"]
 
 @pytest.mark.parametrize("which", ["installed", "verified"])
 def test_every_product_format_compiles(which: str, tmp_path: Path) -> None:
-    """A forward and backward with each product in its other formats (FP8 or bf16 dS, FP8 Q K and P V, FP8 dV and dP,
-    Q-smoothing) compiles for sm_90 on the portable and the Hopper path, and under the GPU image's Triton the Gluon dQ
-    and dK/dV kernels with an FP8 and a bf16 dS: the default precision's compile (above) does not reach them, nor
-    does the interpreter see a ``tl`` function that does not compile (device run 46's check found one on the GPU)."""
+    """A forward and backward with every product in its other formats (FP8 or bf16 dS, FP8 Q K, P V, dV and dP,
+    Q-smoothing: :data:`tests.format_compile.CHANGES`) compiles for sm_90 on the portable and the Hopper path, and under
+    the GPU image's Triton the Gluon dQ and dK/dV kernels with an FP8 and a bf16 dS: the default precision's compile
+    (above) does not reach them, nor does the interpreter see a ``tl`` function that does not compile (device run 46's
+    check found one on the GPU)."""
     out = tmp_path / "formats.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [_python(which), *FORMAT_SCRIPT, "--out", str(out), *(["--gluon"] if which == "verified" else [])]
@@ -189,11 +190,8 @@ def test_every_product_format_compiles(which: str, tmp_path: Path) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     rows = json.loads(out.read_text())["rows"]
     compiled = {row["case"] for row in rows if not row["error"]}
-    from tests.format_compile import CHANGES
-
-    for path in ("portable", "hopper"):
-        for change in CHANGES:
-            assert f"{path} D=64 {change}" in compiled, (path, change)
+    for path in ("portable", "hopper"):  # each of the two precisions on each path
+        assert len([case for case in compiled if case.startswith(f"{path} D=64 {{")]) == 2, sorted(compiled)
     if which == "verified":
         gluon = {row["case"] for row in rows if row["kernel"] in ("_gluon_dq_kernel", "_gluon_dkdv_kernel")}
         assert len(gluon) == 8, sorted(gluon)
