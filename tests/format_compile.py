@@ -14,7 +14,6 @@ portable kernels uncompilable with an FP8 dS, and neither the interpreter nor th
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -35,22 +34,16 @@ GLUON_DS = ("fp8", "bf16")
 
 
 def _entry_points(seq: int, head_dim: int, failures: list[str]) -> None:
-    """A causal forward and backward at every precision of :data:`CHANGES`, portable and Hopper paths."""
-    from sage_lightning.kernels import AttentionPrecision, plan
-    from sage_lightning.kernels.ops import sage_attention_triton
+    """A causal forward and backward at every precision of :data:`CHANGES`, portable and Hopper paths
+    (``sm90_compile``'s own entry-point call, given the precision)."""
+    from sage_lightning.kernels import AttentionPrecision
 
-    for path in ("off", "force"):
-        os.environ[offline.HOPPER_ENV] = path
-        plan.refresh_settings()
+    for path in ("portable", "hopper"):
         for change in CHANGES:
-            offline._CASE["name"] = f"{'portable' if path == 'off' else 'hopper'} D={head_dim} {change}"
-            shape = (1, 2, seq, head_dim)
-            q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            offline._CASE["name"] = f"{path} D={head_dim} {change}"
+            settings = dict(head_dim=head_dim, causal=True, tiles=(128, 64), path=path)
             try:
-                out, _ = sage_attention_triton(
-                    q, k, v, is_causal=True, with_lse=False, precision=AttentionPrecision(**change)
-                )
-                out.backward(torch.randn_like(out))
+                offline._run_case({**settings, "precision": AttentionPrecision(**change)}, seq, 2, torch.bfloat16)
             except Exception:  # noqa: BLE001 - reported, the other cases go on
                 failures.append(f"{offline._CASE['name']}:\n{traceback.format_exc()[-3000:]}")
 

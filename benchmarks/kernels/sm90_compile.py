@@ -323,7 +323,7 @@ def _cases(args: argparse.Namespace) -> list[tuple[str, dict]]:
 
 
 def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
-    """Call one entry point forward and backward on CPU tensors (their values are never read on a device)."""
+    """One entry point's forward and backward on CPU tensors, at ``settings.get("precision")`` (None: the default)."""
     from sage_lightning.kernels import plan
     from sage_lightning.kernels.ops import sage_attention_triton
 
@@ -332,8 +332,8 @@ def _run_case(settings: dict, seq: int, heads: int, dtype: torch.dtype) -> None:
     plan.refresh_settings()
     shape = (1, heads, seq, settings["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=True) for _ in range(3))
-    tiles = dict(zip(("block_m", "block_n"), settings["tiles"], strict=True))
-    out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], with_lse=False, **tiles)
+    kw = dict(zip(("block_m", "block_n"), settings["tiles"], strict=True), precision=settings.get("precision"))
+    out, _ = sage_attention_triton(q, k, v, is_causal=settings["causal"], with_lse=False, **kw)
     out.backward(torch.randn_like(out))
 
 
