@@ -2,16 +2,17 @@
 Q'^, K'^.
 
 Both kernels walk the same ``BLOCK_M x BLOCK_N`` tiles the forward used and recompute each tile's ``S``,
-``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`),
-so the two see the same dS and its INT8 codes. Per tile (as the reference):
+``P = exp2(S - lse)``, ``dP`` and ``dS = P * (dP - delta)`` with the same code (:func:`_tile_gradients`,
+:func:`_ds_tile`), so the two see the same dS and its INT8 codes. Per tile (as the reference):
 
 * ``dV += psi(P)^T psi(dO)``: one scale per key column of the tile of P (INT8; FP8 codes ``448 P`` with one
   scale), one per block of dO;
 * ``dP = dO V^T`` in the input dtype with fp32 accumulation (or INT8 / FP8 when ``dp`` says so);
 * ``dQ += tau psi(dS) K'^`` and ``dK += tau psi(dS)^T Q'^``, one scale per tile of dS (INT8 or FP8; where dS and
   Q'^, K'^ differ in format, both are cast to the input dtype, which holds every code exactly); with dS in the input
-  dtype (``"bf16"``) dQ's operand is ``P fma(dP, s_K, -(delta s_K))`` rounded, dS times K's tile scale, so each
-  tile's product adds into dQ inside the tensor core (the reference rounds ``P (dP s_K - delta s_K)``);
+  dtype (``"bf16"``) dQ's operand is ``P fma(dP, s_K, -(delta s_K))`` rounded, dS times K's tile scale, and dK's
+  ``P fma(dP, s_Q, -(delta s_Q))``, dS times Q's, so each tile's product adds into dQ or dK inside the tensor core
+  (the reference rounds ``P (dP s_K - delta s_K)`` and ``P (dP s_Q - delta s_Q)``);
 * Q-smoothing's correction ``dK += tau colsum(dS)^T qbar``.
 
 Simulated NVFP4 (Attn-QAT): ``dv="nvfp4"`` re-quantizes P per row of the tile as the forward did
@@ -78,7 +79,6 @@ def _tile_gradients(
     do_dp,
     do_scale,
     lse,
-    delta,
     offs_m,
     offs_n,
     SEQ_Q,
@@ -90,12 +90,10 @@ def _tile_gradients(
     DP_FMT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     masked,
-    ds_fold=None,
 ):
-    """``P`` and ``dS`` (fp32) of one tile; both are zero where the pair takes no part. ``masked`` (the same
-    for the whole program): whether the tile may hold such a pair; only then are the mask's compares and
-    selects run. ``ds_fold``: a scalar ``c`` the returned dS is times, as ``P fma(dP, c, -(delta c))`` (a bf16 dS's
-    dQ operand takes K's tile scale so: :func:`_dq_kernel`)."""
+    """``P`` and ``dP`` (fp32) of one tile (dS: :func:`_ds_tile`); P is zero where the pair takes no part.
+    ``masked`` (the same for the whole program): whether the tile may hold such a pair; only then are the mask's
+    compares and selects run."""
     s, _ = scores_tile(
         q, q_scale, q_mean, k, k_scale, offs_m, offs_n, SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q,
         DOT_PRECISION, False,
@@ -111,11 +109,19 @@ def _tile_gradients(
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION) * v_scale  # dO in the input dtype, V's NVFP4 values
     else:
         dp = hp_dot(do_dp, tl.trans(v), DOT_PRECISION)
+    return p, dp
+
+
+@triton.jit
+def _ds_tile(p, dp, delta, ds_fold=None):
+    """``dS = P (dP - delta)`` of a tile (zero where P is); with ``ds_fold``, a scalar ``c``, dS times it as
+    ``P fma(dP, c, -(delta c))``: a bf16 dS's dQ operand takes K's tile scale so, its dK operand Q's
+    (:func:`_dq_kernel`, :func:`_dkdv_kernel`)."""
     if ds_fold is None:
         ds = p * (dp - delta[:, None])
     else:
         ds = p * tl.fma(dp, ds_fold, -(delta * ds_fold)[:, None])
-    return p, ds
+    return ds
 
 
 # restore_value: tuning runs the kernel several times, and each run adds into the caller's statistics.
@@ -227,15 +233,16 @@ def _dkdv_kernel(
             delta = tl.load(DELTA + bh * SEQ_Q + offs_m, mask=offs_m < SEQ_Q, other=0.0)
             if DP_FMT == "int8" or DP_FMT == "fp8":
                 do_codes = load_tile(DO_CODES + bh * SEQ_Q * HEAD_DIM, offs_m, cols, HEAD_DIM, SEQ_Q, HEAD_DIM)
-                p, ds = _tile_gradients(
-                    q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, delta, offs_m, offs_n,
+                p, dp = _tile_gradients(
+                    q, q_scale, q_mean, k, k_scale, v, v_scale, do_codes, do_scale, lse, offs_m, offs_n,
                     SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION, masked,
                 )  # fmt: skip
             else:
-                p, ds = _tile_gradients(
-                    q, q_scale, q_mean, k, k_scale, v, v_scale, do, 1.0, lse, delta, offs_m, offs_n,
+                p, dp = _tile_gradients(
+                    q, q_scale, q_mean, k, k_scale, v, v_scale, do, 1.0, lse, offs_m, offs_n,
                     SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION, masked,
                 )  # fmt: skip
+            ds = _ds_tile(p, dp, delta)
             if DV_FMT == "fp8":
                 # P = exp2(S - lse) is at most 1: codes e4m3(448 P), one scale; dO^ per block, read as stored [D, N].
                 do_t = load_tile_t(DO_CODES_T + bh * SEQ_Q * HEAD_DIM, offs_m, cols, SEQ_Q, HEAD_DIM)
@@ -283,8 +290,10 @@ def _dkdv_kernel(
                     ds_t = tl.trans(to_dtype(ds_codes, io_dtype, DOT_PRECISION))
                     dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * (ds_scale * q_scale)
             else:
-                ds_t = tl.trans(to_dtype(ds, io_dtype, DOT_PRECISION))
-                dk += hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION) * q_scale
+                # dS times Q's tile scale, rounded (dS_Q = P (dP s_Q - delta s_Q)): the product adds into dK inside
+                # the tensor core. ds itself then serves only the statistics and Q-smoothing's term.
+                ds_t = tl.trans(to_dtype(_ds_tile(p, dp, delta, q_scale), io_dtype, DOT_PRECISION))
+                dk = hp_dot(ds_t, to_dtype(q, io_dtype, DOT_PRECISION), DOT_PRECISION, dk)
             if SMOOTH_Q:
                 dk += tl.sum(ds, axis=0)[:, None] * q_mean[None, :]
     mask = (offs_n[:, None] < SEQ_K) & (cols[None, :] < HEAD_DIM)
@@ -377,11 +386,12 @@ def _dq_kernel(
             v_scale = tl.load(V_SCALE + kv_bh * k_blocks + tile)
         # A bf16 dS enters dQ's product times K's tile scale (dS_K = P (dP s_K - delta s_K), rounded), so the product
         # adds into dQ in the tensor core; an INT8 or FP8 dS is coded against its own scale over the tile.
-        _, ds = _tile_gradients(
-            q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, delta, offs_m, offs_n,
+        p, dp = _tile_gradients(
+            q, q_scale, q_mean, k, k_scale, v, v_scale, do, do_scale, lse, offs_m, offs_n,
             SEQ_Q, SEQ_K, qk_scale, CAUSAL, QK_FMT, SMOOTH_Q, DP_FMT, DOT_PRECISION,
-            partial_rows | (start_n >= full_hi), k_scale if DS_FMT == "bf16" else None,
+            partial_rows | (start_n >= full_hi),
         )  # fmt: skip
+        ds = _ds_tile(p, dp, delta, k_scale if DS_FMT == "bf16" else None)
         if DS_FMT == "int8":
             ds_scale = int8_scale(nan_max(tl.abs(ds)))
             ds_codes = int8_codes(ds, ds_scale)

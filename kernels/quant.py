@@ -82,20 +82,16 @@ def to_dtype(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 def hp_dot(a, b, DOT_PRECISION: tl.constexpr, acc=None):
     """``a @ b`` with fp32 accumulation for the products kept in high precision (see :func:`dot_precision`);
     ``acc + a @ b`` with the sum made in the product (inside the tensor core) when ``acc`` (fp32) is given."""
+    if DOT_PRECISION == "upcast":
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    IEEE: tl.constexpr = "ieee" if DOT_PRECISION == "upcast" or DOT_PRECISION == "ieee" else None
     if acc is None:
         # (Not passed on as None: tl.dot reads a given accumulator's type, compiled.)
-        if DOT_PRECISION == "upcast":
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        elif DOT_PRECISION == "ieee":
-            return tl.dot(a, b, out_dtype=tl.float32, input_precision="ieee")
-        else:
-            return tl.dot(a, b, out_dtype=tl.float32)
-    elif DOT_PRECISION == "upcast":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif DOT_PRECISION == "ieee":
-        return tl.dot(a, b, acc, out_dtype=tl.float32, input_precision="ieee")
+        out = tl.dot(a, b, out_dtype=tl.float32, input_precision=IEEE)
     else:
-        return tl.dot(a, b, acc, out_dtype=tl.float32)
+        out = tl.dot(a, b, acc, out_dtype=tl.float32, input_precision=IEEE)
+    return out
 
 
 def tuning_configs(warps_stages: tuple[tuple[int, int], ...]) -> list[triton.Config]:

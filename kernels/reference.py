@@ -582,8 +582,16 @@ def _backward(
             dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
             dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
         # Per row block, so each block's Q scale (its query head's, for NVFP4 under GQA) applies to its own part.
-        dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
-        dk[:, :, keys] = dk_parts.sum(dim=2) * tau
+        if formats["ds"] == "bf16":
+            # dK's operand likewise: dS times the block's Q scale, dS_Q = P (dP s_Q - delta s_Q) rounded, so the
+            # kernels add each tile's product into dK inside the tensor core.
+            q_scale_rows = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
+            ds_q = (p * (dp * q_scale_rows - delta[..., None] * q_scale_rows)).masked_fill(invalid, 0.0)
+            ds_q_blocks = _to_io(ds_q, geo.io_dtype).reshape(b, h, geo.row_blocks, bm, nb)
+            dk[:, :, keys] = (ds_q_blocks.transpose(-1, -2) @ q_blocks).sum(dim=2) * tau
+        else:
+            dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
+            dk[:, :, keys] = dk_parts.sum(dim=2) * tau
 
         if saved.q_mean is not None:
             # Gradient of the fp bias tau * qbar_i . K'_j: colsum over each row block of dS times qbar.

@@ -374,6 +374,34 @@ def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gra
 
 
 @needs_hopper
+@pytest.mark.parametrize("with_stats", [False, True])
+@pytest.mark.parametrize("ds", ["int8", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dp_issued_beside_s_gives_the_one_warpgroup_kernel_the_same_gradients_bit_for_bit(
+    monkeypatch, ds, causal, with_stats
+):
+    """Issue 42 (device run 47): the one-warpgroup dK/dV kernel issues each tile's dP^T product beside S^T's for the
+    dS formats of ``WG_DP_BESIDE_S`` (with a bf16 dS, whose dK product adds into dK, the registers allow it). The same
+    products in the same order: dQ, dK, dV and the dS statistics equal those of the kernel that issues dP^T after P's
+    codes (``WG_DP_BESIDE_S`` emptied), bit for bit (the statistics to their atomic sums' order)."""
+    from sage_lightning.kernels import AttentionPrecision
+
+    assert ds in gb.WG_DP_BESIDE_S
+    precision = AttentionPrecision(ds=ds)
+    calls = _count_gluon_calls(monkeypatch)
+    shape = (2, 4, 2, 1024, 1024, 64, causal)
+    got = hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, "force", shape, with_stats, precision)
+    monkeypatch.setattr(gb, "WG_DP_BESIDE_S", frozenset())
+    want = hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, "force", shape, with_stats, precision)
+    assert calls == ["gluon_dkdv_wg", "gluon_dkdv_wg"], calls
+    for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
+        assert torch.isfinite(a).all(), name
+        assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
+    if with_stats:
+        torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)  # the dS statistics (summed atomically)
+
+
+@needs_hopper
 @pytest.mark.parametrize("ds", ["fp8", "bf16"])
 @pytest.mark.parametrize(
     "kernel, batch, hq, hkv, n, nk, head_dim, causal",

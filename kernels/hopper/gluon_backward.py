@@ -27,7 +27,9 @@ are read from their ``[D, N]`` copies (the ones ``_dkdv_kernel`` reads).
 dS in FP8 or bf16 (``DS_FMT``, issue 42: the precision the controller escalates a layer to) keeps ``_dkdv_kernel``'s
 numerics for those formats: dS's e4m3 codes (one scale per tile, ``max|dS| / 448``) or dS rounded to bf16, as the
 bf16 A operand of a bf16 wgmma with fp32 accumulation whose B operand is Q'^'s INT8 codes widened to bf16 (exact)
-in shared memory by the consumers, then ``dK += acc * s_dS s_Q`` (``* s_Q`` for bf16). No Q'^T is loaded (16-bit
+in shared memory by the consumers, then ``dK += acc * s_dS s_Q`` (FP8); a bf16 dS enters as ``dS_Q = P^T fma(dP^T,
+s_Q, -(delta s_Q))`` rounded (dS times Q's tile scale), and its product adds into dK inside the tensor core (dK is
+its accumulator: no scaling after it, no accumulator of its own). No Q'^T is loaded (16-bit
 wgmma reads B as stored); the dS statistics stay INT8's error, as the portable kernel's. Warp-specialised without
 ``defer``, the backward hands it Q'^ in bf16 from its preprocess (``q_wide``, ``Q_WIDE``; every INT8 code is exact in
 bf16, so dK and dV are the same bit for bit): the load warp puts each tile's into the buffer the consumers widened
@@ -161,6 +163,11 @@ WG_MAXNREG = 168
 #: Registers per thread of the ``wg`` variant's second consumer warpgroup (a worker partition, so its count is set
 #: explicitly; the first, the default partition, gets the same from what the others leave).
 WG_CONSUMER_REGS = 240
+#: dS formats for which the ``wg`` variant issues each tile's dP^T product beside its S^T (both in flight while S^T is
+#: waited for and P computed) rather than after P's codes are stored. Offline (sm_90, Triton 3.6, D=64): with a bf16
+#: dS, whose dK product adds into dK (no accumulator of its own since issue 42's run 47), no spills, no wgmma
+#: serialized, the loop's instructions unchanged; with an INT8 dS 12 bytes spilled causal (none non-causal).
+WG_DP_BESIDE_S = frozenset({"int8", "bf16"})
 
 
 if HAVE_GLUON:
@@ -172,7 +179,7 @@ if HAVE_GLUON:
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
         CAUSAL: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr, DEFER: gl.constexpr,
         DS_FMT: gl.constexpr, WG: gl.constexpr = False, HALF: gl.constexpr = 0, Q_WIDE: gl.constexpr = False,
-        DS_SCALE=None, WRITE_DS_SCALE: gl.constexpr = False,
+        DS_SCALE=None, WRITE_DS_SCALE: gl.constexpr = False, DP_BESIDE_S: gl.constexpr = False,
     ):  # fmt: skip
         """The consumer warpgroups: every tile's products and scales, then dK and dV to global memory.
 
@@ -270,6 +277,13 @@ if HAVE_GLUON:
         if not WG:
             p_x = gl.allocate_shared_memory(gl.float32, [BLOCK_N, 2], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             ds_x = gl.allocate_shared_memory(gl.float32, [8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # A bf16 dS enters dK's product times Q's tile scale (_ds_values' fold), so each tile's product adds into dK
+        # inside the tensor core: dK (dk_run, the product's accumulator layout) is its accumulator, with no scaling
+        # after it and no accumulator of its own.
+        INPLACE: gl.constexpr = DS_FMT == "bf16"
+        gl.static_assert(not DP_BESIDE_S or WG, "DP_BESIDE_S: the wg kernel")
+        if INPLACE:
+            dk_run = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout)
         mbarrier.wait(kv_bar, 0)
         if DEFER:
             # The tile before's dV and dK products, finished in the next iteration (their scales with them).
@@ -305,19 +319,19 @@ if HAVE_GLUON:
             if not DEFER and not WG:
                 lse = lse_smem.index(stage).load(query_l)
                 delta = delta_smem.index(stage).load(query_l)
-            # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once; with WG dP^T's product is
-            # issued after P's codes are stored: with both accumulators in flight beside lse, dK and dV the
-            # warpgroup would need more than its 240 registers (the other warpgroup keeps the tensor cores busy
-            # meanwhile).
+            # S^T = K'^ Q'^T (int32) and dP^T = V dO^T (fp32), both in flight at once. With WG only where
+            # DP_BESIDE_S (WG_DP_BESIDE_S): otherwise dP^T's product is issued after P's codes are stored, since with
+            # both accumulators in flight beside lse, dK and dV the warpgroup needed more than its 240 registers
+            # (the other warpgroup keeps the tensor cores busy meanwhile).
             s_tok = warpgroup_mma(k_smem, q_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if WG:
-                s_int = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-                # lse and delta of the tile's queries came with its tiles through the TMA ring.
-                lse = lse_smem.index(stage).load(query_l)
-            else:
+            if not WG or DP_BESIDE_S:
                 dp_tok = warpgroup_mma(
                     v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True
                 )
+            if WG:
+                s_int = warpgroup_mma_wait(num_outstanding=1 if DP_BESIDE_S else 0, deps=[s_tok])
+                # lse and delta of the tile's queries came with its tiles through the TMA ring.
+                lse = lse_smem.index(stage).load(query_l)
             if DEFER:
                 # The tile before's dV and dK were committed before S and dP: two groups may stay in flight.
                 # Their scaling overlaps this tile's S and dP on the tensor cores; the order of the additions
@@ -327,6 +341,8 @@ if HAVE_GLUON:
                 dv += _int32_scaled(dv_int, dv_c[:, None])
                 if DS_FMT == "int8":
                     dk += _int32_scaled(dk_int, dk_c)
+                elif INPLACE:
+                    dk_run = dk_int
                 else:
                     dk += gl.convert_layout(dk_int, acc_layout) * dk_c
                 # Both warpgroups are done with the codes and the tile before's stage.
@@ -363,7 +379,7 @@ if HAVE_GLUON:
                     s_int, q_scale * k_scale * qk_scale, lse, p_smem, offs_key, start_m, masked, CAUSAL, BLOCK_M,
                     query_l, p_x,
                 )  # fmt: skip
-            if WG:
+            if WG and not DP_BESIDE_S:
                 dp_tok = warpgroup_mma(
                     v_smem, do_smem.index(stage).permute((1, 0)), dp_zero, use_acc=False, is_async=True
                 )
@@ -379,7 +395,9 @@ if HAVE_GLUON:
             else:
                 ds_dst = None if DS_REGS else ds_smem
                 if STATS_SMEM:
-                    ds_scale, tile_err2, tile_norm2, ds_vals = _ds_values_sums(p, dp, delta, ds_dst, DS_FMT)
+                    ds_scale, tile_err2, tile_norm2, ds_vals = _ds_values_sums(
+                        p, dp, delta, ds_dst, DS_FMT, q_scale if INPLACE else None
+                    )
                     # The same additions into err2 and norm2 as _ds_values', in shared memory (each key's sums are its
                     # thread quad's; Triton puts a barrier between these reads and writes, and the products' and the
                     # loop's barriers come before the next tile's reads).
@@ -388,7 +406,9 @@ if HAVE_GLUON:
                     err2_smem.store(err2_t)
                     norm2_smem.store(norm2_t)
                 else:
-                    ds_scale, err2, norm2, ds_vals = _ds_values(p, dp, delta, ds_dst, err2, norm2, WITH_STATS, DS_FMT)
+                    ds_scale, err2, norm2, ds_vals = _ds_values(
+                        p, dp, delta, ds_dst, err2, norm2, WITH_STATS, DS_FMT, q_scale if INPLACE else None
+                    )
                 qb_tile = qb_smem
                 if Q_WIDE:
                     if WG:
@@ -403,15 +423,18 @@ if HAVE_GLUON:
                     # dS^T's bf16 operand as the dK product's A from registers: the accumulator layout of S^T and
                     # dP^T holds it as a 16-bit A operand wants it (no data moves), and dS skips shared memory.
                     ds_a = gl.convert_layout(ds_vals, ds_a_layout)
-                dv_tok, dk_tok = _dkdv_products_hp(
-                    p_smem, ds_a, dot_smem.index(stage), qb_tile, acc_zero,
-                    gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
-                )  # fmt: skip
+                if INPLACE:
+                    dv_tok, dk_tok = _dkdv_products_hp(
+                        p_smem, ds_a, dot_smem.index(stage), qb_tile, acc_zero, dk_run, True
+                    )  # fmt: skip
+                else:
+                    dv_tok, dk_tok = _dkdv_products_hp(
+                        p_smem, ds_a, dot_smem.index(stage), qb_tile, acc_zero,
+                        gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, hp_layout),
+                    )  # fmt: skip
             if DEFER:
                 dv_c = gl.convert_layout(p_scale, acc_row_l) * do_scale
-                if DS_FMT == "bf16":
-                    dk_c = q_scale
-                else:
+                if not INPLACE:
                     dk_c = ds_scale * q_scale
             elif DS_FMT == "int8":
                 dv, dk = _dkdv_accumulate(dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_row_l)
@@ -422,6 +445,10 @@ if HAVE_GLUON:
                     # places tried (offline sm_90: before or after the products are issued, at the loop's end).
                     ds_index = ((bh0 + t // n_m) * m_blocks + lo_tile + t % n_m) * k_blocks + key_block
                     gl.store(DS_SCALE + ds_index, ds_scale)
+            elif INPLACE:
+                dv, dk_run = _dkdv_accumulate_hp(
+                    dv_tok, dk_tok, dv, dk_run, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
+                )
             else:
                 dv, dk = _dkdv_accumulate_hp(
                     dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout, DS_FMT
@@ -441,8 +468,12 @@ if HAVE_GLUON:
             dv += _int32_scaled(dv_int, dv_c[:, None])
             if DS_FMT == "int8":
                 dk += _int32_scaled(dk_int, dk_c)
+            elif INPLACE:
+                dk_run = dk_int
             else:
                 dk += gl.convert_layout(dk_int, acc_layout) * dk_c
+        if INPLACE:
+            dk = gl.convert_layout(dk_run, acc_layout)
         if STATS_SMEM:
             err2 = err2_smem.load(key_l)
             norm2 = norm2_smem.load(key_l)
@@ -460,7 +491,7 @@ if HAVE_GLUON:
         CAUSAL: gl.constexpr, HEAD_CHUNK: gl.constexpr, WITH_STATS: gl.constexpr, WARP_SPECIALIZE: gl.constexpr,
         DEFER: gl.constexpr, LOAD_REGS: gl.constexpr, DS_FMT: gl.constexpr = "int8", WG: gl.constexpr = False,
         CONSUMER_REGS: gl.constexpr = 0, Q_WIDE: gl.constexpr = False, DS_SCALE=None,
-        WRITE_DS_SCALE: gl.constexpr = False,
+        WRITE_DS_SCALE: gl.constexpr = False, DP_BESIDE_S: gl.constexpr = False,
     ):  # fmt: skip
         # A program's 64-key halves: one (both consumer warpgroups on it), or with WG two (a warpgroup each).
         HALVES: gl.constexpr = 2 if WG else 1
@@ -484,13 +515,15 @@ if HAVE_GLUON:
                         _dkdv_compute,
                         (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 0, Q_WIDE, DS_SCALE, WRITE_DS_SCALE),
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 0, Q_WIDE, DS_SCALE, WRITE_DS_SCALE,
+                         DP_BESIDE_S),
                     ),
                     (
                         _dkdv_compute,
                         (None, bufs, bars, total, n_m, lo_tile, row_q0, None, None, SEQ_Q, SEQ_K, pid_n, pid_bkv,
                          Q_SCALE, K_SCALE, DO_SCALE, DK, DV, STATS, qk_scale, tau, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 1, Q_WIDE, DS_SCALE, WRITE_DS_SCALE),
+                         CAUSAL, WITH_STATS, True, False, DS_FMT, True, 1, Q_WIDE, DS_SCALE, WRITE_DS_SCALE,
+                         DP_BESIDE_S),
                     ),
                     (
                         _dkdv_loader,
@@ -666,6 +699,8 @@ def gluon_dkdv(
             WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, **({} if q_wide is None else {"Q_WIDE": True}), num_warps=4,
             maxnreg=WG_MAXNREG,
             **({} if ds_scale_out is None else {"DS_SCALE": ds_scale_out, "WRITE_DS_SCALE": True}),
+            # (Not a bf16 dS's variant widening Q'^ itself: with the statistics it spills 580 bytes, offline.)
+            **({"DP_BESIDE_S": True} if ds_fmt in WG_DP_BESIDE_S and (ds_fmt == "int8" or q_wide is not None) else {}),
         )  # fmt: skip
     else:
         programs = seq_k // BLOCK_N

@@ -634,31 +634,39 @@ if HAVE_GLUON:
         return dv, dk
 
     @gluon.jit
-    def _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr):
+    def _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr, fold=None):
         """:func:`_ds_codes` for a non-INT8 dS (``_dkdv_kernel``'s): dS^T as the dK product's bf16 operand
-        (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded), stored into ``ds_smem`` unless it
-        is None, and with ``WITH_STATS`` the INT8 error of dS (what the controller would return to) as
-        :func:`_ds_codes` adds it; returns ``(ds_scale, err2, norm2, values)`` (``ds_scale`` 1 for bf16)."""
+        (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded, or with ``fold``, Q's tile scale
+        ``c``, ``P^T fma(dP^T, c, -(delta c))`` rounded: dS times it, so the product adds into dK), stored into
+        ``ds_smem`` unless it is None, and with ``WITH_STATS`` the INT8 error of dS (what the controller would return
+        to) as :func:`_ds_codes` adds it; returns ``(ds_scale, err2, norm2, values)`` (``ds_scale`` 1 for bf16)."""
         if WITH_STATS:
-            ds_scale, err, norm, values = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT)
+            ds_scale, err, norm, values = _ds_values_sums(p, dp, delta, ds_smem, DS_FMT, fold)
             err2 += err
             norm2 += norm
         else:
-            ds = p * (dp - delta[None, :])
+            if fold is None:
+                ds = p * (dp - delta[None, :])
+            else:
+                ds = p * gl.fma(dp, fold, -(delta * fold)[None, :])
             values, _, ds_scale = _ds_operand(ds, DS_FMT)
             if ds_smem is not None:
                 ds_smem.store(values)
         return ds_scale, err2, norm2, values
 
     @gluon.jit
-    def _ds_values_sums(p, dp, delta, ds_smem, DS_FMT: gl.constexpr):
+    def _ds_values_sums(p, dp, delta, ds_smem, DS_FMT: gl.constexpr, fold=None):
         """:func:`_ds_values` with the statistics, which it leaves to the caller to add: ``(ds_scale, err, norm,
         values)``, the tile's per-key sums of the INT8 error squared and of dS squared (``_ds_values`` adds them into
-        ``err2`` and ``norm2``; the ``wg`` kernel keeps those in shared memory)."""
+        ``err2`` and ``norm2``; the ``wg`` kernel keeps those in shared memory). The statistics are dS's own, also
+        with ``fold``."""
         ds = p * (dp - delta[None, :])
         # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
         amax = _tile_amax(ds)
-        values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
+        if fold is None:
+            values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
+        else:
+            values, ds_scale = _ds_operand_from(p * gl.fma(dp, fold, -(delta * fold)[None, :]), amax, DS_FMT)
         if ds_smem is not None:
             ds_smem.store(values)
         stat_scale = _int8_scale(amax)
@@ -666,15 +674,16 @@ if HAVE_GLUON:
         return ds_scale, gl.sum(err * err, axis=1), gl.sum(ds * ds, axis=1), values
 
     @gluon.jit
-    def _dkdv_products_hp(p_smem, ds_smem, dot_tile, qb_tile, acc_zero, dk_zero):
+    def _dkdv_products_hp(p_smem, ds_smem, dot_tile, qb_tile, acc_zero, dk_acc, INTO_DK: gl.constexpr = False):
         """:func:`_dkdv_products` for a non-INT8 dS: dV's INT8 product as there; dK's in bf16 with fp32
         accumulation, A = dS^T's bf16 operand ``[64 keys, 128 queries]`` (``ds_smem``: in shared memory, or a
         register tensor in a dot-operand layout), B = Q'^ widened to bf16 ``[128, D]`` as stored (16-bit wgmma reads
-        B either way: no transposed copy)."""
+        B either way: no transposed copy), into zeros, or with ``INTO_DK`` added into ``dk_acc`` (dK itself: a bf16
+        dS that took Q's tile scale)."""
         fence_async_shared()
         gl.thread_barrier()
         dv_tok = warpgroup_mma(p_smem, dot_tile.permute((1, 0)), acc_zero, use_acc=False, is_async=True)
-        dk_tok = warpgroup_mma(ds_smem, qb_tile, dk_zero, use_acc=False, is_async=True)
+        dk_tok = warpgroup_mma(ds_smem, qb_tile, dk_acc, use_acc=INTO_DK, is_async=True)
         return dv_tok, dk_tok
 
     @gluon.jit
@@ -682,17 +691,18 @@ if HAVE_GLUON:
         dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout: gl.constexpr,
         DS_FMT: gl.constexpr,
     ):  # fmt: skip
-        """:func:`_dkdv_accumulate` for a non-INT8 dS: dK's fp32 product times ``ds_scale * q_scale`` (fp8) or
-        ``q_scale`` (bf16), as ``_dkdv_kernel``'s ``hp_dot(...) * scale``."""
+        """:func:`_dkdv_accumulate` for a non-INT8 dS: dK's fp32 product times ``ds_scale * q_scale`` (fp8), as
+        ``_dkdv_kernel``'s ``hp_dot(...) * scale``; a bf16 dS's product added into dK itself, which it returns as
+        the product left it (its accumulator's layout)."""
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
         dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
         p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
         dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
-        dk_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok]), acc_layout)
         if DS_FMT == "fp8":
+            dk_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok]), acc_layout)
             dk += dk_acc * (ds_scale * q_scale)
         else:
-            dk += dk_acc * q_scale
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
         return dv, dk
 
     @gluon.jit

@@ -163,21 +163,23 @@ WG3_CONSUMER_REGS = 152
 
 
 def wg_consumers(ds_fmt: str, is_causal: bool, ds_scale: bool = False) -> int:
-    """The ``wg`` variant's consumer warpgroups when the caller names none: three for a causal call with a bf16 dS,
-    or with an INT8 dS whose tile scales the dK/dV kernel stored (``ds_scale``: the caller has them, or
+    """The ``wg`` variant's consumer warpgroups when the caller names none: three with a bf16 dS, or for a causal
+    call with an INT8 dS whose tile scales the dK/dV kernel stored (``ds_scale``: the caller has them, or
     :func:`..ops` asks whether to have them made), two otherwise. Measured on an H200 (device run 34, bf16 dS, dQ
     bit for bit): three took 1.10-1.11x less time causal (the training shape, B=64, 10/5 heads of 64, N=2048: 1.250
     against 1.125 ms; N=4096) and 0.96x non-causal, where a 64-query block's fixed work a tile (1.33x the loop's
-    instructions a score) is not repaid by the third warpgroup's issue slots. INT8 with the scales, on an H200
-    (device run 36c, dQ, dK and dV bit for bit): the dQ kernel 1.135x faster at the training shape and 1.099x at
+    instructions a score) was not repaid by the third warpgroup's issue slots. Since a bf16 dS's product adds into
+    dQ in the tensor core (device run 46), three are faster non-causal too (run 46c, dQ bit for bit: 1.021-1.043x
+    at N=2048-8192, ``benchmarks/results/speed-h200-20261129-dq-consumers-35ff07b.md``). INT8 with the scales, on an
+    H200 (device run 36c, dQ, dK and dV bit for bit): the dQ kernel 1.135x faster at the training shape and 1.099x at
     N=4096 causal, the dK/dV kernel's scale store 0.979-0.995x, forward+backward 1.03x
     (``benchmarks/results/speed-h200-20261128-dq3-int8-check-aa0a40d.md``).
 
     Example::
 
-        wg_consumers("bf16", True), wg_consumers("int8", True), wg_consumers("int8", True, ds_scale=True)   # 3, 2, 3
+        wg_consumers("bf16", False), wg_consumers("int8", True), wg_consumers("int8", True, ds_scale=True)  # 3, 2, 3
     """
-    return 3 if is_causal and (ds_fmt == "bf16" or (ds_fmt == "int8" and ds_scale)) else 2
+    return 3 if ds_fmt == "bf16" or (is_causal and ds_fmt == "int8" and ds_scale) else 2
 
 
 if HAVE_GLUON:
@@ -458,21 +460,11 @@ if HAVE_GLUON:
                     _issue_kv(t + STAGES - 1, n_tiles, kv_row0, desc_k, desc_v, k_smem, v_smem, ready, BLOCK_N, STAGES)
             # P, dS and its codes; one dS scale for the 128 x 64 tile (without WG a reduction across both
             # warpgroups, with WG within the warpgroup; with DS_SCALED the dK/dV kernel's, read above).
-            if not INPLACE:
-                ds = _dq_ds(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    s_layout, BLOCK_N, CAUSAL,
-                )  # fmt: skip
-            elif LAZY and CODES_IN_REGISTERS:
-                ds = _dq_ds(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    s_layout, BLOCK_N, CAUSAL, k_scale, a_keep,
-                )  # fmt: skip
-            else:
-                ds = _dq_ds(
-                    s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
-                    s_layout, BLOCK_N, CAUSAL, k_scale,
-                )  # fmt: skip
+            ds = _dq_ds(
+                s_tok, dp_tok, q_scale * k_scale * qk_scale, lse, delta, offs_m, offs_n_tile, start_n, full_hi,
+                s_layout, BLOCK_N, CAUSAL, k_scale if INPLACE else None,
+                a_keep if LAZY and CODES_IN_REGISTERS else None,
+            )  # fmt: skip
             if LAZY:
                 # S and dP are done, and with them the tile before's dQ product: hand back this tile's stage and the
                 # tile before's K'^ buffer.
