@@ -689,20 +689,22 @@ if HAVE_GLUON:
     @gluon.jit
     def _dkdv_accumulate_hp(
         dv_tok, dk_tok, dv, dk, p_scale, do_scale, ds_scale, q_scale, acc_layout: gl.constexpr,
-        DS_FMT: gl.constexpr,
+        DS_FMT: gl.constexpr, INTO_DK: gl.constexpr = False,
     ):  # fmt: skip
         """:func:`_dkdv_accumulate` for a non-INT8 dS: dK's fp32 product times ``ds_scale * q_scale`` (fp8), as
-        ``_dkdv_kernel``'s ``hp_dot(...) * scale``; a bf16 dS's product added into dK itself, which it returns as
-        the product left it (its accumulator's layout)."""
+        ``_dkdv_kernel``'s ``hp_dot(...) * scale``; a bf16 dS's (which took Q's tile scale) added as it is, or with
+        ``INTO_DK`` (the product added into dK itself) dK as the product left it (its accumulator's layout)."""
         acc_row_l: gl.constexpr = gl.SliceLayout(1, acc_layout)
         dv_int = warpgroup_mma_wait(num_outstanding=1, deps=[dv_tok])
         p_scale_acc = gl.convert_layout(p_scale, acc_row_l)
         dv += _int32_scaled(dv_int, p_scale_acc[:, None] * do_scale)
-        if DS_FMT == "fp8":
+        if INTO_DK:
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+        elif DS_FMT == "fp8":
             dk_acc = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok]), acc_layout)
             dk += dk_acc * (ds_scale * q_scale)
         else:
-            dk = warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok])
+            dk += gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dk_tok]), acc_layout)
         return dv, dk
 
     @gluon.jit
