@@ -357,7 +357,7 @@ def test_dp_beside_s_where_device_run_47_measured_it_faster():
 @pytest.mark.parametrize("causal", [False, True])
 def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gradients(monkeypatch, ds, causal):
     """Issue 42: at D=64 the one-warpgroup dK/dV kernel with an FP8 or bf16 dS against the 64-key kernel with the
-    same dS (``SAGE_LIGHTNING_GLUON_DKDV_WG=off``): dV, dQ and the dS statistics as there, dK's bf16 product to its
+    same dS (``SAGE_LIGHTNING_GLUON_DKDV_WG=off``): dV, dQ and the dS statistics as there, dK's bf16 product near its
     last bits (one warpgroup sums each element over the tile's 128 queries as the two of the 64-key kernel do)."""
     from sage_lightning.kernels import AttentionPrecision
 
@@ -374,8 +374,12 @@ def test_an_fp8_or_bf16_ds_gives_the_one_warpgroup_kernel_the_64_key_kernels_gra
     for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
         assert torch.isfinite(a).all(), name
         if name == "dK":
+            # A bf16 dS's product adds into dK inside the tensor core in the wg kernel (as in the portable one, which
+            # it equals bit for bit) and after it in the 64-key kernel: 5.7e-5 apart non-causal, 1.4e-4 causal, both
+            # 0.0153-0.0156 from float64 (device run 47b). An FP8 dS's products are scaled after them in both.
             rel = ((a.double() - b.double()).norm() / b.double().norm()).item()
-            assert rel < 1e-4, f"dK: rel_l2 {rel} against the 64-key kernel's (equal: {torch.equal(a, b)})"
+            bound = 1e-3 if ds == "bf16" else 1e-4
+            assert rel < bound, f"dK: rel_l2 {rel} against the 64-key kernel's (equal: {torch.equal(a, b)})"
         else:
             assert torch.equal(a, b), f"{name}: {(a.float() - b.float()).abs().max().item()} max |diff|"
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=0)
