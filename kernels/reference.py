@@ -524,6 +524,7 @@ def _backward(
         v_dp, v_dp_scale = _operand(vr.reshape(b, h, geo.key_tiles, nb, d), formats["dp"], (-2, -1), geo.io_dtype)
     q_blocks = geo.row_blocks_view(saved.q_op)
     q_scale_blocks = saved.q_scale[..., None]  # [B, Hkv, R / BM, 1, 1]
+    q_scale_rows = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]: a bf16 dS's dK operand takes it per row
 
     dq = torch.zeros_like(do_r)
     dk = torch.zeros(b, h, geo.padded_k, d, dtype=geo.compute_dtype, device=do.device)
@@ -585,7 +586,6 @@ def _backward(
         if formats["ds"] == "bf16":
             # dK's operand likewise: dS times the block's Q scale, dS_Q = P (dP s_Q - delta s_Q) rounded, so the
             # kernels add each tile's product into dK inside the tensor core.
-            q_scale_rows = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]
             ds_q = (p * (dp * q_scale_rows - delta[..., None] * q_scale_rows)).masked_fill(invalid, 0.0)
             ds_q_blocks = _to_io(ds_q, geo.io_dtype).reshape(b, h, geo.row_blocks, bm, nb)
             dk[:, :, keys] = (ds_q_blocks.transpose(-1, -2) @ q_blocks).sum(dim=2) * tau

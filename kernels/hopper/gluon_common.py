@@ -600,11 +600,21 @@ if HAVE_GLUON:
         return p, p_scale
 
     @gluon.jit
+    def _ds_t(p, dp, delta, fold=None):
+        """dS^T ``= P^T (dP^T - delta)`` of a dK/dV tile (``delta`` per query, its columns); with ``fold``, Q's tile
+        scale ``c``, dS^T times it as ``P^T fma(dP^T, c, -(delta c))`` (a bf16 dS's dK operand)."""
+        if fold is None:
+            ds = p * (dp - delta[None, :])
+        else:
+            ds = p * gl.fma(dp, fold, -(delta * fold)[None, :])
+        return ds
+
+    @gluon.jit
     def _ds_codes(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, scratch=None):
         """dS^T ``= P^T (dP^T - delta)``, its codes into ``ds_smem`` with one scale for the tile, and with
         ``WITH_STATS`` its quantization error and norm added per key into ``err2`` and ``norm2``; returns
         ``(ds_scale, err2, norm2)``."""
-        ds = p * (dp - delta[None, :])
+        ds = _ds_t(p, dp, delta)
         ds_scale = _tile_scale(ds, scratch)
         ds_smem.store(_int8_codes(ds, ds_scale))
         if WITH_STATS:
@@ -637,7 +647,7 @@ if HAVE_GLUON:
     def _ds_values(p, dp, delta, ds_smem, err2, norm2, WITH_STATS: gl.constexpr, DS_FMT: gl.constexpr, fold=None):
         """:func:`_ds_codes` for a non-INT8 dS (``_dkdv_kernel``'s): dS^T as the dK product's bf16 operand
         (``"fp8"``: e4m3 codes, one scale for the tile; ``"bf16"``: dS rounded, or with ``fold``, Q's tile scale
-        ``c``, ``P^T fma(dP^T, c, -(delta c))`` rounded: dS times it, so the product adds into dK), stored into
+        ``c``, ``P^T fma(dP^T, c, -(delta c))`` rounded: dS times it, so nothing scales the product), stored into
         ``ds_smem`` unless it is None, and with ``WITH_STATS`` the INT8 error of dS (what the controller would return
         to) as :func:`_ds_codes` adds it; returns ``(ds_scale, err2, norm2, values)`` (``ds_scale`` 1 for bf16)."""
         if WITH_STATS:
@@ -645,11 +655,7 @@ if HAVE_GLUON:
             err2 += err
             norm2 += norm
         else:
-            if fold is None:
-                ds = p * (dp - delta[None, :])
-            else:
-                ds = p * gl.fma(dp, fold, -(delta * fold)[None, :])
-            values, _, ds_scale = _ds_operand(ds, DS_FMT)
+            values, _, ds_scale = _ds_operand(_ds_t(p, dp, delta, fold), DS_FMT)
             if ds_smem is not None:
                 ds_smem.store(values)
         return ds_scale, err2, norm2, values
@@ -660,13 +666,11 @@ if HAVE_GLUON:
         values)``, the tile's per-key sums of the INT8 error squared and of dS squared (``_ds_values`` adds them into
         ``err2`` and ``norm2``; the ``wg`` kernel keeps those in shared memory). The statistics are dS's own, also
         with ``fold``."""
-        ds = p * (dp - delta[None, :])
+        ds = _ds_t(p, dp, delta)
         # The tile's largest magnitude: the INT8 scale of the statistics (and FP8's, made from it).
         amax = _tile_amax(ds)
-        if fold is None:
-            values, ds_scale = _ds_operand_from(ds, amax, DS_FMT)
-        else:
-            values, ds_scale = _ds_operand_from(p * gl.fma(dp, fold, -(delta * fold)[None, :]), amax, DS_FMT)
+        # (With fold the product's operand is dS times Q's tile scale; the statistics stay dS's own.)
+        values, ds_scale = _ds_operand_from(ds if fold is None else _ds_t(p, dp, delta, fold), amax, DS_FMT)
         if ds_smem is not None:
             ds_smem.store(values)
         stat_scale = _int8_scale(amax)
