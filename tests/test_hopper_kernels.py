@@ -88,6 +88,23 @@ def test_hopper_forward_matches_reference(hopper_calls, batch, hq, hkv, n, nk, d
 
 
 @needs_kernels
+@pytest.mark.parametrize("magnitude", [1.0, 40.0])
+def test_hopper_forward_codes_stay_in_range_at_large_logits(hopper_calls, magnitude):
+    """Q and K 40 times larger (logits in the thousands: ``R a`` about 3e6, an ulp of the exp2's per-row constant
+    0.25): the INT8 P codes, taken against a shift rounded up from the tile's max, stay at or under 127, so O is the
+    reference's; rounded to nearest, codes of 128 and more wrapped to negative ones."""
+    gen = torch.Generator().manual_seed(11)
+    q, k = (magnitude * torch.randn(1, 2, 192, 64, generator=gen) for _ in range(2))
+    v = torch.randn(1, 2, 192, 64, generator=gen)
+    q, k, v = (x.to(DEVICE, torch.bfloat16) for x in (q, k, v))
+    out, lse = sage_attention_triton(q, k, v, is_causal=True)
+    assert hopper_calls, "the call did not take the Hopper path"
+    ref_out, ref_lse = sage_attention_reference(q, k, v, is_causal=True)
+    assert rel_l2(out, ref_out) < 4e-3
+    assert rel_l2(lse, ref_lse) < 2e-4
+
+
+@needs_kernels
 def test_hopper_forward_writes_o_in_the_callers_layout(hopper_calls):
     """q handed over as a model does (``[B, N, H, D]`` memory viewed ``[B, H, N, D]``): O comes back in that layout
     (its TMA store takes O's strides), equal to the contiguous call's; the gradients equal too."""
