@@ -397,6 +397,19 @@ def _key_tile(x: torch.Tensor, geo: _Geometry, tile: int) -> torch.Tensor:
     return x[:, :, tile * geo.block_n : (tile + 1) * geo.block_n]
 
 
+def _ds(
+    p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor, invalid: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``dS = P (dP - delta)`` of one key tile, 0 at the pairs that take no part even where dP is not finite (a NaN in
+    V: 0 * NaN would spread it over the tile); with ``scale``, dS times it as ``P (dP scale - delta scale)`` (a bf16
+    dS's operands: K's tile scale for dQ, Q's block scales per row for dK)."""
+    if scale is None:
+        ds = p * (dp - delta[..., None])
+    else:
+        ds = p * (dp * scale - delta[..., None] * scale)
+    return ds.masked_fill(invalid, 0.0)
+
+
 def _scores(saved: _Saved, geo: _Geometry, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``S`` of one key tile for every row, from the saved operands (forward and backward alike)."""
     k_op = _key_tile(saved.k_op, geo, tile)
@@ -524,7 +537,8 @@ def _backward(
         v_dp, v_dp_scale = _operand(vr.reshape(b, h, geo.key_tiles, nb, d), formats["dp"], (-2, -1), geo.io_dtype)
     q_blocks = geo.row_blocks_view(saved.q_op)
     q_scale_blocks = saved.q_scale[..., None]  # [B, Hkv, R / BM, 1, 1]
-    q_scale_rows = geo.expand_rows(saved.q_scale)  # [B, Hkv, R, 1]: a bf16 dS's dK operand takes it per row
+    fold = formats["ds"] == "bf16"  # dS's products take K's and Q's scales into their operands (below)
+    q_scale_rows = geo.expand_rows(saved.q_scale) if fold else None  # [B, Hkv, R, 1]
 
     dq = torch.zeros_like(do_r)
     dk = torch.zeros(b, h, geo.padded_k, d, dtype=geo.compute_dtype, device=do.device)
@@ -560,8 +574,7 @@ def _backward(
 
         # dP = dO V^T: the product kept in high precision by default.
         dp = (do_dp @ v_dp[:, :, tile].transpose(-1, -2)) * (do_dp_scale * v_dp_scale[:, :, tile])
-        # Masked pairs have dS = 0 even where dP is not finite (a NaN in v): 0 * NaN would spread it to the tile.
-        ds = (p * (dp - delta[..., None])).masked_fill(invalid, 0.0)
+        ds = _ds(p, dp, delta, invalid)
 
         ds_blocks = ds.reshape(b, h, geo.row_blocks, bm, nb)
         ds_op, ds_op_scale = _operand(ds_blocks, formats["ds"], (-2, -1), geo.io_dtype)
@@ -574,22 +587,19 @@ def _backward(
 
         k_op = _key_tile(saved.k_op, geo, tile)
         k_scale = saved.k_scale[:, :, tile, None]
-        if formats["ds"] == "bf16":
+        if fold:
             # dQ's operand is dS times the tile's K scale, rounded to the input dtype: dS_K = P (dP s_K - delta s_K),
-            # so the kernels add each tile's product into dQ inside the tensor core (no scaling after it).
-            ds_k = (p * (dp * k_scale - delta[..., None] * k_scale)).masked_fill(invalid, 0.0)
-            dq += (_to_io(ds_k, geo.io_dtype) @ k_op) * tau
+            # so the kernels add each tile's product into dQ inside the tensor core (no scaling after it); dK's
+            # likewise, dS times the block's Q scale (dS_Q = P (dP s_Q - delta s_Q)).
+            dq += (_to_io(_ds(p, dp, delta, invalid, k_scale), geo.io_dtype) @ k_op) * tau
+            ds_q_blocks = _to_io(_ds(p, dp, delta, invalid, q_scale_rows), geo.io_dtype).reshape(
+                b, h, geo.row_blocks, bm, nb
+            )
+            dk[:, :, keys] = (ds_q_blocks.transpose(-1, -2) @ q_blocks).sum(dim=2) * tau
         else:
             dq_parts = ds_op.reshape(ds.shape) @ k_op  # contraction over the tile's keys
             dq += dq_parts * geo.expand_rows(ds_op_scale.reshape(b, h, geo.row_blocks, 1)) * (k_scale * tau)
-        # Per row block, so each block's Q scale (its query head's, for NVFP4 under GQA) applies to its own part.
-        if formats["ds"] == "bf16":
-            # dK's operand likewise: dS times the block's Q scale, dS_Q = P (dP s_Q - delta s_Q) rounded, so the
-            # kernels add each tile's product into dK inside the tensor core.
-            ds_q = (p * (dp * q_scale_rows - delta[..., None] * q_scale_rows)).masked_fill(invalid, 0.0)
-            ds_q_blocks = _to_io(ds_q, geo.io_dtype).reshape(b, h, geo.row_blocks, bm, nb)
-            dk[:, :, keys] = (ds_q_blocks.transpose(-1, -2) @ q_blocks).sum(dim=2) * tau
-        else:
+            # Per row block, so each block's Q scale (its query head's, for NVFP4 under GQA) applies to its own part.
             dk_parts = (ds_op.transpose(-1, -2) @ q_blocks) * (ds_op_scale * q_scale_blocks)
             dk[:, :, keys] = dk_parts.sum(dim=2) * tau
 

@@ -12,6 +12,12 @@ instructions per score (``benchmarks/sm90_compile.py``, NOTES.md).
 * ``P^`` is coded without a division: ``P~ / s_P = 127 * exp2(S - tile_max)``, so one ``exp2`` per score gives
   the code (``E * 127``, rounded by the magic-number add) and, times ``exp2(tile_max - m)`` per row, the
   softmax sum. The portable loop takes ``exp2(S - m)`` and then multiplies each score by ``127 / rowmax``.
+* With INT8 ``Q K^T`` and ``P V`` (no Q-smoothing) the scores' int32 product is read as ``R + x`` (``R = 1.5 *
+  2**23``, the rounder's bits as its accumulator) and never taken back to ``x``: ``R`` goes into the exp2's per-row
+  constant ``c = R a + t`` (``a`` the product's scale cut to 22 bits, so ``R a`` is exact; ``c`` rounded, then one
+  ulp up), one add per score less. The tile's shift is then ``c - R a``, at or up to 1.5 ulps of ``c`` above its
+  max, so the codes are ``127 exp2(S - shift)``: none passes 127, and a code can flip where the shift moved it
+  across a rounding boundary (device run 48e: O's error against float64 unchanged, 1e-3 relative L2 from before).
 * ``P^ V^``'s int32 product is converted and scaled by one fused multiply-add per element
   (:func:`..quant.int32_scaled`, which the portable kernels use too).
 * V^ holds each 16 keys in :data:`..quant.MMA_KEY_ORDER` (``quantize_rows(..., mma_order=True)``), the order in
@@ -48,6 +54,7 @@ from ..quant import (
     _ROUNDER_BITS,
     FP8_MAX,
     dot_precision,
+    exact_22_bits,
     int32_scaled,
     low_bit_dot,
     mma_key_order,
@@ -143,6 +150,10 @@ def _hopper_forward_kernel(
     k_blocks = tl.cdiv(SEQ_K, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
+    # INT8 Q K^T with INT8 P V: S's product read as R + x (R = 1.5 * 2**23: the rounder's bits as the accumulator,
+    # exact) and never taken back to x; R goes into the exp2's per-row constant (R a is exact with a cut to 22 bits):
+    # one add a score less.
+    SHIFTED: tl.constexpr = (not SMOOTH_Q) and QK_FMT == "int8" and PV_FMT != "fp8"
     q = desc_q.load([pid_bh, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
     q_scale = tl.load(Q_SCALE + pid_bh * tl.cdiv(SEQ_Q, Q_BLOCK) + q_block)
     q_mean = tl.zeros([HEAD_DIM], dtype=tl.float32)
@@ -170,11 +181,16 @@ def _hopper_forward_kernel(
             x = low_bit_dot(q, tl.trans(k), DOT_PRECISION)
             a = q_scale * k_scale * qk_scale
         else:
-            x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True) - _ROUNDER
-            a = q_scale * k_scale * qk_scale
+            x = (tl.dot(q, tl.trans(k)) + _ROUNDER_BITS).to(tl.float32, bitcast=True)  # R + the int32 product
+            if SHIFTED:
+                a = exact_22_bits(q_scale * k_scale * qk_scale)
+            else:
+                x = x - _ROUNDER
+                a = q_scale * k_scale * qk_scale
         if start_n >= full_hi:
             x = tl.where(tile_mask(offs_m, offs_n, SEQ_Q, SEQ_K, CAUSAL), float("-inf"), x)
-        tile_max = tl.max(x, axis=1) * a
+        # (With SHIFTED the row's largest x less R: the max of R + x is taken as it is.)
+        tile_max = ((tl.max(x, axis=1) - _ROUNDER) if SHIFTED else tl.max(x, axis=1)) * a
         m_new = tl.maximum(m_i, tile_max)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_safe)
@@ -188,7 +204,16 @@ def _hopper_forward_kernel(
         else:
             t_safe = tl.where(tile_max == float("-inf"), 0.0, tile_max)
             # E = P~ / rowmax(P~) of this tile, in [0, 1]: the codes are 127 * E, the sum is E's times exp2(t - m).
-            e = tl.math.exp2(x * a - t_safe[:, None])
+            if SHIFTED:
+                # The exp2's argument x a - c with c = R a + t, so the tile's shift is c - R a (exact: |t| < R a / 3,
+                # since |x - R| < 2**22). c is the sum rounded, then one ulp up, so the shift is at or above the
+                # tile's max (within 1.5 ulp of c) and no code passes 127.
+                ra = _ROUNDER * a
+                c = ((ra + t_safe).to(tl.int32, bitcast=True) + 1).to(tl.float32, bitcast=True)
+                t_safe = c - ra
+                e = tl.math.exp2(x * a - c[:, None])
+            else:
+                e = tl.math.exp2(x * a - t_safe[:, None])
             beta = tl.where(tile_max == float("-inf"), 0.0, tl.math.exp2(t_safe - m_safe))
             l_i = l_i * alpha + tl.sum(e, axis=1) * beta
             codes = (e * 127.0 + _ROUNDER).to(tl.int32, bitcast=True).to(tl.int8)

@@ -166,21 +166,22 @@ WG_MAXNREG = 168
 WG_CONSUMER_REGS = 240
 
 
-def wg_dp_beside_s(ds_fmt: str, is_causal: bool) -> bool:
-    """Whether the ``wg`` variant issues each tile's dP^T product beside its S^T (both in flight while S^T is waited
-    for and P computed) rather than after P's codes are stored: with a bf16 dS, and with an INT8 dS on non-causal
-    calls. The same products in the same order (dK and dV bit for bit). Offline (sm_90, Triton 3.6, D=64): with a bf16
-    dS, whose dK product adds into dK (no accumulator of its own since device run 47), no spills, nothing serialized,
-    the loop's instructions unchanged; with an INT8 dS 12 bytes spilled causal, none non-causal. On an H200 (device
-    run 47, the kernel's profiled GPU time against the same tree issuing dP^T after P): bf16 1.066x at the training
-    shape (B=64, 10/5 heads of 64, N=2048, causal) and 1.080x at N=4096 non-causal; INT8 1.036x non-causal but
+def wg_dp_beside_s(ds_fmt: str, is_causal: bool, q_wide: bool = True) -> bool:
+    """Whether the ``wg`` variant issues each tile's dP^T product beside its S^T (both in flight while S^T is waited for
+    and P computed) rather than after P's codes are stored: with a bf16 dS read from the preprocess's bf16 Q'^
+    (``q_wide``; widening Q'^ itself, that variant spilled 580 bytes with the statistics, offline), and with an INT8 dS
+    on non-causal calls. The same products in the same order (dK and dV bit for bit). Offline (sm_90, Triton 3.6, D=64):
+    with a bf16 dS, whose dK product adds into dK (no accumulator of its own since device run 47), no spills, nothing
+    serialized, the loop's instructions unchanged; with an INT8 dS 12 bytes spilled causal, none non-causal. On an H200
+    (device run 47, the kernel's profiled GPU time against the same tree issuing dP^T after P): bf16 1.066x at the
+    training shape (B=64, 10/5 heads of 64, N=2048, causal) and 1.080x at N=4096 non-causal; INT8 1.036x non-causal but
     0.966x at the training shape.
 
     Example::
 
         wg_dp_beside_s("bf16", True), wg_dp_beside_s("int8", False), wg_dp_beside_s("int8", True)  # True, True, False
     """
-    return ds_fmt == "bf16" or (ds_fmt == "int8" and not is_causal)
+    return (ds_fmt == "bf16" and q_wide) or (ds_fmt == "int8" and not is_causal)
 
 
 if HAVE_GLUON:
@@ -705,14 +706,13 @@ def gluon_dkdv(
     )
     bkv = batch * kv_heads
     if wg:
-        beside = wg_dp_beside_s(ds_fmt, is_causal) and (ds_fmt == "int8" or q_wide is not None)
+        beside = wg_dp_beside_s(ds_fmt, is_causal, q_wide is not None)
         programs = seq_k // WG_KEYS_PER_PROGRAM
         head_chunk = WG_HEAD_CHUNK
         variant = dict(
             WG=True, CONSUMER_REGS=WG_CONSUMER_REGS, **({} if q_wide is None else {"Q_WIDE": True}), num_warps=4,
             maxnreg=WG_MAXNREG,
             **({} if ds_scale_out is None else {"DS_SCALE": ds_scale_out, "WRITE_DS_SCALE": True}),
-            # (Not a bf16 dS's variant widening Q'^ itself: with the statistics it spills 580 bytes, offline.)
             **({"DP_BESIDE_S": True} if beside else {}),
         )  # fmt: skip
     else:
