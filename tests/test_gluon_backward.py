@@ -401,9 +401,9 @@ def test_dp_issued_beside_s_gives_the_one_warpgroup_kernel_the_same_gradients_bi
     precision = AttentionPrecision(ds=ds)
     calls = _count_gluon_calls(monkeypatch)
     shape = (2, 4, 2, 1024, 1024, 64, causal)
-    monkeypatch.setattr(gb, "wg_dp_beside_s", lambda ds_fmt, is_causal: True)
+    monkeypatch.setattr(gb, "wg_dp_beside_s", lambda ds_fmt, is_causal, q_wide=True: True)
     got = hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, "force", shape, with_stats, precision)
-    monkeypatch.setattr(gb, "wg_dp_beside_s", lambda ds_fmt, is_causal: False)
+    monkeypatch.setattr(gb, "wg_dp_beside_s", lambda ds_fmt, is_causal, q_wide=True: False)
     want = hopper_grads(monkeypatch, plan.GLUON_DKDV_ENV, "force", shape, with_stats, precision)
     assert calls == ["gluon_dkdv_wg", "gluon_dkdv_wg"], calls
     for name, a, b in zip(("dQ", "dK", "dV"), got, want, strict=False):
