@@ -91,9 +91,9 @@ def test_hopper_forward_matches_reference(hopper_calls, batch, hq, hkv, n, nk, d
 @pytest.mark.parametrize("magnitude", [1.0, 40.0])
 def test_hopper_forward_codes_stay_in_range_at_large_logits(hopper_calls, magnitude):
     """Q and K 40 times larger (logits in the thousands): the INT8 P codes stay at or under 127 and O is the
-    reference's. It guards any coding of P against a shift other than the tile's max: the parked
-    ``pending/issue-42-fwd-shift.patch`` takes one an ulp of ``R a + max`` (about 0.25 here) or so above the max;
-    rounded to nearest instead, its codes of 128 and more wrapped to negative ones at these logits."""
+    reference's. It guards any coding of P against a shift other than the tile's max: the forward's scores kept as
+    R + x (device run 49) shift by ``c - R a``, with ``c`` one ulp of ``R a + max`` (about 0.25 here) above it;
+    rounded to nearest instead, codes of 128 and more wrapped to negative ones at these logits."""
     gen = torch.Generator().manual_seed(11)
     q, k = (magnitude * torch.randn(1, 2, 192, 64, generator=gen) for _ in range(2))
     v = torch.randn(1, 2, 192, 64, generator=gen)
